@@ -1,0 +1,289 @@
+"""The ``autotune`` command line.
+
+Every command that prints results also takes ``--json``. Bad input ends with one line that
+says what to do, and exit code 2; a probe that ran but did not fit or failed exits 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from autotune.config import (
+    Attention,
+    ConfigError,
+    Engine,
+    Offload,
+    Precision,
+    TrainConfig,
+    parse_ac,
+)
+from autotune.units import format_bytes, format_duration, parse_duration, parse_size
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    help="OOM-driven auto-tuner for large-model training: finds the fastest configuration "
+    "that fits your GPUs.",
+)
+# Piped output is read by people too: do not squeeze tables into 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+errors = Console(stderr=True, soft_wrap=True)
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(
+            f"invalid micro-batch {text!r}: use a positive integer or a list like 1,2,4"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(
+            f"invalid micro-batch {text!r}: use a positive integer or a list like 1,2,4"
+        )
+    return sizes
+
+
+def _default_processes(device: str) -> tuple[str, int]:
+    """Resolve ``auto`` and the default rank count from the GPUs NVML sees."""
+    from autotune.hardware import detect_gpus
+
+    gpus = detect_gpus()
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+        if gpus is None:
+            errors.print("[yellow]no GPU found: probing on the CPU (--device cuda to insist)[/]")
+    return device, (gpus.count if gpus and device == "cuda" else 1)
+
+
+def _count(n: int) -> str:
+    """6.74 B, 124.4 M, 0.2 M: parameter counts the way papers write them."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _fmt(value: float | None, spec: str, empty: str = "-") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def _print_result(data: dict[str, Any]) -> None:
+    spec = data["spec"]
+    config = TrainConfig.from_dict(spec["config"])
+    limit = data.get("emulated_device_memory_bytes")
+    device = data["device"] + (f" ({data['gpu_name']})" if data.get("gpu_name") else "")
+    console.print(
+        f"[bold]{spec['model']}[/] seq {spec['seq_len']} · {config.label()} · "
+        f"{spec['num_processes']} x {device}"
+        + (f" · [magenta]emulated device memory {format_bytes(limit)}[/]" if limit else "")
+    )
+    table = Table(show_header=True, header_style="bold")
+    for column in (
+        "micro-batch",
+        "outcome",
+        "tokens/s",
+        "tokens/s/rank",
+        "MFU",
+        "step",
+        "peak alloc",
+        "peak reserved",
+        "loss",
+    ):
+        table.add_column(column, justify="right")
+    for size in data["sizes"]:
+        ok = size["outcome"] == "ok"
+        outcome = (
+            "[green]ok[/]"
+            if ok
+            else f"[red]{size['outcome']}[/]" + (f" ({size['stage']})" if size.get("stage") else "")
+        )
+        losses = size.get("losses") or []
+        table.add_row(
+            str(size["micro_batch_size"]),
+            outcome,
+            _fmt(size.get("tokens_per_second"), ",.0f"),
+            _fmt(size.get("tokens_per_second_per_rank"), ",.0f"),
+            _fmt(size.get("mfu") and 100 * size["mfu"], ".1f") + ("%" if size.get("mfu") else ""),
+            format_duration(size["step_s"]) if size.get("step_s") else "-",
+            format_bytes(size["peak_allocated_bytes"]) if size.get("peak_allocated_bytes") else "-",
+            format_bytes(size["peak_reserved_bytes"]) if size.get("peak_reserved_bytes") else "-",
+            f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else "-",
+        )
+    console.print(table)
+    colour = "green" if data["outcome"] == "ok" else "red"
+    timing = ", ".join(
+        f"{name} {format_duration(data[key])}"
+        for name, key in (("import", "import_s"), ("build", "build_s"), ("wall", "wall_s"))
+        if data.get(key) is not None
+    )
+    console.print(
+        f"outcome [{colour}]{data['outcome']}[/]"
+        + (f" at {data['stage']}" if data.get("stage") else "")
+        + (f": {data['message']}" if data.get("message") else "")
+        + f" · {timing}"
+    )
+    if data["device"] == "cpu" and not data.get("gpu_name"):
+        console.print("[dim]CPU probe: no MFU; memory is live tensor bytes on the host[/]")
+    console.print(f"[dim]probe folder {data['probe_dir']}[/]")
+
+
+@app.command()
+def probe(
+    model: Annotated[str, typer.Option(help="Preset name or path to a config.json.")] = "tiny",
+    engine: Annotated[Engine, typer.Option(help="Training engine.")] = Engine.SINGLE,
+    zero_stage: Annotated[int, typer.Option(help="ZeRO stage (fsdp: 2 or 3).")] = 0,
+    precision: Annotated[Precision, typer.Option()] = Precision.BF16_MIXED,
+    offload: Annotated[Offload, typer.Option(help="Model states kept on the CPU.")] = Offload.NONE,
+    ac: Annotated[str, typer.Option(help="Activation checkpointing: off, every, every-N.")] = "off",
+    attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
+    micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 2048,
+    grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
+    gpus: Annotated[int | None, typer.Option(help="Ranks (default: all GPUs, or 1).")] = None,
+    device: Annotated[str, typer.Option(help="cuda, cpu or auto.")] = "auto",
+    device_memory: Annotated[
+        str | None, typer.Option(help="Emulated device-memory cap per rank, e.g. 20GiB.")
+    ] = None,
+    warmup_steps: Annotated[int, typer.Option()] = 2,
+    steps: Annotated[int, typer.Option(help="Timed optimizer steps.")] = 3,
+    timeout: Annotated[str, typer.Option(help="Wall-clock limit, e.g. 10m.")] = "10m",
+    trials_dir: Annotated[Path, typer.Option(help="Where probe folders go.")] = Path("trials"),
+    study: Annotated[str, typer.Option(help="Folder name under trials-dir.")] = "probes",
+    json_output: Annotated[bool, typer.Option("--json", help="Print result.json.")] = False,
+) -> None:
+    """Run a few real training steps of one configuration and report OOM or throughput."""
+    from autotune.models import resolve_model
+    from autotune.probe import ProbeSpec, launch_probe, new_probe_dir
+
+    resolve_model(model)  # fail fast on an unknown name
+    config = TrainConfig(
+        engine=engine,
+        zero_stage=zero_stage,
+        precision=precision,
+        offload=offload,
+        ac_every=parse_ac(ac),
+        attention=attention,
+    )
+    device, default_ranks = _default_processes(device)
+    spec = ProbeSpec(
+        model=model,
+        config=config,
+        micro_batch_sizes=_parse_sizes(micro_batch),
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        num_processes=gpus
+        if gpus is not None
+        else (1 if engine is Engine.SINGLE else default_ranks),
+        device=device,
+        device_memory_bytes=parse_size(device_memory) if device_memory else None,
+        warmup_steps=warmup_steps,
+        timed_steps=steps,
+        timeout_s=parse_duration(timeout),
+    )
+    probe_dir = new_probe_dir(trials_dir, study)
+    if not json_output:
+        console.print(
+            f"[dim]probing {spec.config.label()} at micro-batch {micro_batch} in {probe_dir} ...[/]"
+        )
+    running = (
+        contextlib.nullcontext()
+        if json_output
+        else console.status(f"probe running ({spec.num_processes} x {device})")
+    )
+    with running:
+        result = launch_probe(spec, probe_dir)
+    data = result.to_dict()
+    if json_output:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        _print_result(data)
+    raise typer.Exit(0 if data["outcome"] == "ok" else 1)
+
+
+@app.command()
+def models(
+    json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List the model presets with their parameter counts."""
+    from autotune.models import preset_names, resolve_model
+
+    rows: list[dict[str, Any]] = []
+    for name in preset_names():
+        spec = resolve_model(name)
+        rows.append(
+            {
+                "name": name,
+                "params": spec.num_params,
+                "layers": spec.num_layers,
+                "hidden": spec.hidden_size,
+                "heads": spec.num_attention_heads,
+                "kv_heads": spec.num_key_value_heads,
+                "vocab": spec.vocab_size,
+                "flops_per_token_2k": spec.flops_per_token(2048),
+            }
+        )
+    if json_output:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(
+        "model",
+        "params",
+        "layers",
+        "hidden",
+        "heads",
+        "kv heads",
+        "vocab",
+        "GFLOP/token @2k",
+        header_style="bold",
+    )
+    for row in rows:
+        table.add_row(
+            row["name"],
+            _count(row["params"]),
+            str(row["layers"]),
+            str(row["hidden"]),
+            str(row["heads"]),
+            str(row["kv_heads"]),
+            str(row["vocab"]),
+            f"{row['flops_per_token_2k'] / 1e9:.2f}",
+        )
+    console.print(table)
+
+
+def main() -> None:
+    """Console entry point: one-line errors for bad input, never a traceback."""
+    try:
+        app(standalone_mode=False)
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    except (UsageError, ConfigError, ValueError) as error:
+        errors.print(f"[red]error:[/] {error}")
+        sys.exit(2)
+    except (typer.BadParameter, typer.Abort) as error:
+        errors.print(f"[red]error:[/] {error}")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        errors.print("[yellow]interrupted[/]")
+        sys.exit(130)
+    except Exception as error:  # click's own usage errors
+        import click
+
+        if isinstance(error, click.ClickException):
+            error.show()
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The knobs of one training configuration, as one typed, validated, immutable value.
+
+A :class:`TrainConfig` is a point of the search space without its micro-batch size: the
+engine, how model states are sharded and offloaded, the precision, activation checkpointing
+and the attention kernel. Changing any of these needs a new probe process; the micro-batch
+size does not, so it travels beside the configuration (see :class:`autotune.probe.ProbeSpec`).
+
+Invalid combinations are rejected here, with a message that says what to do instead, so that
+nothing above this layer ever launches a probe that cannot start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+class Engine(enum.StrEnum):
+    """Which training engine wraps the model."""
+
+    SINGLE = "single"
+    """One process, no torch.distributed."""
+    DDP = "ddp"
+    """DistributedDataParallel: full replica per rank, gradients all-reduced."""
+    FSDP = "fsdp"
+    """PyTorch FSDP2 (``fully_shard``), applied per decoder block and to the root."""
+    DEEPSPEED = "deepspeed"
+    """DeepSpeed ZeRO stages 0-3 with optional CPU offload."""
+
+
+class Precision(enum.StrEnum):
+    """Numeric format of parameters, compute and optimizer state."""
+
+    BF16_MIXED = "bf16-mixed"
+    """bf16 compute, fp32 master weights and optimizer state."""
+    BF16 = "bf16"
+    """Everything in bf16, optimizer state included (half the model-state memory)."""
+    FP16_MIXED = "fp16-mixed"
+    """fp16 compute with dynamic loss scaling, fp32 master weights (pre-Ampere GPUs)."""
+    FP32 = "fp32"
+    """No reduced precision at all."""
+
+
+class Offload(enum.StrEnum):
+    """Which model states live in host memory instead of device memory."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    """Optimizer state (and the optimizer step) on the CPU."""
+    PARAMS = "params"
+    """Optimizer state and parameters on the CPU, streamed to the device per layer."""
+
+
+class Attention(enum.StrEnum):
+    """Attention kernel, as Hugging Face's ``attn_implementation``."""
+
+    SDPA = "sdpa"
+    """``scaled_dot_product_attention``: flash / memory-efficient kernels when available."""
+    EAGER = "eager"
+    """Plain matmul-softmax-matmul: materializes the seq x seq score matrix."""
+
+
+# NOTE: which zero stages each engine understands. For FSDP2, stage 3 is FULL_SHARD
+# (``reshard_after_forward=True``) and stage 2 is SHARD_GRAD_OP (parameters stay gathered
+# between forward and backward); FSDP2 has no optimizer-only sharding (stage 1).
+_ENGINE_STAGES: dict[Engine, tuple[int, ...]] = {
+    Engine.SINGLE: (0,),
+    Engine.DDP: (0,),
+    Engine.FSDP: (2, 3),
+    Engine.DEEPSPEED: (0, 1, 2, 3),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """One rung of the ladder: everything about a probe except its micro-batch size."""
+
+    engine: Engine = Engine.SINGLE
+    """Training engine that wraps the model."""
+    zero_stage: int = 0
+    """0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over the ranks."""
+    precision: Precision = Precision.BF16_MIXED
+    """Numeric format of parameters, compute and optimizer state."""
+    ac_every: int = 0
+    """Activation checkpointing: 0 off, 1 every decoder block, k every k-th block."""
+    offload: Offload = Offload.NONE
+    """Model states kept in host memory."""
+    attention: Attention = Attention.SDPA
+    """Attention kernel."""
+
+    def __post_init__(self) -> None:
+        # Accept plain strings from JSON, the CLI or an Optuna trial.
+        for name, kind in (
+            ("engine", Engine),
+            ("precision", Precision),
+            ("offload", Offload),
+            ("attention", Attention),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                try:
+                    object.__setattr__(self, name, kind(value))
+                except ValueError:
+                    choices = ", ".join(k.value for k in kind)
+                    raise ConfigError(f"unknown {name} {value!r}: use one of {choices}") from None
+        self._validate()
+
+    def _validate(self) -> None:
+        stages = _ENGINE_STAGES[self.engine]
+        if self.zero_stage not in stages:
+            hint = {
+                Engine.SINGLE: "use --engine deepspeed or fsdp to shard",
+                Engine.DDP: "use --engine deepspeed or fsdp to shard",
+                Engine.FSDP: "FSDP2 has no optimizer-only sharding; use --engine deepspeed",
+                Engine.DEEPSPEED: "DeepSpeed ZeRO has stages 0 to 3",
+            }[self.engine]
+            raise ConfigError(
+                f"zero stage {self.zero_stage} is not available with engine "
+                f"{self.engine.value} (it takes {', '.join(map(str, stages))}): {hint}"
+            )
+        if self.ac_every < 0:
+            raise ConfigError(
+                f"activation checkpointing every {self.ac_every} blocks: use off, every, or N >= 1"
+            )
+        if self.offload is not Offload.NONE:
+            if self.engine in (Engine.SINGLE, Engine.DDP):
+                raise ConfigError(
+                    f"offload {self.offload.value} needs a sharding engine: "
+                    "use --engine deepspeed or fsdp"
+                )
+            if self.engine is Engine.FSDP and self.offload is Offload.OPTIMIZER:
+                raise ConfigError(
+                    "FSDP2 offloads parameters, gradients and optimizer state together: "
+                    "use --offload params with fsdp, or --engine deepspeed for optimizer-only"
+                )
+            if self.engine is Engine.DEEPSPEED:
+                if self.zero_stage == 0:
+                    raise ConfigError(
+                        "DeepSpeed offload needs ZeRO stage 1 or higher: add --zero-stage 1"
+                    )
+                if self.offload is Offload.PARAMS and self.zero_stage != 3:
+                    raise ConfigError(
+                        "DeepSpeed parameter offload needs ZeRO stage 3: use --zero-stage 3 "
+                        "or --offload optimizer"
+                    )
+        if self.engine is Engine.DEEPSPEED and self.precision is Precision.BF16:
+            raise ConfigError(
+                "DeepSpeed keeps fp32 master weights: use --precision bf16-mixed with deepspeed"
+            )
+        if self.engine is Engine.FSDP and self.precision is Precision.FP16_MIXED:
+            raise ConfigError(
+                "fp16 loss scaling is not wired for FSDP2: use bf16-mixed, or --engine deepspeed "
+                "for fp16"
+            )
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether the engine needs torch.distributed (even with one process)."""
+        return self.engine is not Engine.SINGLE
+
+    def label(self) -> str:
+        """A short human-readable name, e.g. ``deepspeed z3 +off:optimizer ac:1``."""
+        parts = [self.engine.value]
+        if self.zero_stage:
+            parts.append(f"z{self.zero_stage}")
+        if self.offload is not Offload.NONE:
+            parts.append(f"off:{self.offload.value}")
+        parts.append(f"ac:{ac_to_text(self.ac_every)}")
+        if self.precision is not Precision.BF16_MIXED:
+            parts.append(self.precision.value)
+        if self.attention is not Attention.SDPA:
+            parts.append(self.attention.value)
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (enums as their values)."""
+        return {
+            f.name: (v.value if isinstance(v, enum.Enum) else v)
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+_AC_PATTERN = re.compile(r"^(?:every-?)?(\d+)$")
+
+
+def parse_ac(text: str) -> int:
+    """Parse ``off``, ``every``, ``every-2`` or ``2`` into :attr:`TrainConfig.ac_every`."""
+    value = text.strip().lower()
+    if value in ("off", "none", "0", "no", "false"):
+        return 0
+    if value in ("every", "full", "all", "1"):
+        return 1
+    match = _AC_PATTERN.match(value)
+    if match and int(match.group(1)) >= 1:
+        return int(match.group(1))
+    raise ConfigError(
+        f"invalid activation checkpointing {text!r}: use off, every, or every-N (every N-th block)"
+    )
+
+
+def ac_to_text(ac_every: int) -> str:
+    """Inverse of :func:`parse_ac`."""
+    return {0: "off", 1: "every"}.get(ac_every, f"every-{ac_every}")

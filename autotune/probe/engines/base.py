@@ -1,0 +1,125 @@
+"""The contract between the probe's step loop and a training engine."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autotune.config import Precision, TrainConfig
+from autotune.models import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineContext:
+    """Everything an engine needs to build itself in one rank."""
+
+    model: ModelSpec
+    config: TrainConfig
+    device: torch.device
+    rank: int
+    world_size: int
+    micro_batch_size: int
+    """First micro-batch size of the probe (DeepSpeed wants one in its config)."""
+    grad_accum: int
+    lr: float
+    seed: int
+
+
+class Trainee(abc.ABC):
+    """A model wrapped by an engine, trained one phase at a time so each can be timed.
+
+    The step loop calls, per optimizer step, ``grad_accum`` times ``forward`` then
+    ``backward`` (``sync`` true on the last micro-step only, when gradients are reduced),
+    then ``optimizer_step`` once. ``discard_gradients`` drops partial state after an OOM.
+    Not thread-safe; one per rank.
+    """
+
+    model: nn.Module
+
+    @abc.abstractmethod
+    def forward(self, input_ids: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        """Loss of one micro-batch (labels are the inputs, shifted inside the model)."""
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        """Gradients of the loss; reduced over ranks when ``sync``."""
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> None:
+        """Apply and clear the accumulated gradients."""
+
+    def discard_gradients(self) -> None:
+        """Forget gradients of a failed step (called after an OOM, before the next size)."""
+        for param in self.model.parameters():
+            param.grad = None
+
+
+def autocast_context(
+    config: TrainConfig, device: torch.device
+) -> contextlib.AbstractContextManager:
+    """Autocast for engines that keep fp32 weights and cast per op (single, ddp)."""
+    dtype = {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}.get(
+        config.precision
+    )
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class TorchTrainee(Trainee):
+    """A torch module with a torch AdamW: the shared body of the single, ddp and fsdp engines."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Iterable[nn.Parameter],
+        ctx: EngineContext,
+        *,
+        autocast: bool,
+    ) -> None:
+        self.model = model
+        self._device = ctx.device
+        self._config = ctx.config
+        self._autocast = autocast
+        self.optimizer = torch.optim.AdamW(params, lr=ctx.lr)
+        # fp16 needs dynamic loss scaling so small gradients do not flush to zero.
+        self.scaler = (
+            torch.amp.GradScaler(ctx.device.type)
+            if ctx.config.precision is Precision.FP16_MIXED
+            else None
+        )
+
+    def prepare_sync(self, sync: bool) -> None:
+        """Engine hook: tell the wrapper whether this micro-step reduces gradients."""
+
+    def forward(self, input_ids: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        self.prepare_sync(sync)
+        context = (
+            autocast_context(self._config, self._device)
+            if self._autocast
+            else contextlib.nullcontext()
+        )
+        with context:
+            return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

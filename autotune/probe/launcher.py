@@ -1,0 +1,244 @@
+"""Start a probe's ranks as one process group, bound them in time, and collect the result.
+
+The launcher starts the ranks itself (the same environment torchrun would give them), in a
+new process group that holds every rank and anything they spawn. Rank 0 leads the group; out
+of the terminal's foreground group, a Ctrl-C reaches the tuner, which stops the probe. So
+each rank's exact exit status is known (torchrun reports a dead child only as its own exit
+code 1), and one ``killpg`` ends everything at a timeout: nothing outlives a probe. ``cmd.txt``
+holds the equivalent torchrun command to rerun a probe by hand.
+
+Each probe gets a folder: config.json (the spec), cmd.txt, stdout.log, stderr.log (all ranks,
+in order of writing), rank<N>.json (each rank's own report) and result.json (merged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.probe.outcome import RankExit, classify_probe
+from autotune.probe.result import ProbeResult, merge_sizes
+from autotune.probe.spec import ProbeSpec
+
+FAILURE_GRACE_S = 5.0
+"""After one rank fails, how long the others get to write their reports before being killed."""
+TERM_GRACE_S = 3.0
+"""Between SIGTERM and SIGKILL when the launcher ends a probe."""
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now (for the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def new_probe_dir(trials_dir: Path, study: str) -> Path:
+    """A fresh numbered folder ``trials_dir/study/N`` (safe against concurrent tuners)."""
+    root = trials_dir / study
+    root.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name) for p in root.iterdir() if p.name.isdigit()]
+    number = max(taken, default=-1) + 1
+    while True:
+        candidate = root / str(number)
+        try:
+            candidate.mkdir()  # atomic: two tuners never get the same folder
+            return candidate
+        except FileExistsError:
+            number += 1
+
+
+def worker_command(probe_dir: Path) -> list[str]:
+    """The command each rank runs."""
+    return [sys.executable, "-m", "autotune.probe.worker", str(probe_dir)]
+
+
+def rank_environment(spec: ProbeSpec, rank: int, port: int) -> dict[str, str]:
+    """torchrun's variables for one rank of a single-node probe."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(spec.num_processes),
+        LOCAL_WORLD_SIZE=str(spec.num_processes),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+    )
+    if spec.device == "cpu":
+        # Ranks share the cores: without this each would start one thread per core.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.num_processes))
+    return env
+
+
+def _write_command(spec: ProbeSpec, probe_dir: Path, port: int) -> None:
+    worker = worker_command(probe_dir)
+    lines = [
+        "# Rerun this probe by hand (from the directory autotune ran in):",
+        f"cd {shlex.quote(os.getcwd())}",
+        f"torchrun --standalone --nproc-per-node {spec.num_processes} "
+        f"-m autotune.probe.worker {shlex.quote(str(probe_dir))}",
+        "",
+        "# What the launcher ran, per rank (RANK/LOCAL_RANK 0.."
+        f"{spec.num_processes - 1}, WORLD_SIZE={spec.num_processes}, "
+        f"MASTER_ADDR=127.0.0.1, MASTER_PORT={port}):",
+        shlex.join(worker),
+    ]
+    (probe_dir / "cmd.txt").write_text("\n".join(lines) + "\n")
+
+
+@dataclass(kw_only=True)
+class _Running:
+    procs: list[subprocess.Popen[bytes]]
+    pgid: int
+    killed: set[int]
+    """Ranks the launcher signalled."""
+
+
+def _signal_group(running: _Running, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(running.pgid, sig)
+
+
+def _stop(running: _Running) -> None:
+    """SIGTERM the group, then SIGKILL whatever is still there."""
+    for rank, proc in enumerate(running.procs):
+        if proc.poll() is None:
+            running.killed.add(rank)
+    _signal_group(running, signal.SIGTERM)
+    deadline = time.monotonic() + TERM_GRACE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in running.procs):
+        time.sleep(0.05)
+    _signal_group(running, signal.SIGKILL)
+    for proc in running.procs:
+        proc.wait()
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    if not path.exists():
+        return ""
+    with path.open("rb") as handle:
+        handle.seek(max(0, path.stat().st_size - limit))
+        return handle.read().decode("utf-8", "replace")
+
+
+def _read_report(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def launch_probe(
+    spec: ProbeSpec,
+    probe_dir: Path,
+    *,
+    poll_s: float = 0.05,
+    on_poll: Callable[[float], None] | None = None,
+) -> ProbeResult:
+    """Run one probe to completion (or to its timeout) and return its merged result.
+
+    Blocks until every rank is reaped and the process group is empty. ``on_poll`` is called
+    with the elapsed seconds while waiting (for progress displays). A KeyboardInterrupt stops
+    the probe's group before propagating.
+    """
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    for stale in probe_dir.glob("rank*.json"):
+        stale.unlink()
+    (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
+    port = free_port()
+    _write_command(spec, probe_dir, port)
+    started = time.monotonic()
+    timed_out = False
+    with (probe_dir / "stdout.log").open("ab") as out, (probe_dir / "stderr.log").open("ab") as err:
+        procs: list[subprocess.Popen[bytes]] = []
+        first = subprocess.Popen(
+            worker_command(probe_dir),
+            env=rank_environment(spec, 0, port),
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            process_group=0,
+        )
+        procs.append(first)
+        running = _Running(procs=procs, pgid=first.pid, killed=set())
+        try:
+            for rank in range(1, spec.num_processes):
+                procs.append(
+                    subprocess.Popen(
+                        worker_command(probe_dir),
+                        env=rank_environment(spec, rank, port),
+                        stdout=out,
+                        stderr=err,
+                        stdin=subprocess.DEVNULL,
+                        process_group=running.pgid,
+                    )
+                )
+            failed_at: float | None = None
+            while any(p.poll() is None for p in procs):
+                elapsed = time.monotonic() - started
+                if on_poll is not None:
+                    on_poll(elapsed)
+                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                    failed_at = time.monotonic()
+                if elapsed > spec.timeout_s:
+                    timed_out = True
+                    _stop(running)
+                elif failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                    _stop(running)  # the others wait in a collective the failed rank left
+                else:
+                    time.sleep(poll_s)
+        finally:
+            if any(p.poll() is None for p in procs):
+                _stop(running)
+            # Anything a rank spawned (compiler jobs, data workers) goes with the probe.
+            _signal_group(running, signal.SIGKILL)
+    wall = time.monotonic() - started
+
+    stderr_tail = _tail(probe_dir / "stderr.log")
+    reports = [_read_report(probe_dir / f"rank{r}.json") for r in range(spec.num_processes)]
+    exits = [
+        RankExit(
+            rank=r,
+            returncode=p.returncode,
+            report=reports[r],
+            killed_by_launcher=r in running.killed,
+            stderr_tail=stderr_tail,
+        )
+        for r, p in enumerate(procs)
+    ]
+    verdict = classify_probe(exits, timed_out=timed_out)
+    first_report = reports[0] or next((r for r in reports if r), None) or {}
+    result = ProbeResult(
+        spec=spec,
+        probe_dir=probe_dir,
+        outcome=verdict.outcome,
+        stage=verdict.stage,
+        message=verdict.message,
+        failed_rank=verdict.rank,
+        sizes=merge_sizes(reports, spec.num_processes, verdict),
+        wall_s=wall,
+        import_s=first_report.get("import_s"),
+        build_s=first_report.get("build_s"),
+        device=first_report.get("device", spec.device),
+        gpu_name=first_report.get("gpu_name"),
+        peak_flops=first_report.get("peak_flops"),
+        num_params=first_report.get("num_params"),
+        exits=[
+            {"rank": e.rank, "returncode": e.returncode, "killed_by_launcher": e.killed_by_launcher}
+            for e in exits
+        ],
+    )
+    result.write()
+    return result

@@ -1,0 +1,187 @@
+"""Device memory inside a probe: the emulated limit, and the honest peak readings.
+
+``--device-memory 20GiB`` caps what a probe may use. On CUDA that is the caching allocator's
+own per-process fraction, so OOMs are the real ones. On CPU, where there is no device, a
+dispatch mode (:class:`LiveTensorBytes`) counts the bytes of every live tensor storage and
+raises the same ``torch.OutOfMemoryError`` a GPU would when the cap is passed: the tests and
+CPU users get real OOM paths through the real engines. Every reading says whether it comes
+from that emulation.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autotune.units import format_bytes
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages; raises an OOM above ``limit_bytes``.
+
+    Every op's outputs are inspected; a storage is counted once, at its current size, until
+    its last reference dies (storage Python objects are preserved while the C++ storage
+    lives, so a weakref finalizer sees the real free). Storages resized in place (FSDP2 frees
+    and re-allocates unsharded parameters that way) are recounted when next seen, and the
+    total is recomputed from scratch before an OOM is raised, so a stale count never causes
+    a false OOM. Tensors created before the mode was entered are not counted: enter it
+    before the model is built.
+    """
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
+        super().__init__()
+        self.limit_bytes = limit_bytes
+        self._live: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current live size."""
+        self.recount()
+        self.peak_bytes = self.live_bytes
+
+    def recount(self) -> int:
+        """Recompute the live total from each storage's current size."""
+        total = 0
+        for key, (ref, _) in list(self._live.items()):
+            storage = ref()
+            if storage is None:
+                continue
+            nbytes = storage.nbytes()
+            self._live[key] = (ref, nbytes)
+            total += nbytes
+        self.live_bytes = total
+        return total
+
+    def _forget(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.live_bytes -= entry[1]
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        if storage.device.type == "meta":
+            return
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = (weakref.ref(storage), nbytes)
+            weakref.finalize(storage, self._forget, key)
+            self.live_bytes += nbytes
+        elif entry[1] != nbytes:
+            self._live[key] = (entry[0], nbytes)
+            self.live_bytes += nbytes - entry[1]
+        else:
+            return
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
+            self._raise_if_over(nbytes)
+
+    def _raise_if_over(self, requested: int) -> None:
+        assert self.limit_bytes is not None
+        if self.recount() <= self.limit_bytes:
+            return
+        gc.collect()  # reference cycles hold storages that are already garbage
+        if self.recount() <= self.limit_bytes:
+            return
+        raise torch.OutOfMemoryError(
+            f"emulated device out of memory: tried to allocate {format_bytes(requested)}; "
+            f"{format_bytes(self.live_bytes)} live of the {format_bytes(self.limit_bytes)} "
+            "limit (--device-memory emulation)"
+        )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
+                try:
+                    storage = leaf.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue  # tensor subclasses without a storage of their own
+                self._track(storage)
+        return out
+
+
+def apply_cuda_limit(limit_bytes: int, device: torch.device) -> float:
+    """Cap the caching allocator at ``limit_bytes`` on ``device``; returns the fraction used."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if limit_bytes > total:
+        raise ValueError(
+            f"--device-memory {format_bytes(limit_bytes)} is more than the GPU has "
+            f"({format_bytes(total)}): leave it out, or give a smaller size"
+        )
+    fraction = limit_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryMeter:
+    """Peak memory readings for one window of a probe (reset before each micro-batch size)."""
+
+    device: torch.device
+    tracker: LiveTensorBytes | None = None
+    """The CPU byte counter, when the probe runs on the CPU."""
+    emulated_limit_bytes: int | None = None
+
+    def reset(self) -> None:
+        """Start a new peak window."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.tracker is not None:
+            self.tracker.reset_peak()
+
+    def read(self) -> dict[str, Any]:
+        """Peak allocated/reserved bytes, allocator retries and OOMs, NVML and host usage."""
+        reading: dict[str, Any] = {
+            "host_rss_bytes": psutil.Process().memory_info().rss,
+            # ru_maxrss is KiB on Linux: the process's high-water mark since it started.
+            "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "emulated_limit_bytes": self.emulated_limit_bytes,
+        }
+        if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            reading.update(
+                peak_allocated_bytes=stats.get("allocated_bytes.all.peak", 0),
+                peak_reserved_bytes=stats.get("reserved_bytes.all.peak", 0),
+                alloc_retries=stats.get("num_alloc_retries", 0),
+                ooms=stats.get("num_ooms", 0),
+                nvml_used_bytes=_nvml_used_bytes(self.device),
+                memory_source="cuda-caching-allocator",
+            )
+        elif self.tracker is not None:
+            # On CPU every tensor byte is "device" memory: there is no caching allocator, so
+            # reserved equals allocated.
+            reading.update(
+                peak_allocated_bytes=self.tracker.peak_bytes,
+                peak_reserved_bytes=self.tracker.peak_bytes,
+                alloc_retries=0,
+                ooms=0,
+                nvml_used_bytes=None,
+                memory_source="cpu-live-tensor-bytes",
+            )
+        return reading
+
+
+def _nvml_used_bytes(device: torch.device) -> int | None:
+    """Device-wide used memory as the driver sees it (all processes, CUDA context included)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except Exception:  # NVML is optional: any failure just means no reading
+        return None

@@ -1,0 +1,115 @@
+"""Throughput figures from measured phase times: tokens/sec, MFU and HFU.
+
+The probe times forward+backward micro-steps and optimizer steps separately, so the step time
+at any gradient-accumulation count follows: ``step = accum * micro_step + optimizer_step``.
+Throughput is then tokens per step over that time. Micro-steps are timed at the accumulation
+boundary, where gradients are reduced: for the micro-steps in between (no reduction) that is
+a slight over-estimate, so throughput at high accumulation is a lower bound.
+
+MFU = achieved model FLOP/s over peak FLOP/s, with model FLOPs per token 6·N + 12·L·H·Q·T
+(PaLM, Chowdhery et al. 2022, appendix B). HFU counts the recomputation of checkpointed
+blocks as well.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so wall-clock time covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now() -> float:
+    """Monotonic seconds."""
+    return time.perf_counter()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Throughput:
+    """Speed of one configuration at one micro-batch size."""
+
+    micro_step_s: float
+    """Median forward+backward time of one micro-step."""
+    optimizer_step_s: float
+    """Median optimizer-step time (plus DeepSpeed's boundary work)."""
+    step_s: float
+    """Time of one optimizer step at the probe's accumulation count."""
+    tokens_per_second: float
+    """All ranks together."""
+    tokens_per_second_per_rank: float
+    mfu: float | None
+    """Model FLOPs utilization (0..1); None where the peak FLOP/s is unknown (CPU, unknown GPU)."""
+    hfu: float | None
+    """Hardware FLOPs utilization: MFU plus recomputation."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def throughput(
+    *,
+    micro_step_times: Sequence[float],
+    optimizer_step_times: Sequence[float],
+    micro_batch_size: int,
+    seq_len: int,
+    grad_accum: int,
+    world_size: int,
+    model_flops_per_token: float,
+    hardware_flops_per_token: float,
+    peak_flops: float | None,
+) -> Throughput:
+    """Throughput from per-phase times (medians: robust to one slow step)."""
+    micro = statistics.median(micro_step_times)
+    optimizer = statistics.median(optimizer_step_times)
+    return throughput_at(
+        micro_step_s=micro,
+        optimizer_step_s=optimizer,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        world_size=world_size,
+        model_flops_per_token=model_flops_per_token,
+        hardware_flops_per_token=hardware_flops_per_token,
+        peak_flops=peak_flops,
+    )
+
+
+def throughput_at(
+    *,
+    micro_step_s: float,
+    optimizer_step_s: float,
+    micro_batch_size: int,
+    seq_len: int,
+    grad_accum: int,
+    world_size: int,
+    model_flops_per_token: float,
+    hardware_flops_per_token: float,
+    peak_flops: float | None,
+) -> Throughput:
+    """Throughput at any accumulation count from a micro-step and an optimizer-step time."""
+    step = grad_accum * micro_step_s + optimizer_step_s
+    tokens_per_step = micro_batch_size * seq_len * grad_accum * world_size
+    tokens_per_second = tokens_per_step / step
+    per_rank = tokens_per_second / world_size
+    mfu = hfu = None
+    if peak_flops:
+        mfu = per_rank * model_flops_per_token / peak_flops
+        hfu = per_rank * hardware_flops_per_token / peak_flops
+    return Throughput(
+        micro_step_s=micro_step_s,
+        optimizer_step_s=optimizer_step_s,
+        step_s=step,
+        tokens_per_second=tokens_per_second,
+        tokens_per_second_per_rank=per_rank,
+        mfu=mfu,
+        hfu=hfu,
+    )

@@ -1,0 +1,95 @@
+"""What one probe is asked to do: a configuration, a workload and how to measure it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.config import ConfigError, Engine, Precision, TrainConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProbeSpec:
+    """One probe: a configuration measured at one or more micro-batch sizes in one process group.
+
+    Sizes are run in the order given. After an OOM a single-process probe recovers and goes on
+    with the sizes smaller than the one that failed; a multi-process probe stops, because the
+    other ranks may be blocked in a collective the failed rank will never join.
+    """
+
+    model: str
+    """Preset name or path to a Hugging Face config.json."""
+    config: TrainConfig = field(default_factory=TrainConfig)
+    """Engine, sharding, precision, checkpointing, offload, attention."""
+    micro_batch_sizes: tuple[int, ...] = (1,)
+    """Sequences per rank per micro-step, measured in this order."""
+    seq_len: int = 2048
+    """Tokens per sequence (the user's recipe; never changed by the tuner)."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step during the probe."""
+    num_processes: int = 1
+    """Ranks on this node (data-parallel world size)."""
+    device: str = "auto"
+    """``cuda``, ``cpu`` or ``auto`` (cuda when a GPU is visible)."""
+    device_memory_bytes: int | None = None
+    """Emulated device-memory cap per rank; None for the whole device."""
+    warmup_steps: int = 2
+    """Optimizer steps run before the timed window (allocator warm-up, lazy init, autotuning)."""
+    timed_steps: int = 3
+    """Optimizer steps in the timed window."""
+    timeout_s: float = 600.0
+    """Wall-clock limit for the whole probe, start-up included; the process group is killed."""
+    seed: int = 0
+    """Seed of the synthetic batches and the random weights."""
+    lr: float = 1e-4
+    """AdamW learning rate (probes only need a finite, falling loss)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.config, dict):
+            object.__setattr__(self, "config", TrainConfig.from_dict(self.config))
+        object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
+        if not self.micro_batch_sizes or any(m < 1 for m in self.micro_batch_sizes):
+            raise ConfigError("micro-batch sizes must be positive integers, e.g. --micro-batch 4")
+        for name in ("seq_len", "grad_accum", "num_processes", "timed_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be at least 1")
+        if self.warmup_steps < 0:
+            raise ConfigError("warmup-steps must be 0 or more")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"unknown device {self.device!r}: use cuda, cpu or auto")
+        if self.config.engine is Engine.SINGLE and self.num_processes != 1:
+            raise ConfigError(
+                f"engine single runs one process, not {self.num_processes}: "
+                "use --engine ddp, fsdp or deepspeed for several"
+            )
+        if (
+            self.device == "cpu"
+            and self.config.engine is Engine.DEEPSPEED
+            and self.config.precision is Precision.FP16_MIXED
+        ):
+            raise ConfigError(
+                "DeepSpeed's CPU accelerator has no fp16: use --precision bf16-mixed on the CPU"
+            )
+        if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
+            raise ConfigError("--device-memory must be a positive size, like 20GiB")
+        if self.timeout_s <= 0:
+            raise ConfigError("the probe timeout must be positive, like 10m")
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        """Tokens one rank processes per micro-step, at the first size."""
+        return self.micro_batch_sizes[0] * self.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (written as config.json in the probe's folder)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["config"] = self.config.to_dict()
+        data["micro_batch_sizes"] = list(self.micro_batch_sizes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProbeSpec:
+        """Inverse of :meth:`to_dict`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,363 @@
+"""The probe process: one rank of a probe, run as ``python -m autotune.probe.worker DIR``.
+
+It reads ``DIR/config.json``, builds the model with the engine, runs warm-up and timed steps
+at each micro-batch size, and writes ``DIR/rank<N>.json`` after every size, so a crash keeps
+what was measured before it. It knows nothing of the search or of Optuna. The rank layout
+comes from torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), so ``torchrun -m autotune.probe.worker DIR`` runs it too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from autotune.config import Precision
+from autotune.hardware import peak_flops_for
+from autotune.models import ModelSpec, resolve_model, synthetic_batch
+from autotune.probe.engines import EngineContext, Trainee, build_trainee
+from autotune.probe.memory import LiveTensorBytes, MemoryMeter, apply_cuda_limit
+from autotune.probe.metrics import now, synchronize, throughput
+from autotune.probe.modeling import checkpointed_fraction
+from autotune.probe.outcome import Outcome, Stage, is_oom_error
+from autotune.probe.spec import ProbeSpec
+
+
+@dataclass(kw_only=True, slots=True)
+class _Rank:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+@dataclass(kw_only=True, slots=True)
+class _Failure:
+    outcome: Outcome
+    stage: Stage
+    message: str
+    error_type: str
+
+
+class _Report:
+    """This rank's report, rewritten atomically after every change."""
+
+    def __init__(self, path: Path, rank: _Rank) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {
+            "rank": rank.rank,
+            "world_size": rank.world_size,
+            "device": str(rank.device),
+            "status": Outcome.OK.value,
+            "stage": None,
+            "message": "",
+            "sizes": [],
+        }
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        self.write()
+
+    def fail(self, failure: _Failure) -> None:
+        self.update(
+            status=failure.outcome.value,
+            stage=failure.stage.value,
+            message=failure.message,
+            error_type=failure.error_type,
+        )
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        os.replace(tmp, self.path)
+
+
+FAULT_ENV = "AUTOTUNE_TEST_FAULT"
+"""Test hook: ``KIND@RANK`` (segfault, sigkill, hang, error) makes that rank fail for real
+right after the build, so the launcher's crash, host-OOM and timeout paths can be tested."""
+
+
+def _inject_fault(rank: int) -> None:
+    kind, _, which = os.environ.get(FAULT_ENV, "").partition("@")
+    if not kind or (which and int(which) != rank):
+        return
+    if kind == "segfault":
+        ctypes.string_at(0)  # a real SIGSEGV
+    elif kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's OOM killer does
+    elif kind == "hang":
+        time.sleep(10**6)
+    elif kind == "error":
+        raise RuntimeError("injected failure (AUTOTUNE_TEST_FAULT)")
+
+
+def _rank_from_env(spec: ProbeSpec) -> _Rank:
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device_type = spec.device
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda, but no GPU is visible to this process")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return _Rank(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _failure(error: BaseException, stage: Stage) -> _Failure:
+    oom = is_oom_error(error)
+    return _Failure(
+        outcome=Outcome.OOM if oom else Outcome.ERROR,
+        stage=stage,
+        message=f"{type(error).__name__}: {error}".splitlines()[0][:500],
+        error_type=type(error).__name__,
+    )
+
+
+def _peak_flops(spec: ProbeSpec, device: torch.device) -> tuple[float | None, str | None]:
+    if device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(device)
+    dtype = {
+        Precision.BF16_MIXED: "bf16",
+        Precision.BF16: "bf16",
+        Precision.FP16_MIXED: "fp16",
+        Precision.FP32: "fp32",
+    }[spec.config.precision]
+    return peak_flops_for(name, dtype), name
+
+
+class _StepLoop:
+    """Warm-up and timed steps at one micro-batch size; ``stage`` says where it is."""
+
+    def __init__(self, spec: ProbeSpec, model: ModelSpec, rank: _Rank, trainee: Trainee) -> None:
+        self.spec = spec
+        self.model = model
+        self.rank = rank
+        self.trainee = trainee
+        self.stage = Stage.BUILD
+
+    def run(self, micro_batch_size: int, meter: MemoryMeter) -> dict[str, Any]:
+        spec, device = self.spec, self.rank.device
+        batch = synthetic_batch(
+            self.model,
+            micro_batch_size,
+            spec.seq_len,
+            seed=spec.seed + self.rank.rank,
+            device=str(device),
+        )
+        meter.reset()
+        self.stage = Stage.FORWARD
+        _inject_fault(self.rank.rank)
+        micro_times: list[float] = []
+        optimizer_times: list[float] = []
+        losses: list[float] = []
+        start = now()
+        for step in range(spec.warmup_steps + spec.timed_steps):
+            timed = step >= spec.warmup_steps
+            loss = None
+            for micro in range(spec.grad_accum):
+                sync = micro == spec.grad_accum - 1
+                synchronize(device)
+                began = now()
+                self.stage = Stage.FORWARD
+                loss = self.trainee.forward(batch, sync=sync)
+                self.stage = Stage.BACKWARD
+                self.trainee.backward(loss, sync=sync)
+                synchronize(device)
+                if timed:
+                    micro_times.append(now() - began)
+            self.stage = Stage.OPTIMIZER
+            began = now()
+            self.trainee.optimizer_step()
+            synchronize(device)
+            if timed:
+                optimizer_times.append(now() - began)
+            assert loss is not None
+            losses.append(float(loss.detach().float().item()))
+        elapsed = now() - start
+        return {
+            "losses": losses,
+            "micro_times": micro_times,
+            "optimizer_times": optimizer_times,
+            "elapsed_s": elapsed,
+        }
+
+
+def _size_result(
+    spec: ProbeSpec,
+    model: ModelSpec,
+    rank: _Rank,
+    mbs: int,
+    raw: dict[str, Any],
+    peak_flops: float | None,
+) -> dict[str, Any]:
+    losses = raw["losses"]
+    speed = throughput(
+        micro_step_times=raw["micro_times"],
+        optimizer_step_times=raw["optimizer_times"],
+        micro_batch_size=mbs,
+        seq_len=spec.seq_len,
+        grad_accum=spec.grad_accum,
+        world_size=rank.world_size,
+        model_flops_per_token=model.flops_per_token(spec.seq_len),
+        hardware_flops_per_token=model.hardware_flops_per_token(
+            spec.seq_len, checkpointed_fraction(model.num_layers, spec.config.ac_every)
+        ),
+        peak_flops=peak_flops,
+    )
+    finite = all(map(_isfinite, losses))
+    result: dict[str, Any] = {
+        "micro_batch_size": mbs,
+        "outcome": Outcome.OK.value,
+        "losses": losses,
+        "loss_finite": finite,
+        "elapsed_s": raw["elapsed_s"],
+        **speed.to_dict(),
+    }
+    if not finite:
+        result.update(outcome=Outcome.ERROR.value, message="loss is not finite")
+    return result
+
+
+def _isfinite(value: float) -> bool:
+    return value == value and abs(value) != float("inf")
+
+
+def _free_after_failure(trainee: Trainee | None, device: torch.device) -> None:
+    """Release what a failed step held (called outside the except block, so no frame pins it)."""
+    if trainee is not None:
+        trainee.discard_gradients()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(probe_dir: Path) -> int:
+    """Run this rank's part of the probe in ``probe_dir``; returns the exit code."""
+    started = psutil.Process().create_time()
+    spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
+    rank = _rank_from_env(spec)
+    report = _Report(probe_dir / f"rank{rank.rank}.json", rank)
+    report.update(import_s=time.time() - started)
+    tracker = None
+    if rank.device.type == "cuda":
+        if spec.device_memory_bytes is not None:
+            apply_cuda_limit(spec.device_memory_bytes, rank.device)
+    else:
+        tracker = LiveTensorBytes(spec.device_memory_bytes)
+        tracker.__enter__()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.world_size))
+    meter = MemoryMeter(
+        device=rank.device, tracker=tracker, emulated_limit_bytes=spec.device_memory_bytes
+    )
+    failure: _Failure | None = None
+    trainee: Trainee | None = None
+    try:
+        model = resolve_model(spec.model)
+        if spec.config.is_distributed and not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if rank.device.type == "cuda" else "gloo",
+                timeout=timedelta(seconds=max(60.0, spec.timeout_s)),
+                device_id=rank.device if rank.device.type == "cuda" else None,
+            )
+        began = now()
+        trainee = build_trainee(
+            EngineContext(
+                model=model,
+                config=spec.config,
+                device=rank.device,
+                rank=rank.rank,
+                world_size=rank.world_size,
+                micro_batch_size=spec.micro_batch_sizes[0],
+                grad_accum=spec.grad_accum,
+                lr=spec.lr,
+                seed=spec.seed,
+            )
+        )
+        synchronize(rank.device)
+        peak_flops, gpu_name = _peak_flops(spec, rank.device)
+        report.update(
+            build_s=now() - began,
+            build_memory=meter.read(),
+            gpu_name=gpu_name,
+            peak_flops=peak_flops,
+            num_params=model.num_params,
+        )
+    except Exception as error:
+        failure = _failure(error, Stage.BUILD)
+        report.update(traceback=traceback.format_exc())
+    if failure is not None or trainee is None:
+        assert failure is not None
+        report.fail(failure)
+        return 1
+
+    loop = _StepLoop(spec, model, rank, trainee)
+    sizes: list[dict[str, Any]] = report.data["sizes"]
+    failed_size: int | None = None
+    for mbs in spec.micro_batch_sizes:
+        if failed_size is not None and mbs >= failed_size:
+            continue  # memory only grows with the micro-batch: it cannot fit either
+        try:
+            raw = loop.run(mbs, meter)
+        except Exception as error:
+            failure = _failure(error, loop.stage)
+            report.update(traceback=traceback.format_exc())
+        if failure is not None:
+            _free_after_failure(trainee, rank.device)
+            sizes.append(
+                {
+                    "micro_batch_size": mbs,
+                    "outcome": failure.outcome.value,
+                    "stage": failure.stage.value,
+                    "message": failure.message,
+                    **meter.read(),
+                }
+            )
+            report.fail(failure)
+            if failure.outcome is not Outcome.OOM or rank.world_size > 1:
+                return 1
+            failed_size, failure = mbs, None
+            continue
+        sizes.append({**_size_result(spec, model, rank, mbs, raw, peak_flops), **meter.read()})
+        report.write()
+        if rank.rank == 0:
+            last = sizes[-1]
+            print(
+                f"micro-batch {mbs}: {last['tokens_per_second']:.1f} tokens/s, "
+                f"loss {last['losses'][0]:.3f} -> {last['losses'][-1]:.3f}",
+                flush=True,
+            )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m autotune.probe.worker PROBE_DIR", file=sys.stderr)
+        return 2
+    return run(Path(args[0]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
