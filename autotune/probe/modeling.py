@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
@@ -119,8 +120,7 @@ def _initialize(model: nn.Module) -> None:
 def _named_float_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, buffer in model.named_buffers():
         if buffer.is_floating_point() and buffer.numel() and buffer.device.type != "meta":
-            to_local = getattr(buffer, "to_local", None)
-            yield name, to_local() if callable(to_local) else buffer
+            yield name, buffer.to_local() if isinstance(buffer, DTensor) else buffer
 
 
 def count_params(model: nn.Module) -> int:
