@@ -14,11 +14,11 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
+from torch.distributed.tensor import DTensor
 
 from autotune.config import Attention, TrainConfig
 from autotune.models import ModelSpec
@@ -120,7 +120,7 @@ def _initialize(model: nn.Module) -> None:
 def _named_float_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, buffer in model.named_buffers():
         if buffer.is_floating_point() and buffer.numel() and buffer.device.type != "meta":
-            yield name, buffer.to_local() if isinstance(buffer, DTensor) else buffer
+            yield name, buffer.to_local() if isinstance(buffer, DTensor) else buffer  # type: ignore[operator]
 
 
 def count_params(model: nn.Module) -> int:
