@@ -98,8 +98,9 @@ def materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
     model.to_empty(device=device)
     with torch.no_grad():
         _initialize(model)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    tie_weights = getattr(model, "tie_weights", None)
+    if callable(tie_weights):
+        tie_weights()
     for name, buffer in _named_float_buffers(model):
         if not torch.isfinite(buffer).all():
             raise RuntimeError(f"buffer {name} is not finite after initialization")
@@ -120,7 +121,7 @@ def _initialize(model: nn.Module) -> None:
 def _named_float_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, buffer in model.named_buffers():
         if buffer.is_floating_point() and buffer.numel() and buffer.device.type != "meta":
-            yield name, buffer.to_local() if isinstance(buffer, DTensor) else buffer  # type: ignore[operator]
+            yield name, buffer.to_local() if isinstance(buffer, DTensor) else buffer
 
 
 def count_params(model: nn.Module) -> int:
