@@ -1,7 +1,8 @@
 """The ``autotune`` command line.
 
 Every command that prints results also takes ``--json``. Bad input ends with one line that
-says what to do, and exit code 2; a probe that ran but did not fit or failed exits 1.
+says what to do, and exit code 2; `autotune probe` exits 0 when at least one micro-batch
+size fits, 1 when none does.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def probe(
         print(json.dumps(data, indent=2, default=str))
     else:
         _print_result(data)
-    raise typer.Exit(0 if data["outcome"] == "ok" else 1)
+    raise typer.Exit(0 if result.ok_sizes() else 1)
 
 
 @app.command()

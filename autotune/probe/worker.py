@@ -170,9 +170,12 @@ class _StepLoop:
         micro_times: list[float] = []
         optimizer_times: list[float] = []
         losses: list[float] = []
-        start = now()
+        start = window_start = now()
         for step in range(spec.warmup_steps + spec.timed_steps):
             timed = step >= spec.warmup_steps
+            if step == spec.warmup_steps:
+                synchronize(device)
+                window_start = now()
             loss = None
             for micro in range(spec.grad_accum):
                 sync = micro == spec.grad_accum - 1
@@ -193,12 +196,13 @@ class _StepLoop:
                 optimizer_times.append(now() - began)
             assert loss is not None
             losses.append(float(loss.detach().float().item()))
-        elapsed = now() - start
+        end = now()
         return {
             "losses": losses,
             "micro_times": micro_times,
             "optimizer_times": optimizer_times,
-            "elapsed_s": elapsed,
+            "warmup_s": window_start - start,
+            "timed_s": end - window_start,
         }
 
 
@@ -230,7 +234,8 @@ def _size_result(
         "outcome": Outcome.OK.value,
         "losses": losses,
         "loss_finite": finite,
-        "elapsed_s": raw["elapsed_s"],
+        "warmup_s": raw["warmup_s"],
+        "timed_s": raw["timed_s"],
         **speed.to_dict(),
     }
     if not finite:

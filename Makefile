@@ -1,0 +1,64 @@
+# autotune: `make run` runs the main job, `make test` the tests; both install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# GPU nodes take a CUDA build of torch from the range pyproject.toml admits; CPU machines take
+# the CPU build 2.13.0 (never a multi-GB CUDA download). Override with TORCH_SPEC=...
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.11,<2.15' || echo 'torch==2.13.0')
+PYTEST_ARGS ?=
+# Wheels for an offline Python 3.12 x86_64 GPU node that already has torch and transformers.
+WHEEL_PYTHON ?= 3.12
+WHEEL_PLATFORMS := --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
+WHEEL_PACKAGES ?= optuna sqlalchemy alembic greenlet typer rich hjson pydantic nvidia-ml-py psutil
+
+.PHONY: install run test test-fast lint bench wheelhouse clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet setuptools wheel
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	@# DeepSpeed's setup.py imports torch: build it against the torch just installed.
+	$(BIN)/pip install --quiet --no-build-isolation "deepspeed>=0.16"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+# The main job. With a GPU: probe a 1.5B model over a micro-batch sweep. Without one: a real
+# 2-rank DeepSpeed ZeRO-2 probe of the tiny model on the CPU under an emulated device limit.
+run: install
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: probing qwen2.5-1.5b (FSDP2 ZeRO-3, bf16) over micro-batch 1,2,4,8"; \
+		$(BIN)/autotune probe --model qwen2.5-1.5b --engine fsdp --zero-stage 3 \
+			--micro-batch 1,2,4,8 --seq-len 2048; \
+	else \
+		echo "no GPU: real CPU probe of the tiny model, 2 DeepSpeed ZeRO-2 ranks, emulated 4MiB device"; \
+		$(BIN)/autotune probe --model tiny --engine deepspeed --zero-stage 2 --gpus 2 \
+			--device cpu --device-memory 4MiB --micro-batch 1,2,4,8,16 --seq-len 128; \
+	fi
+
+test: install
+	$(BIN)/python -m pytest -q --durations=10 $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check autotune tests bench
+	$(BIN)/ruff format --check autotune tests bench
+	$(BIN)/mypy autotune
+
+bench: install
+	$(BIN)/python bench/probe_overhead.py
+
+wheelhouse: install
+	rm -rf wheelhouse && mkdir -p wheelhouse
+	$(BIN)/pip download --quiet --dest wheelhouse --only-binary=:all: \
+		--python-version $(WHEEL_PYTHON) --implementation cp $(WHEEL_PLATFORMS) $(WHEEL_PACKAGES)
+	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation --wheel-dir wheelhouse "deepspeed>=0.16"
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir wheelhouse .
+	@echo "wheelhouse/ ready: on the node run"
+	@echo "  pip install --no-index --find-links wheelhouse autotune deepspeed $(WHEEL_PACKAGES)"
+
+clean:
+	rm -rf $(VENV) wheelhouse build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
