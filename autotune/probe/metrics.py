@@ -13,9 +13,7 @@ blocks as well.
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -57,34 +55,6 @@ class Throughput:
 
 def throughput(
     *,
-    micro_step_times: Sequence[float],
-    optimizer_step_times: Sequence[float],
-    micro_batch_size: int,
-    seq_len: int,
-    grad_accum: int,
-    world_size: int,
-    model_flops_per_token: float,
-    hardware_flops_per_token: float,
-    peak_flops: float | None,
-) -> Throughput:
-    """Throughput from per-phase times (medians: robust to one slow step)."""
-    micro = statistics.median(micro_step_times)
-    optimizer = statistics.median(optimizer_step_times)
-    return throughput_at(
-        micro_step_s=micro,
-        optimizer_step_s=optimizer,
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        grad_accum=grad_accum,
-        world_size=world_size,
-        model_flops_per_token=model_flops_per_token,
-        hardware_flops_per_token=hardware_flops_per_token,
-        peak_flops=peak_flops,
-    )
-
-
-def throughput_at(
-    *,
     micro_step_s: float,
     optimizer_step_s: float,
     micro_batch_size: int,
@@ -95,7 +65,11 @@ def throughput_at(
     hardware_flops_per_token: float,
     peak_flops: float | None,
 ) -> Throughput:
-    """Throughput at any accumulation count from a micro-step and an optimizer-step time."""
+    """Throughput at any accumulation count from a micro-step and an optimizer-step time.
+
+    The probe passes the medians of its timed window (robust to one slow step); the search
+    uses the same function to predict throughput at the user's accumulation count.
+    """
     step = grad_accum * micro_step_s + optimizer_step_s
     tokens_per_step = micro_batch_size * seq_len * grad_accum * world_size
     tokens_per_second = tokens_per_step / step

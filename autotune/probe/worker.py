@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -216,8 +217,8 @@ def _size_result(
 ) -> dict[str, Any]:
     losses = raw["losses"]
     speed = throughput(
-        micro_step_times=raw["micro_times"],
-        optimizer_step_times=raw["optimizer_times"],
+        micro_step_s=statistics.median(raw["micro_times"]),
+        optimizer_step_s=statistics.median(raw["optimizer_times"]),
         micro_batch_size=mbs,
         seq_len=spec.seq_len,
         grad_accum=spec.grad_accum,
