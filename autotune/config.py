@@ -110,6 +110,15 @@ class TrainConfig:
                 except ValueError:
                     choices = ", ".join(k.value for k in kind)
                     raise ConfigError(f"unknown {name} {value!r}: use one of {choices}") from None
+        for name in ("zero_stage", "ac_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                try:
+                    object.__setattr__(self, name, int(value))
+                except (TypeError, ValueError):
+                    raise ConfigError(
+                        f"invalid {name.replace('_', '-')} {value!r}: use a whole number"
+                    ) from None
         self._validate()
 
     def _validate(self) -> None:
@@ -119,7 +128,7 @@ class TrainConfig:
                 Engine.SINGLE: "use --engine deepspeed or fsdp to shard",
                 Engine.DDP: "use --engine deepspeed or fsdp to shard",
                 Engine.FSDP: "FSDP2 has no optimizer-only sharding; use --engine deepspeed",
-                Engine.DEEPSPEED: "DeepSpeed ZeRO has stages 0 to 3",
+                Engine.DEEPSPEED: "use --zero-stage 0, 1, 2 or 3",
             }[self.engine]
             raise ConfigError(
                 f"zero stage {self.zero_stage} is not available with engine "
@@ -142,8 +151,10 @@ class TrainConfig:
                 )
             if self.engine is Engine.DEEPSPEED:
                 if self.zero_stage == 0:
+                    needed = 3 if self.offload is Offload.PARAMS else 1
                     raise ConfigError(
-                        "DeepSpeed offload needs ZeRO stage 1 or higher: add --zero-stage 1"
+                        f"DeepSpeed {self.offload.value} offload needs ZeRO stage {needed} or "
+                        f"higher: add --zero-stage {needed}"
                     )
                 if self.offload is Offload.PARAMS and self.zero_stage != 3:
                     raise ConfigError(

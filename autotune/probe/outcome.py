@@ -177,7 +177,8 @@ def classify_probe(exits: Sequence[RankExit], *, timed_out: bool) -> Classificat
             message=report.get("message", ""),
             rank=exit_.rank,
         )
-    for exit_ in unexpected:
+    # Ranks that died without a report come first: the others may only have lost them.
+    for exit_ in sorted(unexpected, key=lambda e: e.report is not None):
         if exit_.returncode != 0:
             tail = exit_.stderr_tail.strip().splitlines()
             last = tail[-1] if tail else ""
