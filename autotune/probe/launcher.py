@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from autotune.probe.outcome import RankExit, classify_probe
 from autotune.probe.result import ProbeResult, merge_sizes
@@ -75,6 +75,8 @@ def rank_environment(spec: ProbeSpec, rank: int, port: int) -> dict[str, str]:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         PYTHONUNBUFFERED="1",
+        # Start-up time is measured from here (process creation times are whole-second coarse).
+        AUTOTUNE_SPAWN_TIME=repr(time.time()),
     )
     if spec.device == "cpu":
         # Ranks share the cores: without this each would start one thread per core.
@@ -98,9 +100,45 @@ def _write_command(spec: ProbeSpec, probe_dir: Path, port: int) -> None:
     (probe_dir / "cmd.txt").write_text("\n".join(lines) + "\n")
 
 
+class ProcessHandle(Protocol):
+    """What the launcher needs of a started rank (``subprocess.Popen`` has it)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class Spawner(Protocol):
+    """Starts one rank of a probe, appending its output to the two log files."""
+
+    def spawn(
+        self, probe_dir: Path, env: dict[str, str], stdout: Path, stderr: Path, process_group: int
+    ) -> ProcessHandle: ...
+
+
+class SubprocessSpawner:
+    """Each rank a fresh interpreter: ``python -m autotune.probe.worker DIR``."""
+
+    def spawn(
+        self, probe_dir: Path, env: dict[str, str], stdout: Path, stderr: Path, process_group: int
+    ) -> ProcessHandle:
+        with stdout.open("ab") as out, stderr.open("ab") as err:
+            return subprocess.Popen(
+                worker_command(probe_dir),
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                process_group=process_group,
+            )
+
+
 @dataclass(kw_only=True)
 class _Running:
-    procs: list[subprocess.Popen[bytes]]
+    procs: list[ProcessHandle]
     pgid: int
     killed: set[int]
     """Ranks the launcher signalled."""
@@ -144,10 +182,14 @@ def launch_probe(
     spec: ProbeSpec,
     probe_dir: Path,
     *,
+    spawner: Spawner | None = None,
     poll_s: float = 0.05,
     on_poll: Callable[[float], None] | None = None,
 ) -> ProbeResult:
     """Run one probe to completion (or to its timeout) and return its merged result.
+
+    ``spawner`` starts the ranks: fresh interpreters by default, or forks of a
+    :class:`~autotune.probe.forkserver.ForkServer` that has already imported torch.
 
     Blocks until every rank is reaped and the process group is empty. ``on_poll`` is called
     with the elapsed seconds while waiting (for progress displays). A KeyboardInterrupt stops
@@ -161,49 +203,35 @@ def launch_probe(
     _write_command(spec, probe_dir, port)
     started = time.monotonic()
     timed_out = False
-    with (probe_dir / "stdout.log").open("ab") as out, (probe_dir / "stderr.log").open("ab") as err:
-        procs: list[subprocess.Popen[bytes]] = []
-        first = subprocess.Popen(
-            worker_command(probe_dir),
-            env=rank_environment(spec, 0, port),
-            stdout=out,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            process_group=0,
-        )
-        procs.append(first)
-        running = _Running(procs=procs, pgid=first.pid, killed=set())
-        try:
-            for rank in range(1, spec.num_processes):
-                procs.append(
-                    subprocess.Popen(
-                        worker_command(probe_dir),
-                        env=rank_environment(spec, rank, port),
-                        stdout=out,
-                        stderr=err,
-                        stdin=subprocess.DEVNULL,
-                        process_group=running.pgid,
-                    )
-                )
-            failed_at: float | None = None
-            while any(p.poll() is None for p in procs):
-                elapsed = time.monotonic() - started
-                if on_poll is not None:
-                    on_poll(elapsed)
-                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                    failed_at = time.monotonic()
-                if elapsed > spec.timeout_s:
-                    timed_out = True
-                    _stop(running)
-                elif failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
-                    _stop(running)  # the others wait in a collective the failed rank left
-                else:
-                    time.sleep(poll_s)
-        finally:
-            if any(p.poll() is None for p in procs):
+    spawner = spawner or SubprocessSpawner()
+    logs = probe_dir / "stdout.log", probe_dir / "stderr.log"
+    procs: list[ProcessHandle] = []
+    first = spawner.spawn(probe_dir, rank_environment(spec, 0, port), *logs, process_group=0)
+    procs.append(first)
+    running = _Running(procs=procs, pgid=first.pid, killed=set())
+    try:
+        for rank in range(1, spec.num_processes):
+            env = rank_environment(spec, rank, port)
+            procs.append(spawner.spawn(probe_dir, env, *logs, process_group=running.pgid))
+        failed_at: float | None = None
+        while any(p.poll() is None for p in procs):
+            elapsed = time.monotonic() - started
+            if on_poll is not None:
+                on_poll(elapsed)
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if elapsed > spec.timeout_s:
+                timed_out = True
                 _stop(running)
-            # Anything a rank spawned (compiler jobs, data workers) goes with the probe.
-            _signal_group(running, signal.SIGKILL)
+            elif failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                _stop(running)  # the others wait in a collective the failed rank left
+            else:
+                time.sleep(poll_s)
+    finally:
+        if any(p.poll() is None for p in procs):
+            _stop(running)
+        # Anything a rank spawned (compiler jobs, data workers) goes with the probe.
+        _signal_group(running, signal.SIGKILL)
     wall = time.monotonic() - started
 
     stderr_tail = _tail(probe_dir / "stderr.log")
@@ -236,8 +264,13 @@ def launch_probe(
         peak_flops=first_report.get("peak_flops"),
         num_params=first_report.get("num_params"),
         exits=[
-            {"rank": e.rank, "returncode": e.returncode, "killed_by_launcher": e.killed_by_launcher}
-            for e in exits
+            {
+                "rank": e.rank,
+                "pid": p.pid,
+                "returncode": e.returncode,
+                "killed_by_launcher": e.killed_by_launcher,
+            }
+            for e, p in zip(exits, procs, strict=True)
         ],
     )
     result.write()

@@ -259,7 +259,7 @@ def _free_after_failure(trainee: Trainee | None, device: torch.device) -> None:
 
 def run(probe_dir: Path) -> int:
     """Run this rank's part of the probe in ``probe_dir``; returns the exit code."""
-    started = psutil.Process().create_time()
+    started = float(os.environ.get("AUTOTUNE_SPAWN_TIME") or psutil.Process().create_time())
     spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
     rank = _rank_from_env(spec)
     report = _Report(probe_dir / f"rank{rank.rank}.json", rank)
