@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -11,7 +12,8 @@ import psutil
 import pytest
 
 from autotune.config import TrainConfig
-from autotune.probe.launcher import launch_probe
+from autotune.probe.forkserver import ForkServer
+from autotune.probe.launcher import SubprocessSpawner, launch_probe
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec
 
@@ -49,24 +51,39 @@ class RunProbe(Protocol):
     """Signature of the ``run_probe`` fixture."""
 
     def __call__(
-        self, config: TrainConfig | None = None, *, name: str = "probe", **overrides: Any
+        self,
+        config: TrainConfig | None = None,
+        *,
+        name: str = "probe",
+        spawner: str = "forkserver",
+        **overrides: Any,
     ) -> ProbeResult: ...
 
 
-def probe_processes(probe_dir: Path) -> list[psutil.Process]:
-    """Live processes whose command line mentions ``probe_dir`` (the probe's ranks)."""
-    needle = str(probe_dir)
+def probe_processes(result: ProbeResult) -> list[psutil.Process]:
+    """Live processes left from a probe: in its process group (rank 0 leads it) or with its
+    folder on their command line. Forked ranks carry the fork server's command line, so the
+    group is the check that holds for every spawner."""
+    pgid = result.exits[0]["pid"] if result.exits else None
+    needle = str(result.probe_dir)
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         try:
-            cmdline = proc.info["cmdline"] or []
             if proc.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            in_group = pgid is not None and os.getpgid(proc.pid) == pgid
+            cmdline = proc.info["cmdline"] or []
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
             continue
-        if any(needle in part for part in cmdline):
+        if in_group or any(needle in part for part in cmdline):
             found.append(proc)
     return found
+
+
+def exit_summary(exits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Exits without their pids (which differ per run), after checking every pid is real."""
+    assert all(isinstance(e["pid"], int) and e["pid"] > 0 for e in exits)
+    return [{k: v for k, v in e.items() if k != "pid"} for e in exits]
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -74,32 +91,45 @@ def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+@pytest.fixture(scope="session")
+def fork_server() -> Iterator[ForkServer]:
+    """One fork server for the whole session: probes start in a fraction of a second."""
+    with ForkServer() as server:
+        yield server
+
+
 @pytest.fixture
-def run_probe(tmp_path: Path) -> Iterator[RunProbe]:
+def run_probe(tmp_path: Path, fork_server: ForkServer) -> Iterator[RunProbe]:
     """Launch a real probe in ``tmp_path/<name>`` with CPU-friendly defaults.
 
-    Keyword overrides go to :class:`ProbeSpec`. After the test, no process of any probe it
-    launched may be left.
+    Keyword overrides go to :class:`ProbeSpec`; ``spawner="subprocess"`` starts the ranks as
+    fresh interpreters instead of forks of the session's fork server. After the test, no
+    process of any probe it launched may be left.
     """
-    launched: list[Path] = []
+    results: list[ProbeResult] = []
 
     def run(
-        config: TrainConfig | None = None, *, name: str = "probe", **overrides: Any
+        config: TrainConfig | None = None,
+        *,
+        name: str = "probe",
+        spawner: str = "forkserver",
+        **overrides: Any,
     ) -> ProbeResult:
         fields = {**PROBE_DEFAULTS, **overrides}
         if config is not None:
             fields["config"] = config
         spec = ProbeSpec(**fields)
-        probe_dir = tmp_path / name
-        launched.append(probe_dir)
-        return launch_probe(spec, probe_dir)
+        chosen = fork_server if spawner == "forkserver" else SubprocessSpawner()
+        result = launch_probe(spec, tmp_path / name, spawner=chosen)
+        results.append(result)
+        return result
 
     yield run
-    for probe_dir in launched:
-        leftovers = probe_processes(probe_dir)
+    for result in results:
+        leftovers = probe_processes(result)
         for proc in leftovers:  # do not leak into later tests, but still fail this one
             proc.kill()
-        assert not leftovers, f"processes of {probe_dir} outlived the probe: {leftovers}"
+        assert not leftovers, f"processes of {result.probe_dir} outlived the probe: {leftovers}"
 
 
 def probe_failure_text(result: ProbeResult) -> str:

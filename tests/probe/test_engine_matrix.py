@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 import pytest
-from conftest import SIZE_FIELDS, RunProbe, probe_failure_text, read_json
+from conftest import SIZE_FIELDS, RunProbe, exit_summary, probe_failure_text, read_json
 
 from autotune.config import (
     Attention,
@@ -73,7 +73,7 @@ def _assert_trains(result: ProbeResult, num_processes: int) -> None:
     """The probe finished ok, reported every field, and the loss is finite and falling from
     where a freshly initialized model starts (near ln(vocab): near-uniform predictions)."""
     assert result.outcome is Outcome.OK, probe_failure_text(result)
-    assert result.exits == [
+    assert exit_summary(result.exits) == [
         {"rank": r, "returncode": 0, "killed_by_launcher": False} for r in range(num_processes)
     ]
     for rank in range(num_processes):

@@ -17,6 +17,7 @@ from conftest import (
     PROBE_DEFAULTS,
     SIZE_FIELDS,
     RunProbe,
+    exit_summary,
     probe_failure_text,
     probe_processes,
     read_json,
@@ -30,19 +31,24 @@ from autotune.probe.spec import ProbeSpec
 
 FAULT_ENV = "AUTOTUNE_TEST_FAULT"
 DDP = TrainConfig(engine=Engine.DDP)
+# Ranks as fresh interpreters (the CLI's default) and as forks of the fork server (the tuner's).
+BOTH_SPAWNERS = pytest.mark.parametrize("spawner", ["subprocess", "forkserver"])
 DEEPSPEED_Z2 = TrainConfig(engine=Engine.DEEPSPEED, zero_stage=2)
 # Long enough sequences that activations, not the tiny model's weights, decide the peak.
 OOM_SEQ_LEN = 128
 
 
 def _assert_no_leftovers(result: ProbeResult) -> None:
-    leftovers = probe_processes(result.probe_dir)
+    leftovers = probe_processes(result)
     assert not leftovers, f"processes of the probe are still alive: {leftovers}"
 
 
-def test_single_process_probe_succeeds_and_writes_everything(run_probe: RunProbe) -> None:
+@BOTH_SPAWNERS
+def test_single_process_probe_succeeds_and_writes_everything(
+    run_probe: RunProbe, spawner: str
+) -> None:
     """One ok probe: every file, every documented size field, sane values, one clean exit."""
-    result = run_probe(micro_batch_sizes=(1, 2))
+    result = run_probe(micro_batch_sizes=(1, 2), spawner=spawner)
     assert result.outcome is Outcome.OK, probe_failure_text(result)
     _assert_no_leftovers(result)
     probe_dir = result.probe_dir
@@ -66,7 +72,9 @@ def test_single_process_probe_succeeds_and_writes_everything(run_probe: RunProbe
     assert data["device"] == "cpu"
     assert data["num_params"] > 0
     assert data["import_s"] > 0 and data["build_s"] > 0 and data["wall_s"] > 0
-    assert data["exits"] == [{"rank": 0, "returncode": 0, "killed_by_launcher": False}]
+    assert exit_summary(data["exits"]) == [
+        {"rank": 0, "returncode": 0, "killed_by_launcher": False}
+    ]
     assert [s["micro_batch_size"] for s in data["sizes"]] == [1, 2]
     for size in data["sizes"]:
         missing = [f for f in SIZE_FIELDS if f not in size]
@@ -147,7 +155,7 @@ def test_emulated_oom_recovers_in_one_process(
     assert result.stage in (Stage.FORWARD, Stage.BACKWARD)
     assert result.failed_rank == 0
     # ... yet it was one process that recovered and exited cleanly.
-    assert result.exits == [{"rank": 0, "returncode": 0, "killed_by_launcher": False}]
+    assert exit_summary(result.exits) == [{"rank": 0, "returncode": 0, "killed_by_launcher": False}]
     assert result.best() == ok
     assert read_json(result.probe_dir / "result.json")["emulated_device_memory_bytes"] == limit
 
@@ -195,9 +203,12 @@ def _fault_probe(
     return result
 
 
-def test_segfault_is_crash(run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+@BOTH_SPAWNERS
+def test_segfault_is_crash(
+    run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch, spawner: str
+) -> None:
     """Rank 1 segfaults: the probe crashed, rank 1 is blamed, SIGSEGV named."""
-    result = _fault_probe(run_probe, monkeypatch, "segfault@1")
+    result = _fault_probe(run_probe, monkeypatch, "segfault@1", spawner=spawner)
     assert result.outcome is Outcome.CRASH, probe_failure_text(result)
     assert result.failed_rank == 1
     assert "SIGSEGV" in result.message
@@ -205,27 +216,36 @@ def test_segfault_is_crash(run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch)
     assert not result.exits[1]["killed_by_launcher"]
 
 
-def test_sigkill_is_host_oom(run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+@BOTH_SPAWNERS
+def test_sigkill_is_host_oom(
+    run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch, spawner: str
+) -> None:
     """Rank 0 is SIGKILLed, not by the launcher: read as the kernel's OOM killer."""
-    result = _fault_probe(run_probe, monkeypatch, "sigkill@0")
+    result = _fault_probe(run_probe, monkeypatch, "sigkill@0", spawner=spawner)
     assert result.outcome is Outcome.HOST_OOM, probe_failure_text(result)
     assert result.failed_rank == 0
     assert result.exits[0]["returncode"] == -9
     assert not result.exits[0]["killed_by_launcher"]
 
 
-def test_hang_is_timeout(run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+@BOTH_SPAWNERS
+def test_hang_is_timeout(
+    run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch, spawner: str
+) -> None:
     """Rank 1 hangs: the launcher kills the whole group at the timeout."""
-    result = _fault_probe(run_probe, monkeypatch, "hang@1", timeout_s=25.0)
+    result = _fault_probe(run_probe, monkeypatch, "hang@1", spawner=spawner, timeout_s=15.0)
     assert result.outcome is Outcome.TIMEOUT, probe_failure_text(result)
-    assert result.wall_s >= 25.0
+    assert result.wall_s >= 15.0
     assert result.exits[1]["killed_by_launcher"]
     assert result.exits[1]["returncode"] is not None and result.exits[1]["returncode"] < 0
 
 
-def test_error_is_error_with_message(run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+@BOTH_SPAWNERS
+def test_error_is_error_with_message(
+    run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch, spawner: str
+) -> None:
     """Rank 0 raises: the probe is an error in the forward with the injected message."""
-    result = _fault_probe(run_probe, monkeypatch, "error@0")
+    result = _fault_probe(run_probe, monkeypatch, "error@0", spawner=spawner)
     assert result.outcome is Outcome.ERROR, probe_failure_text(result)
     assert result.failed_rank == 0
     assert result.stage is Stage.FORWARD
@@ -243,7 +263,9 @@ def test_fault_in_single_process(run_probe: RunProbe, monkeypatch: pytest.Monkey
     result = run_probe()
     _assert_no_leftovers(result)
     assert result.outcome is Outcome.CRASH, probe_failure_text(result)
-    assert result.exits == [{"rank": 0, "returncode": -11, "killed_by_launcher": False}]
+    assert exit_summary(result.exits) == [
+        {"rank": 0, "returncode": -11, "killed_by_launcher": False}
+    ]
 
 
 def test_build_failure_is_error_in_build(run_probe: RunProbe, tmp_path: Path) -> None:

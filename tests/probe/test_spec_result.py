@@ -257,7 +257,7 @@ def _result(tmp_path: Path) -> ProbeResult:
         build_s=0.5,
         device="cpu",
         num_params=1234,
-        exits=[{"rank": 0, "returncode": 0, "killed_by_launcher": False}],
+        exits=[{"rank": 0, "pid": 4242, "returncode": 0, "killed_by_launcher": False}],
     )
 
 
