@@ -1,10 +1,10 @@
-"""Where a probe's time goes, and what the in-process micro-batch sweep saves.
+"""Where a probe's time goes, and what the two start-up levers save.
 
-Prints, for real probes on this machine: seconds spent importing (torch, transformers, the
-engine), building the model, warming up and in the timed window, and the launcher's own
-overhead; then the wall time of measuring N micro-batch sizes in one process against one
-process per size. With a GPU the default shape is qwen2.5-1.5b, without one the tiny model
-on the CPU.
+Prints, for real probes on this machine: seconds spent starting (imports), building the
+model, warming up and in the timed window, and the launcher's own overhead, for ranks started
+as fresh interpreters and as forks of the fork server; then the wall time of measuring N
+micro-batch sizes in one process against one process per size. With a GPU the default shape
+is qwen2.5-1.5b, without one the tiny model on the CPU.
 
     python bench/probe_overhead.py [--model M] [--engine E] [--sizes 1,2,4,8] [--json]
 """
@@ -26,6 +26,8 @@ import torch
 from autotune.config import TrainConfig
 from autotune.hardware import detect_gpus
 from autotune.probe import ProbeResult, ProbeSpec, launch_probe
+from autotune.probe.forkserver import ForkServer
+from autotune.probe.launcher import Spawner, SubprocessSpawner
 
 
 def machine() -> dict[str, Any]:
@@ -43,7 +45,7 @@ def phases(result: ProbeResult) -> dict[str, float]:
     size = result.sizes[0]
     known = (result.import_s or 0) + (result.build_s or 0) + size["warmup_s"] + size["timed_s"]
     return {
-        "import_s": result.import_s or 0.0,
+        "start_s": result.import_s or 0.0,
         "build_s": result.build_s or 0.0,
         "warmup_s": size["warmup_s"],
         "timed_s": size["timed_s"],
@@ -71,33 +73,66 @@ def main() -> None:
         "warmup_steps": 2,
         "timed_steps": 3,
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        single = [
-            phases(launch_probe(ProbeSpec(**base, micro_batch_sizes=(sizes[0],)), root / f"s{i}"))
+
+    def single(spawner: Spawner, root: Path) -> dict[str, float]:
+        runs = [
+            phases(
+                launch_probe(
+                    ProbeSpec(**base, micro_batch_sizes=(sizes[0],)),
+                    root / f"s{i}",
+                    spawner=spawner,
+                )
+            )
             for i in range(args.repeats)
         ]
+        return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+    def timed_sweep(spawner: Spawner, root: Path) -> tuple[float, float, list[str]]:
         started = time.monotonic()
-        swept = launch_probe(ProbeSpec(**base, micro_batch_sizes=sizes), root / "sweep")
-        sweep_wall = time.monotonic() - started
+        swept = launch_probe(
+            ProbeSpec(**base, micro_batch_sizes=sizes), root / "sweep", spawner=spawner
+        )
+        one_process = time.monotonic() - started
         started = time.monotonic()
         separate = [
-            launch_probe(ProbeSpec(**base, micro_batch_sizes=(m,)), root / f"one{m}") for m in sizes
+            launch_probe(
+                ProbeSpec(**base, micro_batch_sizes=(m,)), root / f"one{m}", spawner=spawner
+            )
+            for m in sizes
         ]
-        separate_wall = time.monotonic() - started
-    median = {key: statistics.median(p[key] for p in single) for key in single[0]}
+        per_size = time.monotonic() - started
+        outcomes = [s["outcome"] for s in swept.sizes] + [r.outcome.value for r in separate]
+        return one_process, per_size, outcomes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        fresh = single(SubprocessSpawner(), root / "fresh")
+        sweep_wall, separate_wall, outcomes = timed_sweep(SubprocessSpawner(), root / "fresh")
+        started = time.monotonic()
+        with ForkServer() as server:
+            server_start = time.monotonic() - started
+            forked = single(server, root / "forked")
+            fork_sweep_wall, fork_separate_wall, fork_outcomes = timed_sweep(
+                server, root / "forked"
+            )
     report = {
         "machine": machine(),
         "model": args.model,
         "engine": args.engine,
         "seq_len": args.seq_len,
-        "single_probe_median_s": median,
+        "single_probe_median_s": {"fresh_interpreter": fresh, "fork_server": forked},
+        "fork_server_start_s": server_start,
         "sweep": {
             "sizes": list(sizes),
-            "one_process_s": sweep_wall,
-            "one_process_per_size_s": separate_wall,
-            "saved_fraction": 1 - sweep_wall / separate_wall,
-            "outcomes": [s["outcome"] for s in swept.sizes] + [r.outcome.value for r in separate],
+            "fresh_interpreter": {
+                "one_process_s": sweep_wall,
+                "one_process_per_size_s": separate_wall,
+            },
+            "fork_server": {
+                "one_process_s": fork_sweep_wall,
+                "one_process_per_size_s": fork_separate_wall,
+            },
+            "outcomes": outcomes + fork_outcomes,
         },
     }
     if args.json:
@@ -109,15 +144,21 @@ def main() -> None:
         f"GPU: {info['gpu'] or 'none'}"
     )
     print(
-        f"probe of {args.model}, engine {args.engine}, seq {args.seq_len}, "
-        f"median of {args.repeats}:"
+        f"probe of {args.model}, engine {args.engine}, seq {args.seq_len}, one size, "
+        f"median of {args.repeats} (seconds):"
     )
-    for key, value in median.items():
-        print(f"  {key.removesuffix('_s'):<20} {value:8.2f} s")
-    print(f"sweep of micro-batch {args.sizes}:")
-    print(f"  one process          {sweep_wall:8.2f} s")
-    print(f"  one process per size {separate_wall:8.2f} s")
-    print(f"  saved                {100 * report['sweep']['saved_fraction']:8.1f} %")
+    print(f"  {'phase':<20} {'fresh interpreter':>18} {'fork server':>12}")
+    for key in fresh:
+        print(f"  {key.removesuffix('_s'):<20} {fresh[key]:18.2f} {forked[key]:12.2f}")
+    print(f"  (fork server start, once: {server_start:.2f} s)")
+    print(f"sweep of micro-batch {args.sizes} (seconds):")
+    print(f"  {'':<24} {'fresh interpreter':>18} {'fork server':>12}")
+    print(f"  {'one process':<24} {sweep_wall:18.2f} {fork_sweep_wall:12.2f}")
+    print(f"  {'one process per size':<24} {separate_wall:18.2f} {fork_separate_wall:12.2f}")
+    print(
+        f"  {'saved by the sweep':<24} {100 * (1 - sweep_wall / separate_wall):17.1f}% "
+        f"{100 * (1 - fork_sweep_wall / fork_separate_wall):11.1f}%"
+    )
 
 
 if __name__ == "__main__":
