@@ -265,7 +265,9 @@ def models(
 def main() -> None:
     """Console entry point: one-line errors for bad input, never a traceback."""
     try:
-        app(standalone_mode=False)
+        # Without standalone mode click returns a command's exit code instead of exiting.
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
     except typer.Exit as done:
         sys.exit(done.exit_code)
     except (UsageError, ConfigError, ValueError) as error:

@@ -1,0 +1,111 @@
+"""The ``autotune`` command as a user runs it: exit codes, --json, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def autotune(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run the real console entry point in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-c", "from autotune.cli import main; main()", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+TINY_CPU = (
+    "--model",
+    "tiny",
+    "--device",
+    "cpu",
+    "--seq-len",
+    "32",
+    "--warmup-steps",
+    "1",
+    "--steps",
+    "2",
+)
+
+
+def test_probe_json_is_the_result_file(tmp_path: Path) -> None:
+    """--json prints result.json; the folder lands under --trials-dir/probes/0; exit 0."""
+    done = autotune(
+        "probe",
+        *TINY_CPU,
+        "--micro-batch",
+        "1,2",
+        "--json",
+        "--trials-dir",
+        str(tmp_path / "t"),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["outcome"] == "ok"
+    assert [s["micro_batch_size"] for s in data["sizes"]] == [1, 2]
+    written = json.loads((tmp_path / "t" / "probes" / "0" / "result.json").read_text())
+    assert written == data
+
+
+def test_probe_table_names_the_emulation_and_exit_1_when_nothing_fits(tmp_path: Path) -> None:
+    """A limit below the model's own size: OOM while building, exit 1, 'emulated' is said."""
+    done = autotune(
+        "probe",
+        *TINY_CPU,
+        "--device-memory",
+        "64KiB",
+        "--trials-dir",
+        str(tmp_path / "t"),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "emulated device memory 64.00 KiB" in done.stdout
+    assert "outcome oom at build" in done.stdout
+    second = autotune("probe", *TINY_CPU, "--trials-dir", str(tmp_path / "t"), cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert (tmp_path / "t" / "probes" / "1" / "result.json").is_file()  # numbered folders
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("probe", "--engine", "fsdp", "--zero-stage", "1"), "use --engine deepspeed"),
+        (("probe", "--device-memory", "20XB"), "invalid size '20XB'"),
+        (("probe", "--model", "llama-99b"), "unknown model 'llama-99b'"),
+        (("probe", "--micro-batch", "0"), "invalid micro-batch '0'"),
+        (("probe", "--ac", "sometimes"), "invalid activation checkpointing 'sometimes'"),
+        (("probe", "--timeout", "soon"), "soon"),
+        (("probe", "--engine", "ddp", "--offload", "optimizer"), "--engine deepspeed or fsdp"),
+        (("probe", "--engine", "quantum"), "quantum"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], says: str) -> None:
+    """Bad input: exit 2, one line on stderr naming the problem, no traceback, no folder."""
+    done = autotune(*args, "--trials-dir", str(tmp_path / "t"), cwd=tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "rror" in line]
+    assert len(errors) == 1, done.stderr
+    assert says in errors[0]
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "t" / "probes").exists() or not any(
+        (tmp_path / "t" / "probes").iterdir()
+    )
+
+
+def test_models_json_lists_every_preset(tmp_path: Path) -> None:
+    """`autotune models --json` gives each preset with its parameter count."""
+    done = autotune("models", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = {row["name"]: row for row in json.loads(done.stdout)}
+    assert {"llama-7b", "qwen2.5-1.5b", "gpt2", "tiny"} <= set(rows)
+    assert abs(rows["llama-7b"]["params"] - 6.74e9) / 6.74e9 < 0.005
