@@ -63,6 +63,8 @@ def _default_processes(device: str) -> tuple[str, int]:
     from autotune.hardware import detect_gpus
 
     gpus = detect_gpus()
+    if device == "cuda" and gpus is None:
+        raise UsageError("--device cuda, but no GPU is visible: use --device cpu")
     if device == "auto":
         device = "cuda" if gpus else "cpu"
         if gpus is None:

@@ -86,6 +86,7 @@ def test_probe_table_names_the_emulation_and_exit_1_when_nothing_fits(tmp_path: 
         (("probe", "--timeout", "soon"), "soon"),
         (("probe", "--engine", "ddp", "--offload", "optimizer"), "--engine deepspeed or fsdp"),
         (("probe", "--engine", "quantum"), "quantum"),
+        (("probe", "--device", "cuda"), "no GPU is visible: use --device cpu"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], says: str) -> None:

@@ -259,7 +259,7 @@ def launch_probe(
         wall_s=wall,
         import_s=first_report.get("import_s"),
         build_s=first_report.get("build_s"),
-        device=first_report.get("device", spec.device),
+        device=first_report.get("device") or spec.device,
         gpu_name=first_report.get("gpu_name"),
         peak_flops=first_report.get("peak_flops"),
         num_params=first_report.get("num_params"),

@@ -57,12 +57,12 @@ class _Failure:
 class _Report:
     """This rank's report, rewritten atomically after every change."""
 
-    def __init__(self, path: Path, rank: _Rank) -> None:
+    def __init__(self, path: Path, rank: int, world_size: int) -> None:
         self.path = path
         self.data: dict[str, Any] = {
-            "rank": rank.rank,
-            "world_size": rank.world_size,
-            "device": str(rank.device),
+            "rank": rank,
+            "world_size": world_size,
+            "device": None,
             "status": Outcome.OK.value,
             "stage": None,
             "message": "",
@@ -261,17 +261,26 @@ def run(probe_dir: Path) -> int:
     """Run this rank's part of the probe in ``probe_dir``; returns the exit code."""
     started = float(os.environ.get("AUTOTUNE_SPAWN_TIME") or psutil.Process().create_time())
     spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
-    rank = _rank_from_env(spec)
-    report = _Report(probe_dir / f"rank{rank.rank}.json", rank)
+    rank_index = int(os.environ.get("RANK", "0"))
+    report = _Report(
+        probe_dir / f"rank{rank_index}.json", rank_index, int(os.environ.get("WORLD_SIZE", "1"))
+    )
     report.update(import_s=time.time() - started)
     tracker = None
-    if rank.device.type == "cuda":
-        if spec.device_memory_bytes is not None:
-            apply_cuda_limit(spec.device_memory_bytes, rank.device)
-    else:
-        tracker = LiveTensorBytes(spec.device_memory_bytes)
-        tracker.__enter__()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.world_size))
+    try:
+        rank = _rank_from_env(spec)
+        report.update(device=str(rank.device))
+        if rank.device.type == "cuda":
+            if spec.device_memory_bytes is not None:
+                apply_cuda_limit(spec.device_memory_bytes, rank.device)
+        else:
+            tracker = LiveTensorBytes(spec.device_memory_bytes)
+            tracker.__enter__()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.world_size))
+    except Exception as error:
+        report.update(traceback=traceback.format_exc())
+        report.fail(_failure(error, Stage.STARTUP))
+        return 1
     meter = MemoryMeter(
         device=rank.device, tracker=tracker, emulated_limit_bytes=spec.device_memory_bytes
     )

@@ -276,3 +276,15 @@ def test_build_failure_is_error_in_build(run_probe: RunProbe, tmp_path: Path) ->
     assert result.stage is Stage.BUILD
     assert result.sizes == []
     assert result.message
+
+
+def test_startup_failure_is_reported_with_its_stage(run_probe: RunProbe) -> None:
+    """A rank that cannot even pick its device reports an error at startup (here: cuda
+    without a GPU, asked for past the CLI's own check)."""
+    result = run_probe(device="cuda")
+    _assert_no_leftovers(result)
+    assert result.outcome is Outcome.ERROR, probe_failure_text(result)
+    assert result.stage is Stage.STARTUP
+    assert "no GPU is visible" in result.message
+    assert result.device == "cuda"
+    assert read_json(result.probe_dir / "rank0.json")["status"] == "error"
