@@ -1,4 +1,4 @@
-"""What accelerators this node has, how fast they are, and how much host memory is left.
+"""What this node has: visible GPUs through NVML (never torch.cuda), and host memory.
 
 Detection goes through NVML (``pynvml`` from the ``nvidia-ml-py`` package) and never touches
 ``torch.cuda``: probes are forked from this process later, and a parent that has initialised CUDA
@@ -9,22 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-__all__ = [
-    "GpuInfo",
-    "detect_gpus",
-    "host_available_bytes",
-    "host_memory_bytes",
-    "lookup_gpu",
-    "peak_flops_for",
-]
-
-_GIB = 1024**3
+from autotune.hardware.catalogue import _SPECS
+from autotune.hardware.lookup import _driver_key, lookup_gpu
+from autotune.hardware.specs import GpuSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,142 +32,17 @@ class GpuInfo:
     peak_flops: dict[str, float] = field(default_factory=dict)
     """Dense peak FLOP/s by dtype (``bf16``, ``fp16``, ``tf32``, ``fp32``); empty if unknown."""
     catalogue_key: str | None = None
-    """Key of the matching catalogue entry, or None for a GPU the catalogue does not know."""
+    """Family key from ``lookup_gpu`` (``H100-SXM``, ...), or None for an unknown GPU."""
 
+    @property
+    def spec(self) -> GpuSpec | None:
+        """The catalogue entry for this name and memory size, or None for an unknown GPU.
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Entry:
-    """One catalogue row."""
-
-    memory_gib: float
-    """Nominal memory of this variant, as marketed."""
-    peak_flops: dict[str, float]
-    """Dense (no 2:4 sparsity) tensor-core peak by dtype; fp32 is the non-tensor SIMT rate."""
-
-
-def _flops(bf16: float | None, fp16: float, tf32: float | None, fp32: float) -> dict[str, float]:
-    """Build a peak-FLOP/s row from TFLOP/s figures; None marks a dtype with no tensor path."""
-    row = {"bf16": bf16, "fp16": fp16, "tf32": tf32, "fp32": fp32}
-    return {dtype: tflops * 1e12 for dtype, tflops in row.items() if tflops is not None}
-
-
-# Dense peaks from the vendor datasheets.  Datasheets print the 2:4-sparsity figure for tensor
-# cores (marked with an asterisk); those are halved here.  Training kernels accumulate in fp32,
-# so GeForce cards use the "FP16 Tensor with FP32 accumulate" row, half the fp16-accumulate one.
-#   A100:       NVIDIA A100 Tensor Core GPU datasheet (2021), SXM and PCIe columns.
-#   H100:       NVIDIA H100 Tensor Core GPU datasheet (2023): SXM, PCIe and NVL columns.
-#   H200/GH200: NVIDIA H200 datasheet (2024); GH200 Grace Hopper datasheet, same Hopper GPU.
-#   L40S, L40, L4, A10, RTX A6000: the respective NVIDIA product datasheets.
-#   RTX 4090:   NVIDIA Ada Lovelace GPU architecture whitepaper v1.01, appendix table.
-#   RTX 3090:   NVIDIA Ampere GA102 GPU architecture whitepaper v2, table 9.
-#   V100:       NVIDIA Tesla V100 datasheet (no bf16, no tf32: Volta predates both).
-#   MI300X:     AMD Instinct MI300X data sheet (matrix, dense).
-# A10G is AWS's variant of the A10 (g5 instances); NVIDIA publishes no separate sheet.
-_CATALOGUE: dict[str, _Entry] = {
-    "A100-40GB": _Entry(memory_gib=40, peak_flops=_flops(312, 312, 156, 19.5)),
-    "A100-80GB": _Entry(memory_gib=80, peak_flops=_flops(312, 312, 156, 19.5)),
-    "H100-SXM": _Entry(memory_gib=80, peak_flops=_flops(989.4, 989.4, 494.7, 66.9)),
-    "H100-PCIE": _Entry(memory_gib=80, peak_flops=_flops(756.5, 756.5, 378, 51.2)),
-    "H100-NVL": _Entry(memory_gib=94, peak_flops=_flops(835.5, 835.5, 417.5, 60)),
-    "H200": _Entry(memory_gib=141, peak_flops=_flops(989.4, 989.4, 494.7, 66.9)),
-    "H200-NVL": _Entry(memory_gib=141, peak_flops=_flops(835.5, 835.5, 417.5, 60)),
-    "GH200": _Entry(memory_gib=96, peak_flops=_flops(989.4, 989.4, 494.7, 66.9)),
-    "L40S": _Entry(memory_gib=48, peak_flops=_flops(362.05, 362.05, 183, 91.6)),
-    "L40": _Entry(memory_gib=48, peak_flops=_flops(181, 181, 90.5, 90.5)),
-    "L4": _Entry(memory_gib=24, peak_flops=_flops(121, 121, 60, 30.3)),
-    "A10": _Entry(memory_gib=24, peak_flops=_flops(125, 125, 62.5, 31.2)),
-    "A10G": _Entry(memory_gib=24, peak_flops=_flops(125, 125, 62.5, 31.2)),
-    "RTX-A6000": _Entry(memory_gib=48, peak_flops=_flops(154.8, 154.8, 77.4, 38.7)),
-    "RTX-4090": _Entry(memory_gib=24, peak_flops=_flops(165.2, 165.2, 82.6, 82.6)),
-    "RTX-3090": _Entry(memory_gib=24, peak_flops=_flops(71, 71, 35.6, 35.6)),
-    "V100-SXM": _Entry(memory_gib=32, peak_flops=_flops(None, 125, None, 15.7)),
-    "V100-PCIE": _Entry(memory_gib=32, peak_flops=_flops(None, 112, None, 14)),
-    "V100S-PCIE": _Entry(memory_gib=32, peak_flops=_flops(None, 130, None, 16.4)),
-    "MI300X": _Entry(memory_gib=192, peak_flops=_flops(1307.4, 1307.4, 653.7, 163.4)),
-}
-
-# Ordered rules over the normalised driver name (upper case, "-"/"_" turned into spaces).
-# First match wins, so variants come before the family ("H100 NVL", "H100 PCIE" before "H100").
-# Word boundaries keep "GH200" from matching H200, "L40S"/"L40" from matching L4 and "A100" from
-# matching A10.
-_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(pattern), key)
-    for pattern, key in (
-        (r"\bGH200\b", "GH200"),
-        (r"\bH200 NVL\b", "H200-NVL"),
-        (r"\bH200\b", "H200"),
-        (r"\bH100 NVL\b", "H100-NVL"),
-        (r"\bH100\b.*\bPCIE\b", "H100-PCIE"),
-        (r"\bH100\b", "H100-SXM"),
-        (r"\bA100\b.*\b80GB\b", "A100-80GB"),
-        (r"\bA100\b.*\b40GB\b", "A100-40GB"),
-        (r"\bL40S\b", "L40S"),
-        (r"\bL40\b", "L40"),
-        (r"\bL4\b", "L4"),
-        (r"\bA10G\b", "A10G"),
-        (r"\bA10\b", "A10"),
-        (r"\bRTX A6000\b", "RTX-A6000"),
-        # The 4090 D (China) and 3090 Ti have other clocks/SM counts: leave them unknown.
-        (r"\bRTX 4090\b(?! D\b)", "RTX-4090"),
-        (r"\bRTX 3090\b(?! TI\b)", "RTX-3090"),
-        (r"\bV100S\b", "V100S-PCIE"),
-        (r"\bV100\b.*\bPCIE\b", "V100-PCIE"),
-        (r"\bV100\b", "V100-SXM"),
-        (r"\bMI300X\b", "MI300X"),
-    )
-)
-
-
-def lookup_gpu(name: str, *, memory_bytes: int | None = None) -> str | None:
-    """Map a driver-reported GPU name onto a catalogue key.
-
-    Args:
-        name: The name from NVML / ``nvidia-smi``, e.g. ``NVIDIA A100-SXM4-80GB``.
-        memory_bytes: Total device memory; only used to tell an A100 40GB from an 80GB when the
-            name does not say (their peaks are equal, the key records the variant).
-
-    Returns:
-        The catalogue key, or None when the GPU is not in the catalogue.
-    """
-    normalised = " ".join(re.sub(r"[-_]", " ", name.upper()).split())
-    for pattern, key in _RULES:
-        if pattern.search(normalised):
-            return key
-    if re.search(r"\bA100\b", normalised):
-        large = memory_bytes is not None and memory_bytes > 48 * _GIB
-        return "A100-80GB" if large else "A100-40GB"
-    return None
-
-
-_DTYPE_ALIASES: dict[str, str] = {
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "tf32": "tf32",
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-}
-
-
-def peak_flops_for(name: str, dtype: str) -> float | None:
-    """Dense peak FLOP/s of a GPU for a dtype.
-
-    Args:
-        name: Driver-reported GPU name or a catalogue key.
-        dtype: ``bf16``/``bfloat16``, ``fp16``/``float16``, ``tf32`` or ``fp32``/``float32``;
-            a ``torch.`` prefix is ignored.
-
-    Returns:
-        FLOP/s, or None when the GPU or the dtype's tensor path is unknown (e.g. bf16 on V100).
-    """
-    key = name if name in _CATALOGUE else lookup_gpu(name)
-    canonical = _DTYPE_ALIASES.get(dtype.lower().removeprefix("torch."))
-    if key is None or canonical is None:
-        return None
-    return _CATALOGUE[key].peak_flops.get(canonical)
+        The memory size picks the variant where the name does not (V100 16GB or 32GB).  The
+        spec's ``memory_bytes`` is the catalogue's; ``self.memory_bytes`` is what was measured.
+        """
+        key = _driver_key(self.name, self.memory_bytes)
+        return None if key is None else _SPECS[key]
 
 
 def _visible_entries() -> list[str] | None:
@@ -237,7 +104,8 @@ def detect_gpus() -> GpuInfo | None:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
     key = lookup_gpu(name, memory_bytes=memory)
-    peaks = dict(_CATALOGUE[key].peak_flops) if key else {}
+    spec_key = _driver_key(name, memory)
+    peaks = dict(_SPECS[spec_key].peak_flops) if spec_key else {}
     return GpuInfo(
         name=name, memory_bytes=memory, count=len(entries), peak_flops=peaks, catalogue_key=key
     )

@@ -1,0 +1,343 @@
+"""The GPU catalogue: vendor figures for every GPU the estimator knows, with sources."""
+
+from __future__ import annotations
+
+from autotune.hardware.specs import _MIB, GpuSpec
+
+
+def _flops(bf16: float | None, fp16: float, tf32: float | None, fp32: float) -> dict[str, float]:
+    """Build a peak-FLOP/s row from TFLOP/s figures; None marks a dtype with no tensor path."""
+    row = {"bf16": bf16, "fp16": fp16, "tf32": tf32, "fp32": fp32}
+    return {dtype: tflops * 1e12 for dtype, tflops in row.items() if tflops is not None}
+
+
+# Link rates, bytes/s in one direction.
+#   PCIe x16 raw per direction: Gen3 15.75, Gen4 31.5, Gen5 63 GB/s (PCI-SIG base specs; the
+#   datasheets' "PCIe Gen5 128 GB/s" is both directions).  Pinned-memory copies reach about
+#   80 % of raw (NVIDIA's cuda-samples bandwidthTest reports ~12, ~25, ~50 GB/s), so those
+#   effective figures are used: they are what offload and cross-card traffic actually get.
+_PCIE3 = 12e9
+_PCIE4 = 25e9
+_PCIE5 = 50e9
+#   NVLink per GPU, all links together, one direction: V100 SXM2 NVLink 2 "300 GB/s", A100 SXM
+#   NVLink 3 "600 GB/s", H100/H200 SXM NVLink 4 "900 GB/s" (datasheets, both directions).
+_NVLINK2 = 150e9
+_NVLINK3 = 300e9
+_NVLINK4 = 450e9
+#   GH200: NVLink-C2C to the Grace CPU, "900 GB/s" both directions (GH200 datasheet).
+_NVLINK_C2C = 450e9
+#   MI300X: 7 Infinity Fabric links, "896 GB/s" peak aggregate bidirectional (MI300X data
+#   sheet); one link (64 GB/s a direction) joins each pair of the 8 GPUs of a platform.
+_INFINITY_FABRIC = 448e9
+# Typical network per GPU in clusters built around each GPU, one direction.  Overridable: a
+# property of the cluster, not the GPU.  DGX/HGX H100 and H200 have one 400 Gb/s NDR
+# InfiniBand (or 400G Ethernet) port per GPU (DGX H100 user guide), DGX A100 one 200 Gb/s HDR
+# port per GPU (DGX A100 user guide); PCIe-card and older servers are assumed to have 100 Gb/s.
+_NET_400G = 50e9
+_NET_200G = 25e9
+_NET_100G = 12.5e9
+
+# Dense peaks from the vendor datasheets.  Datasheets print the 2:4-sparsity figure for tensor
+# cores (marked with an asterisk); those are halved here.  Training kernels accumulate in fp32,
+# so GeForce cards use the "FP16 Tensor with FP32 accumulate" row, half the fp16-accumulate one.
+# Memory and bandwidths come from the same sheets (H100 SXM 3.35 TB/s, PCIe 2 TB/s, NVL 3.9 TB/s;
+# H200 4.8 TB/s; A100 80GB SXM 2,039 GB/s, PCIe 1,935 GB/s, 40GB 1,555 GB/s; ...).
+#   A100:       NVIDIA A100 Tensor Core GPU datasheet (2021), SXM and PCIe columns.
+#   H100:       NVIDIA H100 Tensor Core GPU datasheet (2023): SXM, PCIe and NVL columns.
+#   H200/GH200: NVIDIA H200 datasheet (2024), SXM and NVL columns; GH200 Grace Hopper
+#               datasheet (96GB HBM3 version, 4 TB/s), same Hopper GPU as the H100 SXM.
+#   L40S, L40, L4, A10, RTX A6000: the respective NVIDIA product datasheets.
+#   RTX 4090:   NVIDIA Ada Lovelace GPU architecture whitepaper v1.01, appendix table.
+#   RTX 3090:   NVIDIA Ampere GA102 GPU architecture whitepaper v2, table 9.
+#   V100:       NVIDIA Tesla V100 datasheet (no bf16, no tf32: Volta predates both); V100S PCIe
+#               datasheet.
+#   MI300X:     AMD Instinct MI300X data sheet (matrix, dense; 5.3 TB/s HBM3).
+# A10G is AWS's variant of the A10 (g5 instances); NVIDIA publishes no separate sheet, AWS lists
+# 24 GB and the A10's figures are used.
+#
+# memory_bytes is the driver's reading: the total nvidia-smi prints (NVML memory.total) with
+# 2023+ drivers and the default ECC mode, as seen in published nvidia-smi output; none is a
+# datasheet figure converted.  Older drivers report less on some parts (A100 40GB 40536 MiB,
+# V100 32GB 32510 MiB, RTX 3090 24268 MiB), and enabling ECC on a GDDR card takes 1/16 (RTX
+# A6000 49140 -> 46068 MiB; A10 24564 -> 23028 MiB).  Two are not readings: V100 16GB PCIe is
+# assumed equal to the SXM2 16GB's, and MI300X is rocm-smi's VRAM total (205822885888 bytes).
+_SPEC_LIST: tuple[GpuSpec, ...] = (
+    GpuSpec(
+        key="h100-80gb",
+        name="NVIDIA H100 SXM5 80GB",
+        memory_bytes=81559 * _MIB,
+        peak_flops=_flops(989.4, 989.4, 494.7, 66.9),
+        hbm_bandwidth=3.35e12,
+        intra_node_bandwidth=_NVLINK4,
+        host_link_bandwidth=_PCIE5,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        # The NVLink bridge (600 GB/s) joins pairs of cards only; a node's collectives cross PCIe.
+        key="h100-pcie",
+        name="NVIDIA H100 PCIe 80GB",
+        memory_bytes=81559 * _MIB,
+        peak_flops=_flops(756.5, 756.5, 378, 51.2),
+        hbm_bandwidth=2.0e12,
+        intra_node_bandwidth=_PCIE5,
+        host_link_bandwidth=_PCIE5,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        # NVLink bridge (600 GB/s) between pairs only, as on the H100 PCIe.
+        key="h100-nvl",
+        name="NVIDIA H100 NVL 94GB",
+        memory_bytes=95830 * _MIB,
+        peak_flops=_flops(835.5, 835.5, 417.5, 60),
+        hbm_bandwidth=3.9e12,
+        intra_node_bandwidth=_PCIE5,
+        host_link_bandwidth=_PCIE5,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        key="h200",
+        name="NVIDIA H200 SXM 141GB",
+        memory_bytes=143771 * _MIB,
+        peak_flops=_flops(989.4, 989.4, 494.7, 66.9),
+        hbm_bandwidth=4.8e12,
+        intra_node_bandwidth=_NVLINK4,
+        host_link_bandwidth=_PCIE5,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        # 2- or 4-way NVLink bridges (900 GB/s) join groups of cards; an 8-card node's
+        # collectives still cross PCIe.
+        key="h200-nvl",
+        name="NVIDIA H200 NVL 141GB",
+        memory_bytes=143771 * _MIB,
+        peak_flops=_flops(835.5, 835.5, 417.5, 60),
+        hbm_bandwidth=4.8e12,
+        intra_node_bandwidth=_PCIE5,
+        host_link_bandwidth=_PCIE5,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        # Nodes of 4 superchips link every pair by NVLink 4 (150 GB/s a direction), 450 GB/s
+        # per GPU in all.  The host link is NVLink-C2C to the Grace CPU's LPDDR5X.
+        key="gh200",
+        name="NVIDIA GH200 Grace Hopper Superchip (96GB HBM3)",
+        memory_bytes=97871 * _MIB,
+        peak_flops=_flops(989.4, 989.4, 494.7, 66.9),
+        hbm_bandwidth=4.0e12,
+        intra_node_bandwidth=_NVLINK4,
+        host_link_bandwidth=_NVLINK_C2C,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        key="a100-80gb",
+        name="NVIDIA A100 SXM4 80GB",
+        memory_bytes=81920 * _MIB,
+        peak_flops=_flops(312, 312, 156, 19.5),
+        hbm_bandwidth=2.039e12,
+        intra_node_bandwidth=_NVLINK3,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_200G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        # NVLink bridge (600 GB/s) between pairs only.
+        key="a100-80gb-pcie",
+        name="NVIDIA A100 PCIe 80GB",
+        memory_bytes=81920 * _MIB,
+        peak_flops=_flops(312, 312, 156, 19.5),
+        hbm_bandwidth=1.935e12,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_200G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        key="a100-40gb",
+        name="NVIDIA A100 SXM4 40GB",
+        memory_bytes=40960 * _MIB,
+        peak_flops=_flops(312, 312, 156, 19.5),
+        hbm_bandwidth=1.555e12,
+        intra_node_bandwidth=_NVLINK3,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_200G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        key="a100-40gb-pcie",
+        name="NVIDIA A100 PCIe 40GB",
+        memory_bytes=40960 * _MIB,
+        peak_flops=_flops(312, 312, 156, 19.5),
+        hbm_bandwidth=1.555e12,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_200G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        # No NVLink on the L40S, L40, L4, A10 and RTX 4090: peers talk over PCIe.
+        key="l40s",
+        name="NVIDIA L40S",
+        memory_bytes=46068 * _MIB,
+        peak_flops=_flops(362.05, 362.05, 183, 91.6),
+        hbm_bandwidth=864e9,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        key="l40",
+        name="NVIDIA L40",
+        memory_bytes=46068 * _MIB,
+        peak_flops=_flops(181, 181, 90.5, 90.5),
+        hbm_bandwidth=864e9,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        key="l4",
+        name="NVIDIA L4",
+        memory_bytes=23034 * _MIB,
+        peak_flops=_flops(121, 121, 60, 30.3),
+        hbm_bandwidth=300e9,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        key="a10",
+        name="NVIDIA A10",
+        memory_bytes=23028 * _MIB,
+        peak_flops=_flops(125, 125, 62.5, 31.2),
+        hbm_bandwidth=600e9,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        key="a10g",
+        name="NVIDIA A10G (AWS)",
+        memory_bytes=23028 * _MIB,
+        peak_flops=_flops(125, 125, 62.5, 31.2),
+        hbm_bandwidth=600e9,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        # NVLink bridge (112.5 GB/s) between pairs only.
+        key="a6000",
+        name="NVIDIA RTX A6000",
+        memory_bytes=49140 * _MIB,
+        peak_flops=_flops(154.8, 154.8, 77.4, 38.7),
+        hbm_bandwidth=768e9,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        # GeForce drivers disable peer-to-peer: NCCL stages GPU-to-GPU traffic through host
+        # memory, so real collectives get less than the PCIe figure.
+        key="rtx4090",
+        name="NVIDIA GeForce RTX 4090",
+        memory_bytes=24564 * _MIB,
+        peak_flops=_flops(165.2, 165.2, 82.6, 82.6),
+        hbm_bandwidth=1008e9,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        # NVLink bridge (112.5 GB/s) between pairs only.
+        key="rtx3090",
+        name="NVIDIA GeForce RTX 3090",
+        memory_bytes=24576 * _MIB,
+        peak_flops=_flops(71, 71, 35.6, 35.6),
+        hbm_bandwidth=936e9,
+        intra_node_bandwidth=_PCIE4,
+        host_link_bandwidth=_PCIE4,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        key="v100-32gb",
+        name="NVIDIA Tesla V100 SXM2 32GB",
+        memory_bytes=32768 * _MIB,
+        peak_flops=_flops(None, 125, None, 15.7),
+        hbm_bandwidth=900e9,
+        intra_node_bandwidth=_NVLINK2,
+        host_link_bandwidth=_PCIE3,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        key="v100-16gb",
+        name="NVIDIA Tesla V100 SXM2 16GB",
+        memory_bytes=16384 * _MIB,
+        peak_flops=_flops(None, 125, None, 15.7),
+        hbm_bandwidth=900e9,
+        intra_node_bandwidth=_NVLINK2,
+        host_link_bandwidth=_PCIE3,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        key="v100-32gb-pcie",
+        name="NVIDIA Tesla V100 PCIe 32GB",
+        memory_bytes=32768 * _MIB,
+        peak_flops=_flops(None, 112, None, 14),
+        hbm_bandwidth=900e9,
+        intra_node_bandwidth=_PCIE3,
+        host_link_bandwidth=_PCIE3,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        key="v100-16gb-pcie",
+        name="NVIDIA Tesla V100 PCIe 16GB",
+        memory_bytes=16384 * _MIB,
+        peak_flops=_flops(None, 112, None, 14),
+        hbm_bandwidth=900e9,
+        intra_node_bandwidth=_PCIE3,
+        host_link_bandwidth=_PCIE3,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        key="v100s",
+        name="NVIDIA Tesla V100S PCIe 32GB",
+        memory_bytes=32768 * _MIB,
+        peak_flops=_flops(None, 130, None, 16.4),
+        hbm_bandwidth=1134e9,
+        intra_node_bandwidth=_PCIE3,
+        host_link_bandwidth=_PCIE3,
+        inter_node_bandwidth=_NET_100G,
+        form_factor="pcie",
+    ),
+    GpuSpec(
+        # OAM module on an 8-GPU platform, counted as "sxm"; rocm-smi's total, not nvidia-smi's.
+        key="mi300x",
+        name="AMD Instinct MI300X",
+        memory_bytes=205822885888,
+        peak_flops=_flops(1307.4, 1307.4, 653.7, 163.4),
+        hbm_bandwidth=5.3e12,
+        intra_node_bandwidth=_INFINITY_FABRIC,
+        host_link_bandwidth=_PCIE5,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="sxm",
+    ),
+)
+_SPECS: dict[str, GpuSpec] = {spec.key: spec for spec in _SPEC_LIST}
