@@ -122,8 +122,3 @@ def _named_float_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     for name, buffer in model.named_buffers():
         if buffer.is_floating_point() and buffer.numel() and buffer.device.type != "meta":
             yield name, buffer.to_local() if isinstance(buffer, DTensor) else buffer
-
-
-def count_params(model: nn.Module) -> int:
-    """Number of parameters (global, for sharded models too)."""
-    return sum(p.numel() for p in model.parameters())

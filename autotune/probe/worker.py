@@ -106,9 +106,8 @@ def _inject_fault(rank: int) -> None:
         raise RuntimeError("injected failure (AUTOTUNE_TEST_FAULT)")
 
 
-def _rank_from_env(spec: ProbeSpec) -> _Rank:
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+def _place_rank(spec: ProbeSpec, rank: int, world_size: int) -> _Rank:
+    """Pick this rank's device (LOCAL_RANK-th GPU, or the CPU)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device_type = spec.device
     if device_type == "auto":
@@ -262,13 +261,12 @@ def run(probe_dir: Path) -> int:
     started = float(os.environ.get("AUTOTUNE_SPAWN_TIME") or psutil.Process().create_time())
     spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
     rank_index = int(os.environ.get("RANK", "0"))
-    report = _Report(
-        probe_dir / f"rank{rank_index}.json", rank_index, int(os.environ.get("WORLD_SIZE", "1"))
-    )
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    report = _Report(probe_dir / f"rank{rank_index}.json", rank_index, world_size)
     report.update(import_s=time.time() - started)
     tracker = None
     try:
-        rank = _rank_from_env(spec)
+        rank = _place_rank(spec, rank_index, world_size)
         report.update(device=str(rank.device))
         if rank.device.type == "cuda":
             if spec.device_memory_bytes is not None:
