@@ -1,0 +1,153 @@
+"""Activation memory of one training step, per token, from the model's shape.
+
+What autograd saves for the backward is a list of tensors whose sizes follow from the model's
+dimensions and from the dtype each op runs in; this module writes that list down for the
+decoder blocks and the head (final norm, logits, loss) of the causal LMs autotune builds
+(llama, mistral, qwen2: RMSNorm, grouped-query attention, SwiGLU; gpt2: LayerNorm, fused qkv,
+GELU). Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+section 4.1) count the same tensors for a GPT block; the counts here follow the Hugging Face
+implementations the probes run, op by op, and were checked against the tensors autograd really
+saves (docs/estimator.md).
+
+Three dtype regimes change the bytes:
+
+- ``autocast``: fp32 weights under torch.autocast (single and ddp engines, mixed precision).
+  The residual stream stays fp32; every linear layer casts its input to bf16 separately (three
+  casts before q/k/v, two before gate/up), and the bf16 copy of each weight is kept from the
+  layer's forward to its backward.
+- ``low``: weights already in bf16/fp16 (FSDP2's mixed-precision policy, DeepSpeed, pure bf16):
+  a bf16 residual stream; RMSNorm still computes in fp32 and saves an fp32 copy of its input.
+- ``fp32``: everything in fp32.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from autotune.config import Attention, Engine, Precision, TrainConfig
+from autotune.models import ModelSpec
+
+__all__ = ["ActivationProfile", "Regime", "activation_profile", "regime_of"]
+
+
+class Regime(enum.StrEnum):
+    """Which dtypes activations take (see the module docstring)."""
+
+    AUTOCAST = "autocast"
+    LOW = "low"
+    FP32 = "fp32"
+
+
+def regime_of(config: TrainConfig) -> Regime:
+    """The activation dtype regime a configuration trains in."""
+    if config.precision is Precision.FP32:
+        return Regime.FP32
+    mixed = config.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    if mixed and config.engine in (Engine.SINGLE, Engine.DDP):
+        return Regime.AUTOCAST
+    return Regime.LOW
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationProfile:
+    """Activation bytes of one model in one regime; ``*_per_token`` scale with batch × seq."""
+
+    regime: Regime
+    layer_saved_per_token: float
+    """What one decoder block saves for its backward."""
+    layer_input_per_token: float
+    """What a checkpointed block keeps instead: its input (the residual stream)."""
+    layer_backward_per_token: float
+    """Working set of one block's backward on top of what it saved: gradients of its
+    activations (measured; docs/estimator.md)."""
+    head_saved_per_token: float
+    """Final norm, the lm_head input, the log-softmax output (fp32) and the int64 labels."""
+    head_forward_per_token: float
+    """Extra at the loss: the logits and their fp32 upcast, before the forward returns."""
+    head_backward_per_token: float
+    """Extra at the start of the backward: gradients of the fp32 log-probabilities and logits."""
+    layer_weight_copy_bytes: int
+    """Autocast's bf16 copy of one block's weights, held from its forward to its backward."""
+    head_weight_copy_bytes: int
+    """Autocast's bf16 copy of the lm_head weight."""
+
+
+def _gelu_saved(model: ModelSpec) -> int:
+    """Tensors GPT-2's tanh-approximated GELU (``gelu_new``) saves, in units of its input.
+
+    ``0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3)))`` is built from elementwise ops, each
+    saving an input: x (pow, mul), x**3 (mul), the tanh output, and 0.5·x.
+    """
+    activation = str(getattr(model.hf_config, "activation_function", "gelu_new"))
+    return 4 if activation in ("gelu_new", "gelu_pytorch_tanh") else 1
+
+
+def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> ActivationProfile:
+    """Activation bytes of ``model`` trained as ``config`` at sequence length ``seq_len``.
+
+    Args:
+        model: The model shape.
+        config: Supplies the precision/engine (dtype regime) and the attention kernel.
+        seq_len: Tokens per sequence; eager attention saves seq × seq scores per head.
+
+    Returns:
+        The per-token and per-layer figures the memory timeline adds up.
+    """
+    regime = regime_of(config)
+    d, i, V = model.hidden_size, model.intermediate_size, model.vocab_size
+    heads, q = model.num_attention_heads, model.num_attention_heads * model.head_dim
+    kv = model.num_key_value_heads * model.head_dim
+    gpt2 = model.model_type == "gpt2"
+    act = 4 if regime is Regime.FP32 else 2  # bytes of a matmul output
+    residual = 2 if regime is Regime.LOW else 4
+
+    # A norm saves its input in fp32 (a copy when the stream is bf16), the per-token
+    # statistics, and the normalized tensor the weight multiplies (cast back in `low`).
+    normalized = 2 if regime is Regime.LOW else 4
+    stats = 8 if gpt2 else 4  # LayerNorm: mean and rstd; RMSNorm: rsqrt
+    norm = 4 * d + stats + normalized * d
+    # Inputs of the linear layers: one cast copy per layer under autocast, else the norm's
+    # output shared by all of them.
+    attention_linears, mlp_linears = (1, 1) if gpt2 else (3, 2)
+    if regime is Regime.AUTOCAST:
+        linear_inputs = 2 * d * (attention_linears + mlp_linears)
+    else:
+        linear_inputs = 2 * act * d
+
+    if config.attention is Attention.SDPA:
+        # q, k, v after RoPE, the output (also o_proj's input), and the fp32 log-sum-exp.
+        attention = act * (2 * q + 2 * kv) + 4 * heads
+    else:
+        # q, k and v expanded to every query head, the fp32 softmax and its cast copy, and
+        # o_proj's input, made contiguous.
+        probs = 4 * heads * seq_len + (0 if act == 4 else act * heads * seq_len)
+        attention = act * 4 * q + probs
+    if gpt2:
+        attention += act * 3 * d  # the fused c_attn output, split into q, k, v views
+        mlp = act * i * (1 + _gelu_saved(model))  # c_fc output, GELU pieces, c_proj input
+    else:
+        mlp = 4 * act * i  # gate, up, silu(gate), and their product (down_proj's input)
+
+    layer_saved = 2 * norm + linear_inputs + attention + mlp
+    # The final norm, the lm_head's input, the fp32 log-probabilities and two int64 copies of
+    # the labels (inputs and shifted targets).
+    head_input = 2 * d if regime is Regime.AUTOCAST else act * d
+    head_saved = norm + head_input + 4 * V + 16
+    logits = act * V + (4 * V if act != 4 else 0)  # the lm_head output and its fp32 upcast
+    # Under autocast the final norm's fp32 output lives on in the returned model output.
+    head_forward = logits + (4 * d if regime is Regime.AUTOCAST else 0) + 8
+
+    matmul_per_layer = model.num_block_params // model.num_layers
+    copies = regime is Regime.AUTOCAST
+    return ActivationProfile(
+        regime=regime,
+        layer_saved_per_token=layer_saved,
+        layer_input_per_token=residual * d,
+        layer_backward_per_token=9 * d + 2 * i,
+        head_saved_per_token=head_saved,
+        head_forward_per_token=head_forward,
+        head_backward_per_token=8 * V,
+        layer_weight_copy_bytes=2 * matmul_per_layer if copies else 0,
+        head_weight_copy_bytes=2 * V * d if copies else 0,
+    )

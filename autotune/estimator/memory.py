@@ -1,0 +1,336 @@
+"""Peak device memory of one rank, without running anything.
+
+The estimate walks one training step at the granularity of decoder blocks: the forward up to
+the loss, the backward block by block from the top, the optimizer step. At each point it adds
+what is alive: model states (parameters, optimizer state, flat buffers, as each engine lays
+them out), gradients produced so far, activations still saved, weights gathered or cast for
+the block at work, and that block's working set. The peak is the largest of those sums, and the
+breakdown at the peak says what filled the memory. Walking the step matters: with large
+batches the peak comes at the loss (every activation saved, the logits on top), with small
+ones at the optimizer step (all gradients, no activations), and with checkpointing in the
+backward, while a block is recomputed.
+
+Model states follow what the engines were measured to hold (``bench/model_states.py``,
+docs/estimator.md): fused AdamW with fp32 master weights is 16 bytes a parameter (Rajbhandari
+et al. 2020, "ZeRO", section 3.1), DeepSpeed ZeRO-1/2 with bf16 is 2 + 24/N, and so on.
+Activations come from :mod:`autotune.estimator.activations`. Everything is closed-form: one
+estimate takes microseconds, so a planner can walk a whole search space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.config import Engine, Offload, Precision, TrainConfig
+from autotune.estimator.activations import ActivationProfile, activation_profile
+from autotune.models import ModelSpec
+
+__all__ = ["CATEGORIES", "MemoryEstimate", "StateLayout", "estimate_memory", "state_layout"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
+"""Breakdown keys: ``buffers`` holds communication buckets, gathered and cast weights."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateLayout:
+    """Where one rank's model states live, in bytes (device unless named host)."""
+
+    parameters: float
+    """Parameters resident on the device all step (master or sharded copies included)."""
+    optimizer: float
+    """Optimizer state on the device (Adam moments; master weights of DeepSpeed)."""
+    resident_buffers: float
+    """Flat gradient buffers and buckets allocated once and kept (DDP, DeepSpeed)."""
+    gradients_per_layer: float
+    """Gradient bytes one block leaves behind once its backward is done (kept to the step)."""
+    gradients_head: float
+    """Same for the embeddings, final norm and lm_head."""
+    held_per_layer: float
+    """Weights held from a block's forward to its backward: FSDP2 ZeRO-2's unsharded block."""
+    working_weights: float
+    """Weights gathered for the block at work, prefetch included (ZeRO-3, FSDP2)."""
+    root_weights: float
+    """FSDP2's unsharded root (embeddings, final norm, head), alive through the whole step."""
+    layer_backward_buffers: float
+    """Per-block gradient buffers in its backward (unsharded grads, reduce-scatter input)."""
+    step_extra: float
+    """Extra during the optimizer step (ZeRO's partition updates, gathers)."""
+    host: float
+    """Host memory this rank needs for offloaded states."""
+
+
+def _fraction(model: ModelSpec) -> tuple[float, float]:
+    """Parameters per decoder block and outside the blocks (embeddings, final norm, head)."""
+    per_layer = model.num_block_params / model.num_layers
+    return per_layer, model.num_params - model.num_block_params
+
+
+def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> StateLayout:
+    """Model-state bytes of one rank of ``world_size`` data-parallel ranks.
+
+    Args:
+        model: The model shape.
+        config: Engine, ZeRO stage, precision, offload.
+        world_size: Data-parallel ranks N the states are sharded over.
+
+    Returns:
+        The layout the timeline in :func:`estimate_memory` adds up.
+    """
+    P, n = float(model.num_params), float(world_size)
+    per_layer, root = _fraction(model)
+    # Bytes of a weight and of each Adam moment: pure bf16 keeps both in bf16; every other
+    # precision keeps fp32 masters (the compute copy is bf16/fp16, or the weight itself in fp32).
+    master = 2.0 if config.precision is Precision.BF16 else 4.0
+    compute = 4.0 if config.precision is Precision.FP32 else 2.0
+    engine, stage, offload = config.engine, config.zero_stage, config.offload
+    zero = dict(
+        resident_buffers=0.0,
+        held_per_layer=0.0,
+        working_weights=0.0,
+        root_weights=0.0,
+        layer_backward_buffers=0.0,
+        step_extra=0.0,
+        host=0.0,
+    )
+    if engine in (Engine.SINGLE, Engine.DDP):
+        # Weights, one gradient per weight, two Adam moments; DDP adds its gradient buckets. A
+        # block's backward starts with the gradient of its largest weight made in the compute
+        # dtype and accumulated into the fp32 one.
+        largest = model.hidden_size * model.intermediate_size
+        return StateLayout(
+            parameters=master * P,
+            optimizer=2 * master * P,
+            gradients_per_layer=master * per_layer,
+            gradients_head=master * root,
+            **{
+                **zero,
+                "resident_buffers": master * P if engine is Engine.DDP else 0.0,
+                "layer_backward_buffers": (compute + master) * largest,
+            },
+        )
+    if engine is Engine.FSDP:
+        # Sharded fp32 weights, moments and gradients; unsharded compute-dtype weights of the
+        # root all step and of the block at work (with the next one prefetched), or of every
+        # block between its forward and backward with ZeRO-2 (no re-shard after the forward).
+        # A block's backward holds its unsharded gradient and the fp32 copy reduce-scattered.
+        on_host = offload is Offload.PARAMS
+        sharded = 3 * master * P / n
+        return StateLayout(
+            parameters=0.0 if on_host else master * P / n,
+            optimizer=0.0 if on_host else 2 * master * P / n,
+            gradients_per_layer=0.0 if on_host else master * per_layer / n,
+            gradients_head=0.0 if on_host else master * root / n,
+            resident_buffers=0.0,
+            held_per_layer=compute * per_layer if stage == 2 else 0.0,
+            working_weights=2 * compute * per_layer,
+            root_weights=compute * root,
+            layer_backward_buffers=(compute + master) * per_layer,
+            step_extra=0.0,
+            host=sharded + master * P / n if on_host else 0.0,
+        )
+    # DeepSpeed (fits of bench/model_states.py and of probes with activations, docs/estimator.md).
+    # ZeRO-0 keeps compute-dtype and fp32 weights and the moments resident, makes
+    # compute-dtype gradients in the backward and fp32 ones for the step: 20 bytes a parameter.
+    if stage == 0:
+        return StateLayout(
+            parameters=(compute + master) * P,
+            optimizer=2 * master * P,
+            gradients_per_layer=compute * per_layer,
+            gradients_head=compute * root,
+            **{**zero, "step_extra": master * P},
+        )
+    # ZeRO-1/2: compute-dtype weights whole, master weights and moments partitioned, and
+    # gradient partitions and flat buffers filling up to 2 + 24/N bytes a parameter at the
+    # step. ZeRO-3 partitions the weights too and keeps an fp32 gradient partition resident:
+    # 28/N in all, plus the blocks gathered for the forward and backward.
+    weights = compute * P / n if stage == 3 else compute * P
+    states = 3 * master * P / n
+    resident_grads = master * P / n if stage == 3 else 0.0
+    grads = (24.0 if stage < 3 else 10.0) / n - (12.0 / n if stage < 3 else 0.0)
+    if offload is Offload.NONE:
+        return StateLayout(
+            parameters=weights,
+            optimizer=states,
+            gradients_per_layer=grads * per_layer,
+            gradients_head=grads * root,
+            **{
+                **zero,
+                "resident_buffers": resident_grads,
+                "working_weights": 2 * compute * per_layer if stage == 3 else 0.0,
+            },
+        )
+    # Offload: master weights, moments and fp32 gradients on the host; the device keeps the
+    # compute-dtype weights (only those gathered for the block at work with parameter offload)
+    # and compute-dtype gradient partitions on their way down.
+    params_off = offload is Offload.PARAMS
+    return StateLayout(
+        parameters=0.0 if params_off else weights,
+        optimizer=0.0,
+        gradients_per_layer=compute * per_layer / n,
+        gradients_head=compute * root / n,
+        **{
+            **zero,
+            "working_weights": 2 * compute * per_layer if stage == 3 else 0.0,
+            "host": states + master * P / n + (compute * P / n if params_off else 0.0),
+        },
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryEstimate:
+    """Predicted peak device memory of one rank, and what fills it."""
+
+    peak_bytes: int
+    """Live tensor bytes at the step's peak (what ``torch.cuda.max_memory_allocated`` reads)."""
+    phase: str
+    """Where the peak falls: ``forward``, ``loss``, ``backward``, ``optimizer``."""
+    breakdown: dict[str, int] = field(default_factory=dict)
+    """Bytes per category at the peak (:data:`CATEGORIES`)."""
+    host_bytes: int = 0
+    """Host memory for offloaded states, per rank."""
+    activation_bytes_per_sample: float = 0.0
+    """How the peak grows per sequence of micro-batch (slope of the linear memory model)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "phase": self.phase,
+            "breakdown": dict(self.breakdown),
+            "host_bytes": self.host_bytes,
+            "activation_bytes_per_sample": self.activation_bytes_per_sample,
+        }
+
+
+def _checkpointed(layer: int, ac_every: int) -> bool:
+    """Whether block ``layer`` is checkpointed (the probe wraps index % k == 0)."""
+    return ac_every > 0 and layer % ac_every == 0
+
+
+def estimate_memory(
+    model: ModelSpec,
+    config: TrainConfig,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    world_size: int = 1,
+    profile: ActivationProfile | None = None,
+) -> MemoryEstimate:
+    """Peak live device bytes of one rank over a steady-state training step.
+
+    Args:
+        model: The model shape.
+        config: The configuration.
+        micro_batch_size: Sequences per rank per micro-step.
+        seq_len: Tokens per sequence.
+        world_size: Data-parallel ranks.
+        profile: Activation figures to use instead of the analytic ones (a calibration).
+
+    Returns:
+        The peak, where it falls, and its breakdown.
+    """
+    states = state_layout(model, config, world_size)
+    prof = profile or activation_profile(model, config, seq_len)
+    tokens = float(micro_batch_size * seq_len)
+    layers = model.num_layers
+    ac = config.ac_every
+    saved = prof.layer_saved_per_token * tokens
+    kept = [
+        prof.layer_input_per_token * tokens if _checkpointed(j, ac) else saved
+        for j in range(layers)
+    ]
+    # Weights held from a block's forward to its backward: autocast's bf16 copy (not for a
+    # checkpointed block, whose recomputation casts again) and FSDP2 ZeRO-2's unsharded block.
+    held = [
+        states.held_per_layer + (0 if _checkpointed(j, ac) else prof.layer_weight_copy_bytes)
+        for j in range(layers)
+    ]
+    base = {
+        "parameters": states.parameters,
+        "optimizer": states.optimizer,
+        "buffers": states.resident_buffers + states.root_weights,
+    }
+    points: list[tuple[str, dict[str, float]]] = []
+
+    def point(phase: str, **parts: float) -> None:
+        sums = dict.fromkeys(CATEGORIES, 0.0)
+        for key, value in [*base.items(), *parts.items()]:
+            sums[key] += value
+        points.append((phase, sums))
+
+    head_copy = prof.head_weight_copy_bytes
+    head_saved = prof.head_saved_per_token * tokens
+    all_kept, all_held = sum(kept), sum(held)
+    # Forward: the last checkpointed block runs with all its activations (autocast's cache keeps
+    # every cast weight until the forward returns).
+    last_ck = max((j for j in range(layers) if _checkpointed(j, ac)), default=None)
+    if last_ck is not None:
+        point(
+            "forward",
+            activations=sum(kept[:last_ck]) + saved,
+            buffers=sum(held[: last_ck + 1])
+            + prof.layer_weight_copy_bytes * (last_ck + 1)
+            + states.working_weights,
+        )
+    copies_in_cache = prof.layer_weight_copy_bytes * layers if ac else all_held
+    point(
+        "loss",
+        activations=all_kept + head_saved + prof.head_forward_per_token * tokens,
+        buffers=max(copies_in_cache, all_held) + head_copy + states.working_weights,
+    )
+    point(
+        "backward",
+        activations=all_kept + head_saved + prof.head_backward_per_token * tokens,
+        buffers=all_held + head_copy + states.working_weights,
+    )
+    grads = states.gradients_head
+    for j in reversed(range(layers)):
+        # Block j's backward starts with the blocks above done (gradients kept, activations
+        # freed) and its own saved tensors (recomputed if checkpointed) plus its working set;
+        # it ends with its gradients made and its activations freed.
+        own = saved if _checkpointed(j, ac) else kept[j]
+        recast = prof.layer_weight_copy_bytes if _checkpointed(j, ac) else 0.0
+        point(
+            "backward",
+            activations=sum(kept[:j]) + own + prof.layer_backward_per_token * tokens,
+            gradients=grads,
+            buffers=sum(held[: j + 1])
+            + recast
+            + states.working_weights
+            + states.layer_backward_buffers,
+        )
+        grads += states.gradients_per_layer
+        point(
+            "backward",
+            activations=sum(kept[:j]),
+            gradients=grads,
+            buffers=sum(held[:j]) + states.working_weights,
+        )
+    point("optimizer", gradients=grads, buffers=states.step_extra)
+
+    phase, sums = max(points, key=lambda item: sum(item[1].values()))
+    breakdown = {key: int(value) for key, value in sums.items()}
+    per_sample = _slope(model, config, seq_len, prof)
+    return MemoryEstimate(
+        peak_bytes=sum(breakdown.values()),
+        phase=phase,
+        breakdown=breakdown,
+        host_bytes=int(states.host),
+        activation_bytes_per_sample=per_sample,
+    )
+
+
+def _slope(model: ModelSpec, config: TrainConfig, seq_len: int, prof: ActivationProfile) -> float:
+    """Bytes per extra sequence at the loss point (where large batches peak)."""
+    layers = model.num_layers
+    per_token = (
+        sum(
+            prof.layer_input_per_token
+            if _checkpointed(j, config.ac_every)
+            else prof.layer_saved_per_token
+            for j in range(layers)
+        )
+        + prof.head_saved_per_token
+        + max(prof.head_forward_per_token, prof.head_backward_per_token)
+    )
+    return per_token * seq_len
