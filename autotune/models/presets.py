@@ -12,12 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+_T = TypeVar("_T")
 
 __all__ = ["ModelSpec", "preset_names", "resolve_model", "synthetic_batch"]
 
@@ -104,6 +106,36 @@ def _kv_heads(cfg: PretrainedConfig) -> int:
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
 
+@dataclass(frozen=True, slots=True)
+class _Dims:
+    """The shape numbers of a config, read once (transformers config reads are slow)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+def _read_dims(cfg: PretrainedConfig) -> _Dims:
+    hidden = int(cfg.hidden_size)
+    # gpt2 names its MLP width n_inner, default 4d.
+    intermediate = getattr(cfg, "intermediate_size", None)
+    if intermediate is None:
+        intermediate = getattr(cfg, "n_inner", None) or 4 * hidden
+    return _Dims(
+        num_layers=int(cfg.num_hidden_layers),
+        hidden_size=hidden,
+        num_attention_heads=int(cfg.num_attention_heads),
+        num_key_value_heads=_kv_heads(cfg),
+        head_dim=_head_dim(cfg),
+        intermediate_size=int(intermediate),
+        vocab_size=int(cfg.vocab_size),
+    )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     """A model shape: a Hugging Face config plus the derived numbers the tuner needs."""
@@ -111,50 +143,61 @@ class ModelSpec:
     name: str
     """Preset name, or the folder name of a loaded ``config.json``."""
     hf_config: PretrainedConfig = field(compare=False, hash=False, repr=False)
-    """The transformers config the probes build the model from (``use_cache=False``)."""
+    """The transformers config the probes build the model from (``use_cache=False``); not to be
+    changed once the spec exists (derived numbers are memoized)."""
+    _memo: dict[str, Any] = field(
+        default_factory=dict, init=False, compare=False, hash=False, repr=False
+    )
+    """Derived numbers, computed once: reading a transformers config attribute is slow, and the
+    estimator reads them thousands of times per plan."""
+
+    def _memoized(self, key: str, compute: Callable[[], _T]) -> _T:
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return cast(_T, self._memo[key])
+
+    def _dims(self) -> _Dims:
+        return self._memoized("dims", lambda: _read_dims(self.hf_config))
 
     @property
     def model_type(self) -> str:
         """The transformers ``model_type`` (``llama``, ``qwen2``, ``gpt2``...)."""
-        return str(self.hf_config.model_type)
+        return self._memoized("model_type", lambda: str(self.hf_config.model_type))
 
     @property
     def num_layers(self) -> int:
         """Number of decoder blocks L."""
-        return int(self.hf_config.num_hidden_layers)
+        return self._dims().num_layers
 
     @property
     def hidden_size(self) -> int:
         """Residual stream width d."""
-        return int(self.hf_config.hidden_size)
+        return self._dims().hidden_size
 
     @property
     def num_attention_heads(self) -> int:
         """Query heads H."""
-        return int(self.hf_config.num_attention_heads)
+        return self._dims().num_attention_heads
 
     @property
     def num_key_value_heads(self) -> int:
         """Key/value heads (fewer than H with grouped-query attention)."""
-        return _kv_heads(self.hf_config)
+        return self._dims().num_key_value_heads
 
     @property
     def head_dim(self) -> int:
         """Per-head width Q."""
-        return _head_dim(self.hf_config)
+        return self._dims().head_dim
 
     @property
     def intermediate_size(self) -> int:
         """MLP hidden width (gpt2: ``n_inner``, default 4d)."""
-        explicit = getattr(self.hf_config, "intermediate_size", None)
-        if explicit is None:
-            explicit = getattr(self.hf_config, "n_inner", None) or 4 * self.hidden_size
-        return int(explicit)
+        return self._dims().intermediate_size
 
     @property
     def vocab_size(self) -> int:
         """Rows of the token embedding table."""
-        return int(self.hf_config.vocab_size)
+        return self._dims().vocab_size
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -167,6 +210,9 @@ class ModelSpec:
         return int(self.hf_config.max_position_embeddings)
 
     def _counts(self) -> _Counts:
+        return self._memoized("counts", self._count)
+
+    def _count(self) -> _Counts:
         if self.model_type in _LLAMA_STYLE:
             return _llama_counts(self.hf_config)
         if self.model_type == "gpt2":
