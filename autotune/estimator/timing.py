@@ -1,0 +1,754 @@
+"""Time of one training step of a configuration on a GPU that is not here, in closed form.
+
+The model predicts what the probe measures: the time of one micro-step (forward and backward,
+recomputation included, with the gradient reduction of the accumulation boundary) and the time
+of one optimizer step.  Each is built from parts that map onto what the engines do:
+
+- **compute**: dense matmuls at the GPU's measured matmul efficiency, flash attention at its
+  published efficiency, and the memory-bound rest of a Hugging Face decoder block (norms in
+  fp32, rotary embeddings, activations, casts) as bytes over HBM bandwidth; bounded below by
+  the host's cost of dispatching the eager operators, which dominates small micro-batches;
+- **communication**: NCCL ring collectives (bandwidth and latency terms as NCCL's own tuning
+  model has them) of the bytes each engine moves, minus what overlaps with compute;
+- **offload**: PCIe transfers of gradients and parameters, and Adam on the host CPU;
+- **optimizer**: fused Adam streaming its states through HBM.
+
+All constants, their sources and the assumptions are in docs/time-model.md.  An evaluation
+takes tens of microseconds: a planner can score thousands of configurations in well under a
+second.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from autotune.config import Attention, Engine, Offload, Precision, TrainConfig
+from autotune.hardware.specs import GpuSpec
+from autotune.models import ModelSpec
+
+__all__ = ["StepTime", "predict_step_time"]
+
+# --- GPU efficiencies -------------------------------------------------------------------------
+
+# Maximum achievable matmul FLOP/s over the dense peak, bf16, measured with mamf-finder.py
+# (S. Bekman, "Machine Learning Engineering", compute/accelerator, MAMF comparison table).
+_MATMUL_EFFICIENCY: dict[str, float] = {
+    "a100-80gb": 0.869,
+    "a100-40gb": 0.869,
+    "a100-80gb-pcie": 0.811,
+    "a100-40gb-pcie": 0.811,
+    "h100-80gb": 0.803,
+    "h200": 0.803,  # the table notes that H200 measures the same as H100 SXM
+    "gh200": 0.838,
+    "mi300x": 0.514,
+}
+# GPUs the table does not list: its lowest NVIDIA figure (H100 SXM), rounded.
+_MATMUL_EFFICIENCY_DEFAULT = 0.80
+
+# Flash attention, forward + backward, as a fraction of the dense peak, with its FLOPs counted
+# as its authors do (causal: half the full score matrix; backward 2.5 forwards).  Hopper: "FA2
+# achieves only 35% utilization on H100" (Shah et al. 2024, FlashAttention-3).  Ampere and Ada:
+# the low end of "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023, FA2), the
+# backward being the slower half.  Elsewhere (Volta and fp32, where PyTorch falls back to the
+# memory-efficient kernel; MI300X) the Hopper figure is assumed.
+_ATTENTION_EFFICIENCY: dict[str, float] = {"ampere": 0.50, "ada": 0.50}
+_ATTENTION_EFFICIENCY_DEFAULT = 0.35
+
+# Sustained fraction of HBM bandwidth for streaming kernels: BabelStream's triad reaches 3.30 of
+# 3.9 TB/s on an H100 NVL (BabelStream 5.0, CUDA, double; a run published in a public
+# repository; its copy kernel reaches 3.06).
+_HBM_EFFICIENCY = 0.85
+
+# What the analytic parts above leave out (clocks under a training load's power draw, gaps
+# between kernels, collectives competing with compute for SMs and memory), as one factor on the
+# GPU's compute time.  Ampere: fitted to torchtitan's eager FSDP2 run of Llama 2 13B on 64 A100
+# 80GB (local batch 2, seq 4096, no checkpointing: 2,162 tokens/s/GPU; torchtitan
+# docs/performance.md).  Hopper: the Ampere factor times 0.93, the ratio of the factors fitted
+# to one code base run on both GPUs at the same shapes (llm-foundry's MPT-7B on 8 H100 80GB and
+# 8 A100 80GB, scripts/train/benchmarking/README.md).  docs/time-model.md shows both fits.
+_SUSTAINED: dict[str, float] = {"ampere": 0.83, "hopper": 0.77}
+_SUSTAINED_DEFAULT = 0.83
+
+# --- Decoder-block traffic, measured -----------------------------------------------------------
+
+# Bytes the non-matmul operators of one Hugging Face llama block read and write, per token,
+# as coefficients of hidden size d and MLP width i: (forward d, forward i, total d, total i),
+# forward + backward in "total".  Counted by a TorchDispatchMode tracer over every operator of
+# LlamaForCausalLM (transformers 5.23, torch 2.13) at several shapes; least-squares fits of
+# 1-layer and 2-layer differences, residual < 0.5%.  Regimes: "autocast" (fp32 weights under
+# bf16/fp16 autocast: single, ddp), "low" (16-bit weights: fsdp mixed precision, deepspeed,
+# pure bf16), "fp32".
+_BLOCK_TRAFFIC: dict[str, tuple[float, float, float, float]] = {
+    "autocast": (179.0, 10.3, 590.0, 28.7),
+    "low": (125.0, 10.2, 411.0, 28.4),
+    "fp32": (161.0, 20.3, 542.0, 56.7),
+}
+# Autocast also casts each block's weights to 16 bits in the forward and accumulates the 16-bit
+# weight gradients into the fp32 ones in the backward: bytes per block parameter (same trace).
+_AUTOCAST_WEIGHT_TRAFFIC = (6.0, 12.0)  # (forward, total)
+# Outside the blocks (embedding, final norm, lm_head, fp32 cross-entropy), per token:
+# (forward per vocab entry, forward per d, total per vocab entry, total per d) (same trace).
+_HEAD_TRAFFIC = (19.0, 40.0, 45.0, 140.0)
+# Eager attention materializes the T×T scores: non-matmul bytes per token per head per key
+# (mask, fp32 softmax, casts), and the score matmuls' own operand bytes (same trace, bf16).
+_EAGER_SCORE_TRAFFIC = (25.2, 52.3)  # (forward, total)
+_EAGER_SCORE_MATMUL_TRAFFIC = (4.0, 12.0)
+# What the matmuls read and write (same trace, 2-byte operands): per token per layer as
+# coefficients of d and i, and per block weight element; forward (d, i, weight), then total.
+_MATMUL_TRAFFIC = (22.0, 6.0, 2.0, 66.0, 18.0, 6.0)
+
+# Host cost of eager PyTorch: aten operators dispatched per block, forward + backward (same
+# trace), times what one dispatch costs the host: 12.1 µs with 16-bit weights, 14.6 µs under
+# autocast, timed on a CPU host (torch 2.13 CPU build, one thread, AMD EPYC) where compute is
+# negligible.  The GPU runs asynchronously behind the host, so each pass takes the longer of
+# the two.
+_DISPATCH_S = 12e-6
+_DISPATCHES_PER_LAYER = {"autocast": 243.0, "low": 217.0, "fp32": 217.0}
+_EAGER_EXTRA_DISPATCHES = 30.0
+_HEAD_DISPATCHES = 110.0
+_FORWARD_SHARE = 0.36  # forward kernels over forward + backward kernels of a block (trace)
+# What each engine's hooks add to the host per block, forward + backward, measured the same way
+# (the probe's engines on one CPU rank, 2 to 14 blocks; about ±30% run to run): FSDP2's
+# all-gather and reduce-scatter hooks, DeepSpeed ZeRO-1/2's gradient hooks, ZeRO-3's
+# per-module fetch and release (which also blocks the host once two fetches are in flight,
+# partitioned_param_coordinator.py), plus ZeRO-3's fixed cost per micro-step.
+_ENGINE_HOST_PER_LAYER_S = {Engine.FSDP: 1.5e-3, Engine.DEEPSPEED: 1.9e-3}
+_ZERO3_HOST_PER_LAYER_S = 12.4e-3
+_ZERO3_HOST_FIXED_S = 15e-3
+
+# --- Communication -----------------------------------------------------------------------------
+
+# NCCL's topology model counts 20 GB/s per NVLink on Volta and Ampere and 20.6 GB/s on Hopper
+# against the 25 GB/s links carry (NCCL src/graph/topo.h, SM70/SM80/SM90_NVLINK_BW); a 100 Gb/s
+# NIC as 12 GB/s of 12.5 (NET_BW).  PCIe figures in the catalogue are already effective.
+_NVLINK_EFFICIENCY = {"hopper": 20.6 / 25.0}
+_NVLINK_EFFICIENCY_DEFAULT = 20.0 / 25.0
+_NETWORK_EFFICIENCY = 12.0 / 12.5
+
+# NCCL ring latencies, µs (NCCL src/graph/tuning.cc, baseLat and hwLat): a base per protocol
+# plus a per-step latency over NVLink, PCIe or the network.  Protocols: LL, LL128, Simple, with
+# their bandwidth factors (LL: 1/4 for all-reduce and across nodes, else 1/3; LL128: 0.92).
+_RING_BASE_US = (6.6, 14.0, 8.4)
+_RING_HOP_US = {"nvlink": (0.6, 1.9, 3.4), "pcie": (1.0, 2.5, 5.7), "net": (2.7, 4.0, 14.0)}
+
+# DDP buckets gradients in 25 MiB (bucket_cap_mb) and overlaps each bucket's all-reduce with
+# the rest of the backward (Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3).
+_DDP_BUCKET_BYTES = 25 * 1024**2
+
+# --- Optimizer ---------------------------------------------------------------------------------
+
+# DeepSpeedCPUAdam: 2.57 s for a 10B-parameter update on a DGX-2 host, two 24-core Xeon Platinum
+# 8168 (Ren et al. 2021, "ZeRO-Offload", table 4).  A host's cores are shared by its ranks.
+_CPU_ADAM_PARAMS_PER_S = 10e9 / 2.57
+
+# DeepSpeed's step per parameter of the partition, beyond Adam's 7 state reads and writes: the
+# 16-bit gradient partition converted to fp32 (2 read, 4 written), the global gradient norm
+# (4 read), the updated fp32 weights copied into the 16-bit ones (4 read, 2 written).
+_DEEPSPEED_STEP_EXTRA_BYTES = 16.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTime:
+    """Predicted time of one training step, in the two parts the probe measures.
+
+    The probe times micro-steps and optimizer steps apart; with its default of one micro-step
+    per step every micro-step ends at the accumulation boundary and reduces gradients.
+    ``micro_step_s`` is that boundary micro-step, as ``autotune.probe.metrics.throughput``
+    assumes (its ``step = grad_accum * micro_step + optimizer_step`` over-estimates a step
+    slightly when micro-steps in between reduce nothing); ``exact_step_s`` counts those at
+    their own time.
+    """
+
+    compute_s: float
+    """Forward + backward (+ recomputation) of one micro-step: matmuls, attention and the
+    memory-bound rest on the GPU, or the host's dispatch time when that is longer."""
+    communication_s: float
+    """Collective time of the boundary micro-step not hidden behind compute."""
+    offload_s: float
+    """PCIe time of the boundary micro-step not hidden (offloaded gradients and parameters)."""
+    micro_step_s: float
+    """``compute_s + communication_s + offload_s``: the micro-step that reduces gradients."""
+    accumulation_micro_step_s: float
+    """A micro-step inside the accumulation window (DDP and FSDP skip the reduction there;
+    DeepSpeed ZeRO-2/3 reduce on every micro-step)."""
+    optimizer_step_s: float
+    """Optimizer step: fused Adam over HBM, or Adam on the host plus the parameter upload,
+    plus DeepSpeed ZeRO-1/2's all-gather of the updated parameters."""
+    step_s: float
+    """``grad_accum * micro_step_s + optimizer_step_s``, as ``metrics.throughput`` computes."""
+    exact_step_s: float
+    """``(grad_accum - 1) * accumulation_micro_step_s + micro_step_s + optimizer_step_s``."""
+    tokens_per_second: float
+    """All ranks, from ``step_s`` (as ``metrics.throughput``)."""
+    mfu: float | None
+    """Model FLOPs utilization, as ``metrics.throughput``: model FLOPs 6·N + 12·L·H·Q·T."""
+    hfu: float | None
+    """Hardware FLOPs utilization: MFU plus recomputation."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What the model contributes to the time model, read once from its config."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    head_dim: int
+    vocab: int
+    params: int
+    block_params: int
+    matmul_params: int
+    flops_per_token_fixed: float
+    """6·N_matmul: model FLOPs per token that do not depend on the sequence length."""
+
+
+_SHAPES: dict[int, tuple[Any, _Shape]] = {}
+
+
+def _shape(model: ModelSpec) -> _Shape:
+    """The model's numbers, cached by config object (reading a transformers config is slow)."""
+    cached = _SHAPES.get(id(model.hf_config))
+    if cached is not None and cached[0] is model.hf_config:
+        return cached[1]
+    shape = _Shape(
+        layers=model.num_layers,
+        hidden=model.hidden_size,
+        intermediate=model.intermediate_size,
+        heads=model.num_attention_heads,
+        head_dim=model.head_dim,
+        vocab=model.vocab_size,
+        params=model.num_params,
+        block_params=model.num_block_params,
+        matmul_params=model.num_matmul_params,
+        flops_per_token_fixed=6.0 * model.num_matmul_params,
+    )
+    if len(_SHAPES) >= 256:
+        _SHAPES.clear()
+    _SHAPES[id(model.hf_config)] = (model.hf_config, shape)
+    return shape
+
+
+_ARCHITECTURES: dict[tuple[str, str], str] = {}
+
+
+def _architecture(gpu: GpuSpec) -> str:
+    """GPU family from the catalogue key or marketing name: what the efficiencies depend on.
+
+    A GPU no rule recognizes (a GPU file for a newer part) gets the Ampere constants.
+    """
+    cache_key = (gpu.key, gpu.name)
+    arch = _ARCHITECTURES.get(cache_key)
+    if arch is None:
+        text = f"{gpu.key} {gpu.name}".lower()
+        if any(tag in text for tag in ("h100", "h200", "gh200", "h800", "hopper")):
+            arch = "hopper"
+        elif "v100" in text or "volta" in text:
+            arch = "volta"
+        elif "mi300" in text or "instinct" in text:
+            arch = "cdna"
+        elif any(tag in text for tag in ("l40", "l4", "4090", "ada")):
+            arch = "ada"
+        else:
+            arch = "ampere"
+        _ARCHITECTURES[cache_key] = arch
+    return arch
+
+
+def _compute_dtype(config: TrainConfig) -> str:
+    """The dtype matmuls run in.  fp32 is full fp32: the probes leave ``allow_tf32`` off."""
+    return {
+        Precision.BF16_MIXED: "bf16",
+        Precision.BF16: "bf16",
+        Precision.FP16_MIXED: "fp16",
+        Precision.FP32: "fp32",
+    }[config.precision]
+
+
+def _regime(config: TrainConfig) -> str:
+    """Dtype regime of the activations: autocast over fp32 weights, 16-bit weights, or fp32."""
+    if config.precision is Precision.FP32:
+        return "fp32"
+    mixed = config.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    return "autocast" if mixed and config.engine in (Engine.SINGLE, Engine.DDP) else "low"
+
+
+@dataclass(frozen=True, slots=True)
+class _Fabric:
+    """The links one data-parallel group's collectives run over, per NCCL protocol."""
+
+    ranks: int
+    all_reduce: tuple[tuple[float, float], ...]
+    """(latency seconds per call, effective bytes/s) of a ring all-reduce, one per protocol."""
+    gather: tuple[tuple[float, float], ...]
+    """The same for a ring all-gather or reduce-scatter."""
+
+
+_FABRICS: dict[tuple[Any, ...], _Fabric] = {}
+
+
+def _fabric(gpu: GpuSpec, arch: str, world_size: int, gpus_per_node: int) -> _Fabric:
+    """Ring bandwidth and latency of the data-parallel group, for each NCCL protocol.
+
+    Inside a node a ring edge is the GPU's fabric link.  Across nodes NCCL runs one ring per
+    NIC (rail), each crossing the network once per node: a GPU's share of a collective leaves
+    the node through all ``ranks_per_node`` NICs at once, so the network edge is
+    ``ranks_per_node`` NICs wide, and the ring is as fast as its slower edge type.  Latency
+    is NCCL's ring model: a base plus one hop latency per ring step, network hops for the
+    steps that cross nodes.
+    """
+    key: tuple[Any, ...] = (gpu.key, gpu.form_factor, gpu.intra_node_bandwidth, arch)
+    key += (gpu.inter_node_bandwidth, world_size, gpus_per_node)
+    fabric = _FABRICS.get(key)
+    if fabric is not None:
+        return fabric
+    nodes = math.ceil(world_size / gpus_per_node)
+    nvlink = gpu.form_factor == "sxm"
+    efficiency = _NVLINK_EFFICIENCY.get(arch, _NVLINK_EFFICIENCY_DEFAULT) if nvlink else 1.0
+    bandwidth = gpu.intra_node_bandwidth * efficiency
+    if nodes > 1:
+        network = world_size / nodes * gpu.inter_node_bandwidth * _NETWORK_EFFICIENCY
+        bandwidth = min(bandwidth, network)
+    hops = _RING_HOP_US["nvlink" if nvlink else "pcie"]
+    net_hops = _RING_HOP_US["net"]
+
+    def options(all_reduce: bool) -> tuple[tuple[float, float], ...]:
+        steps = 2 * (world_size - 1) if all_reduce else world_size - 1
+        # Steps that cross the network (NCCL counts 2·nodes for a ring all-reduce).
+        inter = (2 * nodes if all_reduce else nodes - 1) if nodes > 1 else 0
+        inter = min(inter, steps)
+        ll_factor = 0.25 if all_reduce or nodes > 1 else 1.0 / 3.0
+        factors = (ll_factor, 0.92 if nvlink else 0.0, 1.0)  # NCCL runs LL128 on NVLink only
+        result = []
+        for protocol, factor in enumerate(factors):
+            if factor > 0.0:
+                latency_us = (
+                    _RING_BASE_US[protocol]
+                    + (steps - inter) * hops[protocol]
+                    + inter * net_hops[protocol]
+                )
+                result.append((latency_us * 1e-6, bandwidth * factor))
+        return tuple(result)
+
+    fabric = _Fabric(world_size, options(True), options(False))
+    if len(_FABRICS) >= 1024:
+        _FABRICS.clear()
+    _FABRICS[key] = fabric
+    return fabric
+
+
+def _collective(fabric: _Fabric, kind: str, nbytes: float, calls: int = 1) -> float:
+    """Seconds of ``calls`` ring collectives moving ``nbytes`` in all (the unsharded size).
+
+    ``kind``: ``ar`` (all-reduce: 2(N-1)/N of the bytes cross each rank's link), ``ag`` or
+    ``rs`` (all-gather, reduce-scatter: (N-1)/N), the bus-bandwidth convention of nccl-tests
+    (doc/PERFORMANCE.md).  NCCL picks the fastest protocol for the size, and so does this.
+    """
+    n = fabric.ranks
+    if n <= 1 or nbytes <= 0.0:
+        return 0.0
+    if kind == "ar":
+        volume, options = 2.0 * (n - 1) / n * nbytes, fabric.all_reduce
+    else:
+        volume, options = (n - 1) / n * nbytes, fabric.gather
+    return min(calls * latency + volume / bandwidth for latency, bandwidth in options)
+
+
+def _exposed(comm: float, chunks: int, compute: float, floor: float) -> float:
+    """Communication left exposed when ``chunks`` equal transfers pipeline with compute.
+
+    Transfer k can run while the compute of chunk k-1 (or k+1) does, one at a time on its
+    stream, so the compute hides at most ``(chunks - 1) / chunks`` of itself; ``floor`` is
+    what can never hide (the first gather, the last reduction).
+    """
+    if comm <= 0.0:
+        return 0.0
+    hidden = compute * (chunks - 1) / chunks if chunks > 1 else 0.0
+    return max(floor, comm - hidden, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Compute:
+    """Seconds of one micro-step's passes on one rank, before any communication."""
+
+    forward: float
+    backward: float
+    """Including the recomputed forwards of checkpointed blocks."""
+
+
+def _compute(
+    shape: _Shape,
+    config: TrainConfig,
+    gpu: GpuSpec,
+    arch: str,
+    peak: float,
+    tokens: int,
+    seq_len: int,
+    fraction: float,
+) -> _Compute:
+    """Forward and backward seconds of one micro-step of ``tokens`` tokens on one GPU."""
+    regime = _regime(config)
+    fp32 = config.precision is Precision.FP32
+    operand = 2.0 if fp32 else 1.0  # matmul operand bytes relative to 16-bit
+    mm_eff = _MATMUL_EFFICIENCY.get(gpu.key, _MATMUL_EFFICIENCY_DEFAULT)
+    hbm = gpu.hbm_bandwidth * _HBM_EFFICIENCY
+    n, d, i, layers = float(tokens), shape.hidden, shape.intermediate, shape.layers
+    layer_params = shape.block_params / layers
+    heads_keys = shape.heads * seq_len  # per token per layer: one score per head per key
+
+    # Dense matmuls, roofline of compute and operand traffic (weights matter at small batches).
+    mm_f = 2.0 * shape.matmul_params * n
+    mm_b = 2.0 * mm_f + fraction * 2.0 * shape.block_params * n
+    tf = _MATMUL_TRAFFIC
+    bytes_f = operand * (
+        layers * (n * (tf[0] * d + tf[1] * i) + tf[2] * layer_params)
+        + (2.0 * n + 2.0 * d) * shape.vocab
+    )
+    bytes_t = operand * (
+        layers * (n * (tf[3] * d + tf[4] * i) + tf[5] * layer_params)
+        + (6.0 * n + 6.0 * d) * shape.vocab
+    )
+    bytes_b = bytes_t - bytes_f + fraction * (bytes_f - operand * (2.0 * n + 2.0 * d) * shape.vocab)
+    t_f = max(mm_f / (mm_eff * peak), bytes_f / hbm)
+    t_b = max(mm_b / (mm_eff * peak), bytes_b / hbm)
+
+    # Attention: flash kernels (sdpa), or materialized scores (eager).
+    score_flops_f = 4.0 * shape.heads * shape.head_dim * seq_len * n * layers  # full T×T
+    if config.attention is Attention.SDPA:
+        # PyTorch's flash kernel needs 16-bit inputs and sm80+; otherwise the memory-efficient one.
+        flash = not fp32 and arch in ("ampere", "ada", "hopper")
+        eff = _ATTENTION_EFFICIENCY.get(arch, _ATTENTION_EFFICIENCY_DEFAULT)
+        if not flash:
+            eff = _ATTENTION_EFFICIENCY_DEFAULT
+        causal_f = 0.5 * score_flops_f
+        t_f += causal_f / (eff * peak)
+        t_b += (2.5 + fraction) * causal_f / (eff * peak)
+    else:
+        s_mm_f, s_mm_t = _EAGER_SCORE_MATMUL_TRAFFIC
+        s_f, s_t = _EAGER_SCORE_TRAFFIC
+        scores = n * heads_keys * layers
+        t_f += max(score_flops_f / (mm_eff * peak), operand * s_mm_f * scores / hbm)
+        t_f += s_f * scores / hbm
+        b_flops = (2.0 + fraction) * score_flops_f
+        b_bytes = operand * (s_mm_t - s_mm_f + fraction * s_mm_f) * scores
+        t_b += max(b_flops / (mm_eff * peak), b_bytes / hbm)
+        t_b += (s_t - s_f + fraction * s_f) * scores / hbm
+
+    # Memory-bound rest: norms, rotary, activation functions, casts, the fp32 loss.
+    a_f, b_f, a_t, b_t = _BLOCK_TRAFFIC[regime]
+    block_f = layers * n * (a_f * d + b_f * i)
+    block_t = layers * n * (a_t * d + b_t * i)
+    if regime == "autocast":
+        w_f, w_t = _AUTOCAST_WEIGHT_TRAFFIC
+        block_f += w_f * shape.block_params
+        block_t += w_t * shape.block_params
+    h_fv, h_fd, h_tv, h_td = _HEAD_TRAFFIC
+    head_f = n * (h_fv * shape.vocab + h_fd * d)
+    head_t = n * (h_tv * shape.vocab + h_td * d)
+    t_f += (block_f + head_f) / hbm
+    t_b += (block_t - block_f + fraction * block_f + head_t - head_f) / hbm
+
+    sustained = _SUSTAINED.get(arch, _SUSTAINED_DEFAULT)
+    gpu_f, gpu_b = t_f / sustained, t_b / sustained
+
+    # The host dispatches every operator; the GPU cannot run ahead of it.
+    per_layer = _DISPATCHES_PER_LAYER[regime]
+    if config.attention is Attention.EAGER:
+        per_layer += _EAGER_EXTRA_DISPATCHES
+    recomputed = (1.0 - _FORWARD_SHARE + fraction * _FORWARD_SHARE) * per_layer
+    host_f = (_FORWARD_SHARE * per_layer * layers + 0.5 * _HEAD_DISPATCHES) * _DISPATCH_S
+    host_b = (recomputed * layers + 0.5 * _HEAD_DISPATCHES) * _DISPATCH_S
+    if config.engine is Engine.DEEPSPEED and config.zero_stage == 3:
+        hooks = _ZERO3_HOST_PER_LAYER_S * layers + _ZERO3_HOST_FIXED_S
+    elif config.engine is Engine.DEEPSPEED and config.zero_stage == 0:
+        hooks = 0.0
+    else:
+        hooks = _ENGINE_HOST_PER_LAYER_S.get(config.engine, 0.0) * layers
+    host_f += 0.5 * hooks
+    host_b += 0.5 * hooks
+    return _Compute(max(gpu_f, host_f), max(gpu_b, host_b))
+
+
+@dataclass(frozen=True, slots=True)
+class _Exposed:
+    """Seconds of a micro-step that transfers add to its compute."""
+
+    communication: float
+    """Collectives not hidden behind compute."""
+    offload: float
+    """What host-device copies add on top of that."""
+
+
+def _split(with_pcie: float, without_pcie: float) -> _Exposed:
+    """Exposed time split into collectives and PCIe (the difference PCIe makes)."""
+    return _Exposed(without_pcie, max(0.0, with_pcie - without_pcie))
+
+
+def _gpu_adam_bytes(config: TrainConfig) -> float:
+    """HBM bytes per parameter of one fused Adam step (reads p, g, m, v; writes p, m, v)."""
+    state = 2.0 if config.precision is Precision.BF16 else 4.0
+    per_param = 7.0 * state
+    if config.engine is Engine.DEEPSPEED:
+        per_param += _DEEPSPEED_STEP_EXTRA_BYTES if config.precision is not Precision.FP32 else 4.0
+    elif config.precision is Precision.FP16_MIXED:
+        per_param += 4.0  # GradScaler's inf/nan check reads the fp32 gradients once
+    return per_param
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """What the engine models share: the model, the micro-step's compute, the links."""
+
+    shape: _Shape
+    config: TrainConfig
+    work: _Compute
+    fabric: _Fabric
+    host_link: float
+    adam_s_per_param: float
+    """Seconds of fused Adam on the GPU per parameter of this rank's shard."""
+    ranks_on_node: int
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks."""
+        return self.fabric.ranks
+
+    @property
+    def root(self) -> float:
+        """Parameters outside the blocks: embeddings, final norm, an untied lm_head."""
+        return float(self.shape.params - self.shape.block_params)
+
+    @property
+    def block(self) -> float:
+        """Parameters of one decoder block: what FSDP2 and ZeRO-3 gather at a time."""
+        return self.shape.block_params / self.shape.layers
+
+    @property
+    def shard(self) -> float:
+        """Parameters whose optimizer state this rank owns under sharding."""
+        return self.shape.params / self.ranks
+
+    def host_adam(self) -> float:
+        """Adam over this rank's shard on the host, which all ranks of the node share."""
+        return self.shard * self.ranks_on_node / _CPU_ADAM_PARAMS_PER_S
+
+
+_Result = tuple[_Exposed, _Exposed, float]
+"""Exposed time of the boundary micro-step, of an accumulation micro-step; optimizer step."""
+
+
+def _ddp(step: _Step) -> _Result:
+    """DDP: bucketed gradient all-reduce overlapped with the backward; Adam on the full model."""
+    config, psi = step.config, float(step.shape.params)
+    grad_bytes = 2.0 if config.precision is Precision.BF16 else 4.0  # gradients in param dtype
+    total = psi * grad_bytes
+    buckets = max(1, math.ceil(total / _DDP_BUCKET_BYTES))
+    per_bucket = _collective(step.fabric, "ar", total / buckets)
+    exposed = _exposed(buckets * per_bucket, buckets, step.work.backward, per_bucket)
+    return _Exposed(exposed, 0.0), _Exposed(0.0, 0.0), psi * step.adam_s_per_param
+
+
+def _fsdp(step: _Step) -> _Result:
+    """FSDP2: per-block all-gather of 16-bit parameters (again in the backward for ZeRO-3) and
+    reduce-scatter of gradients (fp32 under bf16-mixed: reduce_dtype), prefetched one block
+    ahead; CPUOffloadPolicy uploads the fp32 shard for each gather, downloads the gradient
+    shard and steps Adam on the host."""
+    config, work, fabric, layers = step.config, step.work, step.fabric, step.shape.layers
+    pure = config.precision is Precision.BF16
+    param_bytes = 4.0 if config.precision is Precision.FP32 else 2.0
+    grad_bytes = 2.0 if pure else 4.0
+    shard_bytes = 2.0 if pure else 4.0
+    block, root, n = step.block, step.root, step.ranks
+    gather = _collective(fabric, "ag", block * param_bytes)
+    gather_root = _collective(fabric, "ag", root * param_bytes)
+    reduce = _collective(fabric, "rs", block * grad_bytes)
+    reduce_root = _collective(fabric, "rs", root * grad_bytes)
+    offloaded = config.offload is Offload.PARAMS
+    link = step.host_link
+    up = block / n * shard_bytes / link if offloaded else 0.0
+    up_root = root / n * shard_bytes / link if offloaded else 0.0
+    down = block / n * grad_bytes / link if offloaded else 0.0
+    down_root = root / n * grad_bytes / link if offloaded else 0.0
+    regather = config.zero_stage == 3
+
+    def exposed(pcie: bool, reduce_grads: bool) -> float:
+        u, ur = (up, up_root) if pcie else (0.0, 0.0)
+        dn, dr = (down, down_root) if pcie else (0.0, 0.0)
+        fwd = gather_root + ur + _exposed(layers * (gather + u), layers, work.forward, gather + u)
+        per_block = (gather + u if regather else 0.0) + (reduce + dn if reduce_grads else 0.0)
+        bwd = _exposed(layers * per_block, layers, work.backward, per_block)
+        return fwd + bwd + (reduce_root + dr if reduce_grads else 0.0)
+
+    sync = _split(exposed(True, True), exposed(False, True))
+    accumulate = _split(exposed(True, False), exposed(False, False))
+    optimizer = step.host_adam() if offloaded else step.shard * step.adam_s_per_param
+    return sync, accumulate, optimizer
+
+
+def _deepspeed(step: _Step) -> _Result:
+    """DeepSpeed ZeRO stages 0-3 as the probe configures them (deepspeed_config): overlapped
+    communication, buckets of d² elements, 16-bit communication, CPU Adam for offload."""
+    config, work, fabric, layers = step.config, step.work, step.fabric, step.shape.layers
+    psi, shard, n, link = float(step.shape.params), step.shard, step.ranks, step.host_link
+    comm_bytes = 4.0 if config.precision is Precision.FP32 else 2.0
+    bucket = float(step.shape.hidden**2)  # reduce_bucket_size = allgather_bucket_size = d²
+    buckets = max(1, math.ceil(psi / bucket))
+    cpu_adam = config.offload is not Offload.NONE
+    down = bucket / n * comm_bytes / link if cpu_adam else 0.0
+    stage = config.zero_stage
+    none = _Exposed(0.0, 0.0)
+
+    if stage == 0:
+        # The whole gradient is all-reduced after the backward (buffered_allreduce_fallback).
+        reduce_all = _collective(fabric, "ar", psi * comm_bytes)
+        return _Exposed(reduce_all, 0.0), none, psi * step.adam_s_per_param
+
+    if stage in (1, 2):
+        # Each filled bucket is all-reduced during the backward (DeepSpeed 0.19's default
+        # use_multi_rank_bucket_allreduce) and each rank keeps its slice, copied to the host
+        # on the same stream under offload.  ZeRO-1 reduces at the boundary only.
+        per_bucket = _collective(fabric, "ar", bucket * comm_bytes)
+
+        def reduced(pcie: bool) -> float:
+            chunk = per_bucket + (down if pcie else 0.0)
+            return _exposed(buckets * chunk, buckets, work.backward, chunk)
+
+        sync = _split(reduced(True), reduced(False))
+        calls = max(1, math.ceil(shard / bucket))
+        gather = _collective(fabric, "ag", psi * comm_bytes, calls=calls)
+        if cpu_adam:
+            optimizer = step.host_adam() + shard * comm_bytes / link + gather
+        else:
+            optimizer = shard * step.adam_s_per_param + gather
+        return sync, sync if stage == 2 else none, optimizer
+
+    # ZeRO-3: each module's partitions are gathered before it runs, forward and backward,
+    # prefetched a bucket (0.9·d² elements) ahead; gradients are reduce-scattered in buckets
+    # as the backward produces them; parameter offload uploads each partition first.
+    block, root = step.block, step.root
+    calls = max(1, math.ceil(block / (0.9 * bucket)))
+    gather = _collective(fabric, "ag", block * comm_bytes, calls=calls)
+    gather_root = _collective(fabric, "ag", root * comm_bytes)
+    per_bucket = _collective(fabric, "rs", bucket * comm_bytes)
+    params_off = config.offload is Offload.PARAMS
+    up = block / n * comm_bytes / link if params_off else 0.0
+    up_root = root / n * comm_bytes / link if params_off else 0.0
+
+    def zero3(pcie: bool) -> float:
+        u, ur, dn = (up, up_root, down) if pcie else (0.0, 0.0, 0.0)
+        fwd = gather_root + ur + _exposed(layers * (gather + u), layers, work.forward, gather + u)
+        comm = layers * (gather + u) + buckets * (per_bucket + dn) + gather_root + ur
+        return fwd + _exposed(comm, layers, work.backward, gather + u + per_bucket + dn)
+
+    sync = _split(zero3(True), zero3(False))
+    if not cpu_adam:
+        optimizer = shard * step.adam_s_per_param
+    elif params_off:
+        optimizer = step.host_adam()  # the host copy is the one the next gathers upload
+    else:
+        optimizer = step.host_adam() + shard * comm_bytes / link
+    return sync, sync, optimizer
+
+
+def predict_step_time(
+    model: ModelSpec,
+    config: TrainConfig,
+    gpu: GpuSpec,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    grad_accum: int = 1,
+    world_size: int = 1,
+    gpus_per_node: int = 8,
+) -> StepTime:
+    """Predict the micro-step and optimizer-step time of a configuration on ``world_size`` GPUs.
+
+    Args:
+        model: The model shape.
+        config: Engine, sharding, precision, checkpointing, offload and attention kernel.
+        gpu: The GPU every rank has (``autotune.hardware.gpu_spec``).
+        micro_batch_size: Sequences per micro-step per rank.
+        seq_len: Tokens per sequence.
+        grad_accum: Micro-steps per optimizer step.
+        world_size: Data-parallel ranks, all GPUs together.
+        gpus_per_node: GPUs per node; collectives over more ranks cross the network.
+
+    Returns:
+        The predicted times, throughput and MFU.
+
+    Raises:
+        ValueError: For a non-positive size, the single engine on more than one rank, or a
+            precision the GPU has no fast path for (bf16 on V100).
+    """
+    for name, value in (
+        ("micro_batch_size", micro_batch_size),
+        ("seq_len", seq_len),
+        ("grad_accum", grad_accum),
+        ("world_size", world_size),
+        ("gpus_per_node", gpus_per_node),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if config.engine is Engine.SINGLE and world_size != 1:
+        raise ValueError(f"engine single runs one process, not world_size {world_size}")
+    dtype = _compute_dtype(config)
+    peak = gpu.peak(dtype)
+    if peak is None:
+        raise ValueError(
+            f"{gpu.name} has no {dtype} tensor-core path: use --precision fp16-mixed "
+            "(or fp32) on this GPU"
+        )
+
+    shape = _shape(model)
+    arch = _architecture(gpu)
+    layers = shape.layers
+    fraction = 0.0 if config.ac_every <= 0 else len(range(0, layers, config.ac_every)) / layers
+    tokens = micro_batch_size * seq_len
+    work = _compute(shape, config, gpu, arch, peak, tokens, seq_len, fraction)
+    compute_s = work.forward + work.backward
+
+    step = _Step(
+        shape=shape,
+        config=config,
+        work=work,
+        fabric=_fabric(gpu, arch, world_size, gpus_per_node),
+        host_link=gpu.host_link_bandwidth,
+        adam_s_per_param=_gpu_adam_bytes(config) / (gpu.hbm_bandwidth * _HBM_EFFICIENCY),
+        ranks_on_node=min(world_size, gpus_per_node),
+    )
+    if config.engine is Engine.FSDP:
+        sync, accumulate, optimizer_s = _fsdp(step)
+    elif config.engine is Engine.DEEPSPEED:
+        sync, accumulate, optimizer_s = _deepspeed(step)
+    else:
+        sync, accumulate, optimizer_s = _ddp(step)
+
+    micro_step_s = compute_s + sync.communication + sync.offload
+    accumulation_s = compute_s + accumulate.communication + accumulate.offload
+    step_s = grad_accum * micro_step_s + optimizer_s
+    exact_step_s = (grad_accum - 1) * accumulation_s + micro_step_s + optimizer_s
+    tokens_per_second = tokens * grad_accum * world_size / step_s
+    # metrics.throughput's FLOPs: ModelSpec.flops_per_token and hardware_flops_per_token.
+    attention_f = 4.0 * layers * shape.heads * shape.head_dim * seq_len
+    model_flops = shape.flops_per_token_fixed + 3.0 * attention_f
+    hardware_flops = model_flops + fraction * (2.0 * shape.block_params + attention_f)
+    per_rank = tokens_per_second / world_size
+    return StepTime(
+        compute_s=compute_s,
+        communication_s=sync.communication,
+        offload_s=sync.offload,
+        micro_step_s=micro_step_s,
+        accumulation_micro_step_s=accumulation_s,
+        optimizer_step_s=optimizer_s,
+        step_s=step_s,
+        exact_step_s=exact_step_s,
+        tokens_per_second=tokens_per_second,
+        mfu=per_rank * model_flops / peak,
+        hfu=per_rank * hardware_flops / peak,
+    )
