@@ -32,7 +32,8 @@ def _meta_counts(spec: ModelSpec) -> tuple[int, int, int]:
 
 
 EXPECTED_PRESETS = {
-    "llama-7b", "llama-13b", "llama3-8b", "mistral-7b", "qwen2.5-1.5b", "qwen2.5-7b", "gpt2",
+    "llama-7b", "llama-13b", "llama-70b", "llama3-8b", "mistral-7b", "qwen2.5-1.5b", "qwen2.5-7b",
+    "gpt2",
     "tiny", "tiny-gpt2", "tiny-qwen",
 }  # fmt: skip
 
@@ -71,6 +72,7 @@ def test_exact_known_counts() -> None:
     # Values printed by the model cards / `model.num_parameters()` of the real checkpoints.
     assert resolve_model("llama-7b").num_params == 6_738_415_616
     assert resolve_model("llama3-8b").num_params == 8_030_261_248
+    assert resolve_model("llama-70b").num_params == 68_976_648_192
     assert resolve_model("gpt2").num_params == 124_439_808
 
 

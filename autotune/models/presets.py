@@ -292,8 +292,8 @@ class ModelSpec:
 
 
 # Presets: shapes from each checkpoint's config.json on the Hugging Face Hub (meta-llama/Llama-2-
-# 7b-hf, Llama-2-13b-hf, Meta-Llama-3-8B, mistralai/Mistral-7B-v0.3, Qwen/Qwen2.5-1.5B and -7B,
-# openai-community/gpt2).
+# 7b-hf, -13b-hf and -70b-hf, Meta-Llama-3-8B, mistralai/Mistral-7B-v0.3, Qwen/Qwen2.5-1.5B and
+# -7B, openai-community/gpt2).
 
 
 def _rope(theta: float) -> dict[str, Any]:
@@ -319,6 +319,11 @@ _PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama-13b": partial(
         transformers.LlamaConfig, vocab_size=32000, hidden_size=5120, intermediate_size=13824,
         num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, use_cache=False,
+    ),
+    "llama-70b": partial(
+        transformers.LlamaConfig, vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
         max_position_embeddings=4096, rms_norm_eps=1e-5, use_cache=False,
     ),
     "llama3-8b": partial(
