@@ -214,6 +214,152 @@ def probe(
     raise typer.Exit(0 if result.ok_sizes() else 1)
 
 
+def _resolve_gpu(gpu: str | None) -> tuple[Any, int]:
+    """The GpuSpec named by ``--gpu`` (or detected here) and the visible GPU count."""
+    from autotune.hardware import detect_gpus, gpu_spec
+
+    detected = detect_gpus()
+    if gpu is not None:
+        return gpu_spec(gpu), detected.count if detected else 1
+    if detected is None:
+        raise UsageError("no GPU detected: name the target with --gpu h100-80gb (or a .toml file)")
+    spec = detected.spec
+    if spec is None:
+        raise UsageError(
+            f"{detected.name} is not in the GPU catalogue: describe it in a .toml file and pass "
+            "--gpu that-file.toml (see docs/gpus.md)"
+        )
+    return spec, detected.count
+
+
+def _parse_engines(text: str | None) -> list[Engine] | None:
+    if not text:
+        return None
+    try:
+        return [Engine(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        choices = ", ".join(e.value for e in Engine)
+        raise UsageError(f"unknown engine in {text!r}: use {choices}, comma-separated") from None
+
+
+def _parse_fraction(text: str) -> float:
+    value = text.strip()
+    try:
+        fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise UsageError(f"invalid headroom {text!r}: use a percentage like 10%") from None
+    if not 0.0 <= fraction < 1.0:
+        raise UsageError(f"headroom {text!r} must be between 0% and 100%")
+    return fraction
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Option(help="Preset name or path to a config.json.")] = "llama-7b",
+    gpu: Annotated[
+        str | None, typer.Option(help="GPU key (h100-80gb, a100-40gb, ...) or a .toml file.")
+    ] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPUs in all (default: those here).")] = None,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs sharing a node.")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 2048,
+    global_batch: Annotated[
+        int | None, typer.Option(help="Sequences per optimizer step (default: 8 per GPU).")
+    ] = None,
+    engine: Annotated[
+        str | None, typer.Option(help="Only these engines, comma-separated: fsdp,deepspeed.")
+    ] = None,
+    precision: Annotated[
+        Precision | None, typer.Option(help="Default: bf16-mixed, fp16-mixed without bf16.")
+    ] = None,
+    attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
+    headroom: Annotated[str, typer.Option(help="Memory to leave free, e.g. 10%.")] = "0%",
+    reserve: Annotated[
+        str, typer.Option(help="Device memory kept for CUDA context and allocator.")
+    ] = "1GiB",
+    top: Annotated[int, typer.Option(help="Rows to show (0: all).")] = 15,
+    json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Rank every configuration by predicted throughput, with predicted peak memory (no GPU)."""
+    import time
+
+    from autotune.estimator.plan import plan as make_plan
+    from autotune.models import resolve_model
+    from autotune.space import Workload
+
+    spec = resolve_model(model)
+    gpu_info, here = _resolve_gpu(gpu)
+    world = gpus if gpus is not None else here
+    workload = Workload(
+        seq_len=seq_len,
+        global_batch=global_batch if global_batch is not None else 8 * world,
+        world_size=world,
+    )
+    started = time.perf_counter()
+    rows = make_plan(
+        spec,
+        gpu_info,
+        workload,
+        engines=_parse_engines(engine),
+        precision=precision,
+        attention=attention,
+        gpus_per_node=gpus_per_node,
+        reserve=parse_size(reserve),
+        headroom=_parse_fraction(headroom),
+    )
+    elapsed = time.perf_counter() - started
+    shown = rows if top <= 0 else rows[:top]
+    if json_output:
+        print(
+            json.dumps(
+                {
+                    "model": spec.name,
+                    "gpu": gpu_info.key,
+                    "gpus": world,
+                    "seq_len": seq_len,
+                    "global_batch": workload.global_batch,
+                    "predicted": True,
+                    "seconds": elapsed,
+                    "rows": [row.to_dict() for row in rows],
+                },
+                indent=2,
+            )
+        )
+        return
+    table = Table(
+        "#",
+        "configuration",
+        "mbs",
+        "accum",
+        "peak memory",
+        "fits",
+        "tokens/s",
+        "MFU",
+        "peak at",
+        header_style="bold",
+        title=f"{spec.name} on {world} x {gpu_info.name}, seq {seq_len}, global batch "
+        f"{workload.global_batch}: predicted, not measured",
+    )
+    for index, row in enumerate(shown, 1):
+        fits = "yes" if row.fits else f"[red]no, {format_bytes(row.over_bytes)} over[/]"
+        table.add_row(
+            str(index),
+            row.config.label(),
+            str(row.micro_batch_size),
+            str(row.grad_accum),
+            format_bytes(row.memory.peak_bytes),
+            fits,
+            _fmt(row.time.tokens_per_second if row.time else None, ",.0f"),
+            _fmt(row.time.mfu if row.time else None, ".1%"),
+            row.memory.phase,
+        )
+    console.print(table)
+    fitting = sum(row.fits for row in rows)
+    console.print(
+        f"[dim]{len(rows)} configurations ({fitting} fit in "
+        f"{format_bytes(rows[0].capacity_bytes)} usable per GPU) in {elapsed * 1000:.0f} ms[/]"
+    )
+
+
 @app.command()
 def models(
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,

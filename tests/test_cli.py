@@ -110,3 +110,35 @@ def test_models_json_lists_every_preset(tmp_path: Path) -> None:
     rows = {row["name"]: row for row in json.loads(done.stdout)}
     assert {"llama-7b", "qwen2.5-1.5b", "gpt2", "tiny"} <= set(rows)
     assert abs(rows["llama-7b"]["params"] - 6.74e9) / 6.74e9 < 0.005
+
+
+def test_plan_table_and_json(tmp_path: Path) -> None:
+    """`autotune plan` ranks the space for a named GPU; --json carries every row."""
+    args = ("plan", "--model", "llama-7b", "--gpu", "h100-80gb", "--gpus", "8")
+    args += ("--seq-len", "4096", "--global-batch", "512")
+    table = autotune(*args, "--top", "5", cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    assert "predicted, not measured" in table.stdout
+    assert "configurations (" in table.stdout and "fit in" in table.stdout
+    done = autotune(*args, "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["predicted"] is True and data["gpu"] == "h100-80gb"
+    rows = data["rows"]
+    assert rows[0]["fits"] and not rows[-1]["fits"]
+    assert rows[0]["micro_batch_size"] * 8 * rows[0]["grad_accum"] == 512
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--gpu", "h100-80gb", "--gpus", "8", "--global-batch", "100"), "multiple of 8"),
+        (("--gpu", "tpu-v9"), "tpu-v9"),
+        (("--gpu", "h100", "--engine", "megatron"), "unknown engine"),
+        (("--gpu", "h100", "--headroom", "150%"), "between 0% and 100%"),
+    ],
+)
+def test_plan_bad_input_is_one_line(tmp_path: Path, args: tuple[str, ...], says: str) -> None:
+    done = autotune("plan", *args, cwd=tmp_path)
+    assert done.returncode == 2
+    assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -1,0 +1,199 @@
+"""A simulated GPU: probes answered by the estimator, behind the real probe runner's interface.
+
+:meth:`SimulatedDevice.launch_probe` takes a :class:`~autotune.probe.ProbeSpec` and a probe
+folder and returns a :class:`~autotune.probe.ProbeResult`, exactly as
+:func:`autotune.probe.launch_probe` does, so the search, the tests and the benchmarks run the
+whole tuning loop on machines without a GPU. Peak memory comes from the memory model, step
+times from the time model, with seeded multiplicative noise (a real probe's timings scatter
+by a few percent); a micro-batch whose predicted peak exceeds the GPU's usable memory (or the
+spec's ``device_memory_bytes``) ends in an out-of-memory outcome, as on the device. The
+result's ``device`` reads ``simulated:<gpu>``, every size entry carries ``"simulated": true``,
+and ``wall_s`` is the time the probe would have taken on the GPU, not the microseconds it did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.config import Engine
+from autotune.estimator.memory import estimate_memory
+from autotune.estimator.plan import DEVICE_RESERVE_BYTES, usable_bytes
+from autotune.estimator.timing import predict_step_time
+from autotune.hardware import GpuSpec, gpu_spec
+from autotune.models import resolve_model
+from autotune.probe.metrics import throughput
+from autotune.probe.modeling import checkpointed_fraction
+from autotune.probe.outcome import Outcome, Stage
+from autotune.probe.result import ProbeResult
+from autotune.probe.spec import ProbeSpec
+from autotune.units import format_bytes
+
+__all__ = ["SimulatedDevice"]
+
+_START_S = 20.0
+"""Simulated start-up of a probe (interpreter, imports, process group): what a real probe of a
+7B model spends before its first step, about 20 s on a GPU node (docs/probe.md has the CPU
+figures; the GPU row waits for a GPU run)."""
+_BUILD_BYTES_PER_S = 20e9
+"""Simulated model build and materialization rate, bytes of model states per second."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulatedDevice:
+    """A GPU model answered by the estimator (fake hardware: named as such in every result)."""
+
+    gpu: GpuSpec
+    seed: int = 0
+    """Seed of the timing noise; one seed gives the same measurements for the same probe."""
+    noise: float = 0.02
+    """Relative standard deviation of simulated step times (0 for exact predictions)."""
+    gpus_per_node: int = 8
+    reserve: int = DEVICE_RESERVE_BYTES
+    """Device bytes tensors cannot use (CUDA context, allocator); see the planner."""
+
+    @classmethod
+    def named(cls, gpu: str, **kwargs: Any) -> SimulatedDevice:
+        """A simulated device for a catalogue key, alias or GPU file (``h100-80gb``)."""
+        return cls(gpu=gpu_spec(gpu), **kwargs)
+
+    @property
+    def label(self) -> str:
+        return f"simulated:{self.gpu.key}"
+
+    def capacity(self, spec: ProbeSpec) -> int:
+        """Usable bytes per rank: the emulated cap when the spec sets one, else the GPU's."""
+        if spec.device_memory_bytes is not None:
+            return spec.device_memory_bytes
+        return usable_bytes(self.gpu, reserve=self.reserve)
+
+    def _jitter(self, spec: ProbeSpec, mbs: int) -> float:
+        key = json.dumps([self.seed, spec.model, spec.config.to_dict(), mbs, spec.seq_len])
+        rng = random.Random(hashlib.sha256(key.encode()).digest())
+        return max(0.5, rng.gauss(1.0, self.noise)) if self.noise else 1.0
+
+    def launch_probe(self, spec: ProbeSpec, probe_dir: Path, **_ignored: Any) -> ProbeResult:
+        """Answer one probe from the estimator; same contract as ``autotune.probe.launch_probe``.
+
+        Keyword arguments the real runner takes (``spawner``, ``poll_s``, ``on_poll``) are
+        accepted and ignored.
+        """
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
+        model = resolve_model(spec.model)
+        capacity = self.capacity(spec)
+        peak_flops = self.gpu.peak(spec.config.precision.value.split("-")[0])
+        sizes: list[dict[str, Any]] = []
+        wall = _START_S
+        failed: int | None = None
+        outcome, stage, message = Outcome.OK, None, ""
+        for mbs in spec.micro_batch_sizes:
+            if failed is not None and mbs >= failed:
+                continue  # as the worker: a larger size cannot fit either
+            memory = estimate_memory(
+                model,
+                spec.config,
+                micro_batch_size=mbs,
+                seq_len=spec.seq_len,
+                world_size=spec.num_processes,
+            )
+            reading = {
+                "peak_allocated_bytes": memory.peak_bytes,
+                "peak_reserved_bytes": memory.peak_bytes,
+                "alloc_retries": 0,
+                "ooms": 0,
+                "memory_source": "simulated",
+                "emulated_limit_bytes": spec.device_memory_bytes,
+                "simulated": True,
+            }
+            if memory.peak_bytes > capacity:
+                failed = mbs
+                outcome = Outcome.OOM
+                stage = Stage.FORWARD if memory.phase == "loss" else Stage(memory.phase)
+                message = (
+                    f"simulated out of memory: peak {format_bytes(memory.peak_bytes)} at the "
+                    f"{memory.phase} exceeds {format_bytes(capacity)} usable"
+                )
+                sizes.append(
+                    {
+                        "micro_batch_size": mbs,
+                        "outcome": Outcome.OOM.value,
+                        "stage": stage.value,
+                        "message": message,
+                        **reading,
+                        "ooms": 1,
+                    }
+                )
+                wall += 5.0
+                if spec.num_processes > 1:
+                    break  # a multi-rank probe stops at its first OOM, as the real one
+                continue
+            step = predict_step_time(
+                model,
+                spec.config,
+                self.gpu,
+                micro_batch_size=mbs,
+                seq_len=spec.seq_len,
+                grad_accum=spec.grad_accum,
+                world_size=spec.num_processes,
+                gpus_per_node=self.gpus_per_node,
+            )
+            jitter = self._jitter(spec, mbs)
+            speed = throughput(
+                micro_step_s=step.micro_step_s * jitter,
+                optimizer_step_s=step.optimizer_step_s * jitter,
+                micro_batch_size=mbs,
+                seq_len=spec.seq_len,
+                grad_accum=spec.grad_accum,
+                world_size=spec.num_processes,
+                model_flops_per_token=model.flops_per_token(spec.seq_len),
+                hardware_flops_per_token=model.hardware_flops_per_token(
+                    spec.seq_len, checkpointed_fraction(model.num_layers, spec.config.ac_every)
+                ),
+                peak_flops=peak_flops,
+            )
+            steps = spec.warmup_steps + spec.timed_steps
+            timed = speed.step_s * spec.timed_steps
+            wall += speed.step_s * steps
+            sizes.append(
+                {
+                    "micro_batch_size": mbs,
+                    "outcome": Outcome.OK.value,
+                    "losses": [],
+                    "loss_finite": True,
+                    "warmup_s": speed.step_s * spec.warmup_steps,
+                    "timed_s": timed,
+                    **speed.to_dict(),
+                    **reading,
+                }
+            )
+        build_s = _states_bytes(model.num_params, spec) / _BUILD_BYTES_PER_S
+        wall += build_s
+        result = ProbeResult(
+            spec=spec,
+            probe_dir=probe_dir,
+            outcome=outcome if failed is not None else Outcome.OK,
+            stage=stage,
+            message=message,
+            failed_rank=0 if failed is not None else None,
+            sizes=sizes,
+            wall_s=wall,
+            import_s=_START_S,
+            build_s=build_s,
+            device=self.label,
+            gpu_name=f"{self.gpu.name} (simulated)",
+            peak_flops=peak_flops,
+            num_params=model.num_params,
+        )
+        result.write()
+        return result
+
+
+def _states_bytes(num_params: int, spec: ProbeSpec) -> float:
+    """Bytes of model states one rank builds (what the simulated build time scales with)."""
+    shards = spec.num_processes if spec.config.engine not in (Engine.SINGLE, Engine.DDP) else 1
+    return 16.0 * num_params / shards

@@ -1,0 +1,144 @@
+"""The search space: every configuration worth trying on a number of GPUs, in ladder order.
+
+The ladder (docs/architecture.md) climbs from the cheapest configuration to the costliest in
+memory savings: no sharding, then activation checkpointing coarse to fine, then heavier
+sharding, then CPU offload. :func:`ladder_key` orders configurations that way; the planner,
+the search and the exports all enumerate the same :func:`configurations`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from autotune.config import Attention, ConfigError, Engine, Offload, Precision, TrainConfig
+
+__all__ = [
+    "Workload",
+    "ac_options",
+    "configurations",
+    "ladder_key",
+    "micro_batch_options",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """What the user trains and on how many GPUs: fixed for a whole search."""
+
+    seq_len: int
+    """Tokens per sequence."""
+    global_batch: int
+    """Sequences per optimizer step over all ranks."""
+    world_size: int
+    """Data-parallel ranks (GPUs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch", "world_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be at least 1")
+        if self.global_batch % self.world_size:
+            raise ConfigError(
+                f"global batch {self.global_batch} is not a multiple of {self.world_size} GPUs: "
+                f"use a global batch divisible by {self.world_size}"
+            )
+
+    @property
+    def per_rank_batch(self) -> int:
+        """Sequences each rank processes per optimizer step."""
+        return self.global_batch // self.world_size
+
+    def grad_accum(self, micro_batch_size: int) -> int:
+        """Micro-steps per optimizer step so that mbs × ranks × accumulation = global batch."""
+        if self.per_rank_batch % micro_batch_size:
+            raise ConfigError(
+                f"micro-batch {micro_batch_size} does not divide the {self.per_rank_batch} "
+                "sequences per rank: pick a divisor"
+            )
+        return self.per_rank_batch // micro_batch_size
+
+
+def micro_batch_options(workload: Workload, limit: int | None = None) -> list[int]:
+    """Micro-batch sizes that reach the global batch exactly: divisors of the per-rank batch."""
+    per_rank = workload.per_rank_batch
+    sizes = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    return [m for m in sizes if limit is None or m <= limit]
+
+
+def ac_options(num_layers: int) -> list[int]:
+    """Checkpointing choices, coarse to fine: off, every 4th, every 2nd, every block."""
+    return [0, *(k for k in (4, 2) if k < num_layers), 1]
+
+
+def _sharding(world_size: int) -> Iterator[tuple[Engine, int, Offload]]:
+    """(engine, stage, offload) combinations that make sense on ``world_size`` GPUs."""
+    if world_size == 1:
+        yield Engine.SINGLE, 0, Offload.NONE
+    else:
+        yield Engine.DDP, 0, Offload.NONE
+        yield Engine.FSDP, 2, Offload.NONE
+        yield Engine.FSDP, 3, Offload.NONE
+        for stage in (1, 2, 3):
+            yield Engine.DEEPSPEED, stage, Offload.NONE
+    # Offload helps on one GPU as well: the host takes the optimizer (and the weights).
+    for stage in (1, 2, 3) if world_size > 1 else (2, 3):
+        yield Engine.DEEPSPEED, stage, Offload.OPTIMIZER
+    yield Engine.DEEPSPEED, 3, Offload.PARAMS
+    yield Engine.FSDP, 3, Offload.PARAMS
+
+
+def configurations(
+    *,
+    world_size: int,
+    num_layers: int,
+    engines: Iterable[Engine] | None = None,
+    precision: Precision = Precision.BF16_MIXED,
+    attention: Attention = Attention.SDPA,
+) -> list[TrainConfig]:
+    """Every valid configuration for ``world_size`` GPUs, sorted in ladder order.
+
+    Args:
+        world_size: Data-parallel ranks.
+        num_layers: Decoder blocks (bounds the checkpointing choices).
+        engines: Restrict to these engines (``--engine``); the plain engines (single, ddp)
+            stay in as the no-sharding rung unless excluded by naming others only.
+        precision: The user's precision (bf16-mixed unless the GPU lacks bf16).
+        attention: The attention kernel.
+
+    Returns:
+        Configurations, cheapest rung first.
+    """
+    allowed = set(engines) if engines is not None else set(Engine)
+    found: list[TrainConfig] = []
+    for engine, stage, offload in _sharding(world_size):
+        if engine not in allowed:
+            continue
+        for ac in ac_options(num_layers):
+            try:
+                found.append(
+                    TrainConfig(
+                        engine=engine,
+                        zero_stage=stage,
+                        precision=precision,
+                        ac_every=ac,
+                        offload=offload,
+                        attention=attention,
+                    )
+                )
+            except ConfigError:
+                continue  # e.g. fp16 with FSDP2, pure bf16 with DeepSpeed
+    return sorted(found, key=ladder_key)
+
+
+_OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.PARAMS: 2}
+
+
+def ladder_key(config: TrainConfig) -> tuple[int, int, int, int]:
+    """Sort key of the ladder: offload, then sharding, then checkpointing (coarse first)."""
+    ac_rank = 0 if config.ac_every == 0 else 1 + 4 // config.ac_every
+    return (
+        _OFFLOAD_RANK[config.offload],
+        config.zero_stage,
+        ac_rank,
+        int(config.engine is Engine.DEEPSPEED),
+    )
