@@ -50,6 +50,8 @@ lint: install
 
 bench: install
 	$(BIN)/python bench/probe_overhead.py
+	$(BIN)/python bench/model_states.py
+	$(BIN)/python bench/estimator_accuracy.py
 
 wheelhouse: install
 	rm -rf wheelhouse && mkdir -p wheelhouse

@@ -94,8 +94,8 @@ def test_checkpointing_sharding_and_offload_each_lower_the_peak() -> None:
     assert peak(engine="fsdp", zero_stage=3, ac_every=1) < peak(
         engine="fsdp", zero_stage=3, ac_every=2
     )
-    assert peak(engine="fsdp", zero_stage=3) < peak(engine="fsdp", zero_stage=2) < peak(
-        engine="ddp"
+    assert (
+        peak(engine="fsdp", zero_stage=3) < peak(engine="fsdp", zero_stage=2) < peak(engine="ddp")
     )
     z3 = peak(engine="deepspeed", zero_stage=3)
     assert peak(engine="deepspeed", zero_stage=3, offload="optimizer") < z3
