@@ -19,6 +19,7 @@ estimate takes microseconds, so a planner can walk a whole search space.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,15 +261,18 @@ def estimate_memory(
 
     head_copy = prof.head_weight_copy_bytes
     head_saved = prof.head_saved_per_token * tokens
-    all_kept, all_held = sum(kept), sum(held)
+    # Prefix sums: kept_before[j] is what blocks 0..j-1 hold (O(L) for the whole walk).
+    kept_before = list(itertools.accumulate(kept, initial=0.0))
+    held_before = list(itertools.accumulate(held, initial=0.0))
+    all_kept, all_held = kept_before[-1], held_before[-1]
     # Forward: the last checkpointed block runs with all its activations (autocast's cache keeps
     # every cast weight until the forward returns).
     last_ck = max((j for j in range(layers) if _checkpointed(j, ac)), default=None)
     if last_ck is not None:
         point(
             "forward",
-            activations=sum(kept[:last_ck]) + saved,
-            buffers=sum(held[: last_ck + 1])
+            activations=kept_before[last_ck] + saved,
+            buffers=held_before[last_ck + 1]
             + prof.layer_weight_copy_bytes * (last_ck + 1)
             + states.working_weights,
         )
@@ -283,29 +287,33 @@ def estimate_memory(
         activations=all_kept + head_saved + prof.head_backward_per_token * tokens,
         buffers=all_held + head_copy + states.working_weights,
     )
-    grads = states.gradients_head
-    for j in reversed(range(layers)):
-        # Block j's backward starts with the blocks above done (gradients kept, activations
-        # freed) and its own saved tensors (recomputed if checkpointed) plus its working set;
-        # it ends with its gradients made and its activations freed.
+    # Backward of block j starts with the blocks above done (gradients kept, activations
+    # freed) and its own saved tensors (recomputed if checkpointed) plus its working set; it
+    # ends with its gradients made and its activations freed. Along the stack these sums are
+    # linear within each residue class modulo the checkpointing period, so their maximum lies
+    # in the first or last period: only those blocks are walked (O(1) in the depth).
+    period = max(ac, 1)
+    walked = sorted(set(range(min(period, layers))) | set(range(max(0, layers - period), layers)))
+    for j in reversed(walked):
+        grads = states.gradients_head + (layers - 1 - j) * states.gradients_per_layer
         own = saved if _checkpointed(j, ac) else kept[j]
         recast = prof.layer_weight_copy_bytes if _checkpointed(j, ac) else 0.0
         point(
             "backward",
-            activations=sum(kept[:j]) + own + prof.layer_backward_per_token * tokens,
+            activations=kept_before[j] + own + prof.layer_backward_per_token * tokens,
             gradients=grads,
-            buffers=sum(held[: j + 1])
+            buffers=held_before[j + 1]
             + recast
             + states.working_weights
             + states.layer_backward_buffers,
         )
-        grads += states.gradients_per_layer
         point(
             "backward",
-            activations=sum(kept[:j]),
-            gradients=grads,
-            buffers=sum(held[:j]) + states.working_weights,
+            activations=kept_before[j],
+            gradients=grads + states.gradients_per_layer,
+            buffers=held_before[j] + states.working_weights,
         )
+    grads = states.gradients_head + layers * states.gradients_per_layer
     point("optimizer", gradients=grads, buffers=states.step_extra)
 
     phase, sums = max(points, key=lambda item: sum(item[1].values()))
