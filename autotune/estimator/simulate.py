@@ -26,8 +26,7 @@ from autotune.estimator.plan import DEVICE_RESERVE_BYTES, usable_bytes
 from autotune.estimator.timing import predict_step_time
 from autotune.hardware import GpuSpec, gpu_spec
 from autotune.models import resolve_model
-from autotune.probe.metrics import throughput
-from autotune.probe.modeling import checkpointed_fraction
+from autotune.probe.metrics import probe_throughput
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec
@@ -143,17 +142,12 @@ class SimulatedDevice:
                 gpus_per_node=self.gpus_per_node,
             )
             jitter = self._jitter(spec, mbs)
-            speed = throughput(
+            speed = probe_throughput(
+                spec,
+                model,
+                mbs,
                 micro_step_s=step.micro_step_s * jitter,
                 optimizer_step_s=step.optimizer_step_s * jitter,
-                micro_batch_size=mbs,
-                seq_len=spec.seq_len,
-                grad_accum=spec.grad_accum,
-                world_size=spec.num_processes,
-                model_flops_per_token=model.flops_per_token(spec.seq_len),
-                hardware_flops_per_token=model.hardware_flops_per_token(
-                    spec.seq_len, checkpointed_fraction(model.num_layers, spec.config.ac_every)
-                ),
                 peak_flops=peak_flops,
             )
             steps = spec.warmup_steps + spec.timed_steps

@@ -19,6 +19,10 @@ from typing import Any
 
 import torch
 
+from autotune.models import ModelSpec
+from autotune.probe.modeling import checkpointed_fraction
+from autotune.probe.spec import ProbeSpec
+
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so wall-clock time covers it."""
@@ -86,4 +90,29 @@ def throughput(
         tokens_per_second_per_rank=per_rank,
         mfu=mfu,
         hfu=hfu,
+    )
+
+
+def probe_throughput(
+    spec: ProbeSpec,
+    model: ModelSpec,
+    micro_batch_size: int,
+    *,
+    micro_step_s: float,
+    optimizer_step_s: float,
+    peak_flops: float | None,
+) -> Throughput:
+    """:func:`throughput` of one probe's size: its workload, ranks and checkpointing."""
+    return throughput(
+        micro_step_s=micro_step_s,
+        optimizer_step_s=optimizer_step_s,
+        micro_batch_size=micro_batch_size,
+        seq_len=spec.seq_len,
+        grad_accum=spec.grad_accum,
+        world_size=spec.num_processes,
+        model_flops_per_token=model.flops_per_token(spec.seq_len),
+        hardware_flops_per_token=model.hardware_flops_per_token(
+            spec.seq_len, checkpointed_fraction(model.num_layers, spec.config.ac_every)
+        ),
+        peak_flops=peak_flops,
     )

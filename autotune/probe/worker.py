@@ -32,8 +32,7 @@ from autotune.hardware import peak_flops_for
 from autotune.models import ModelSpec, resolve_model, synthetic_batch
 from autotune.probe.engines import EngineContext, Trainee, build_trainee
 from autotune.probe.memory import LiveTensorBytes, MemoryMeter, apply_cuda_limit
-from autotune.probe.metrics import now, synchronize, throughput
-from autotune.probe.modeling import checkpointed_fraction
+from autotune.probe.metrics import now, probe_throughput, synchronize
 from autotune.probe.outcome import Outcome, Stage, is_oom_error
 from autotune.probe.spec import ProbeSpec
 
@@ -209,23 +208,17 @@ class _StepLoop:
 def _size_result(
     spec: ProbeSpec,
     model: ModelSpec,
-    rank: _Rank,
     mbs: int,
     raw: dict[str, Any],
     peak_flops: float | None,
 ) -> dict[str, Any]:
     losses = raw["losses"]
-    speed = throughput(
+    speed = probe_throughput(
+        spec,
+        model,
+        mbs,
         micro_step_s=statistics.median(raw["micro_times"]),
         optimizer_step_s=statistics.median(raw["optimizer_times"]),
-        micro_batch_size=mbs,
-        seq_len=spec.seq_len,
-        grad_accum=spec.grad_accum,
-        world_size=rank.world_size,
-        model_flops_per_token=model.flops_per_token(spec.seq_len),
-        hardware_flops_per_token=model.hardware_flops_per_token(
-            spec.seq_len, checkpointed_fraction(model.num_layers, spec.config.ac_every)
-        ),
         peak_flops=peak_flops,
     )
     finite = all(map(_isfinite, losses))
@@ -350,7 +343,7 @@ def run(probe_dir: Path) -> int:
                 return 1
             failed_size, failure = mbs, None
             continue
-        sizes.append({**_size_result(spec, model, rank, mbs, raw, peak_flops), **meter.read()})
+        sizes.append({**_size_result(spec, model, mbs, raw, peak_flops), **meter.read()})
         report.write()
         if rank.rank == 0:
             last = sizes[-1]
