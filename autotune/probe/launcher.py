@@ -78,6 +78,10 @@ def rank_environment(spec: ProbeSpec, rank: int, port: int) -> dict[str, str]:
         # Start-up time is measured from here (process creation times are whole-second coarse).
         AUTOTUNE_SPAWN_TIME=repr(time.time()),
     )
+    # DeepSpeed JIT-builds its CPU ops into a cache keyed by op name only: two environments
+    # sharing ~/.cache/torch_extensions rebuild (and race on) each other's builds. One cache
+    # per Python environment, unless the user chose one.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     if spec.device == "cpu":
         # Ranks share the cores: without this each would start one thread per core.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.num_processes))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from conftest import (
 )
 
 from autotune.config import Engine, TrainConfig
-from autotune.probe.launcher import launch_probe
+from autotune.probe.launcher import launch_probe, rank_environment
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec
@@ -288,3 +289,14 @@ def test_startup_failure_is_reported_with_its_stage(run_probe: RunProbe) -> None
     assert "no GPU is visible" in result.message
     assert result.device == "cuda"
     assert read_json(result.probe_dir / "rank0.json")["status"] == "error"
+
+
+def test_each_python_environment_gets_its_own_deepspeed_op_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = ProbeSpec(model="tiny")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    env = rank_environment(spec, 0, 29500)
+    assert env["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/srv/ops")
+    assert rank_environment(spec, 0, 29500)["TORCH_EXTENSIONS_DIR"] == "/srv/ops"
