@@ -1,0 +1,89 @@
+"""What a study is about: the workload, the hardware and the software it was measured on.
+
+A throughput measured with torch 2.13 on 8 H100s says nothing certain about torch 2.14 or 4
+A100s, so each combination gets its own study, with a name people can read in
+optuna-dashboard (``llama-7b/seq2048/gbs512@8xH100-80GB``) and the whole fingerprint stored
+in the study's attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.config import ConfigError
+
+__all__ = ["OBJECTIVES", "Fingerprint", "software_versions"]
+
+OBJECTIVES = ("tokens", "mfu")
+"""``tokens``: tokens/s at the user's global batch; ``mfu``: model FLOPs utilization."""
+
+_SOFTWARE = ("torch", "deepspeed", "transformers")
+
+
+def software_versions() -> dict[str, str]:
+    """Installed versions of the packages whose speed and memory a probe measures."""
+    versions = {}
+    for package in _SOFTWARE:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "none"
+    return versions
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fingerprint:
+    """Workload × hardware × software: one study each."""
+
+    model: str
+    seq_len: int
+    global_batch: int
+    objective: str = "tokens"
+    gpu: str
+    """Catalogue key (``h100-80gb``), ``cpu``, or the simulated GPU's key."""
+    gpu_memory_bytes: int
+    """Memory per device a probe may use (the emulated cap when there is one)."""
+    gpus: int
+    nodes: int = 1
+    device: str = "cuda"
+    """``cuda``, ``cpu`` (real CPU probes) or ``simulated`` (the estimator)."""
+    software: dict[str, str] = dataclasses.field(default_factory=software_versions)
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(
+                f"unknown objective {self.objective!r}: use {' or '.join(OBJECTIVES)}"
+            )
+
+    @property
+    def study_name(self) -> str:
+        """Readable and unique, e.g. ``llama-7b/seq2048/gbs512@8xH100-80GB/`` followed by
+        ``torch2.13.0+ds0.19.8+tf5.23.0``.
+
+        CPU and simulated studies say so, and never mix with real GPU measurements.
+        """
+        hardware = f"{self.gpus}x{self.gpu.upper()}"
+        if self.nodes > 1:
+            hardware = f"{self.nodes}n{hardware}"
+        if self.device != "cuda":
+            hardware += f"-{self.device}"
+        name = f"{self.model}/seq{self.seq_len}/gbs{self.global_batch}@{hardware}"
+        if self.objective != "tokens":
+            name += f"/{self.objective}"
+        short = {"torch": "torch", "deepspeed": "ds", "transformers": "tf"}
+        versions = "+".join(
+            f"{short.get(k, k)}{self.software[k]}"
+            for k in sorted(self.software, key=lambda k: (*_SOFTWARE, k).index(k))
+        )
+        return f"{name}/{versions}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Fingerprint:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,288 @@
+"""Every probe as Optuna trials: one trial per configuration and micro-batch size.
+
+The study lives in any storage Optuna accepts (``sqlite:///trials/autotune.db`` by default,
+PostgreSQL for several tuner workers). A trial's params are the configuration and the
+micro-batch size; its user attributes hold what was measured (outcome, tokens/s at the user's
+global batch, MFU, step times, peak memory, the probe folder). Its value is the objective.
+
+Out-of-memory trials must steer the search, yet Optuna's samplers ignore failed trials, so an
+OOM is a *complete* trial with value 0 and a violated constraint (``trial.set_constraint``):
+constraint-aware samplers learn the infeasible region, and optuna-dashboard shows the trial as
+infeasible. A configuration whose peak comes within ``headroom`` of the capacity is
+infeasible the same way. Crashes, hangs and errors are FAIL trials with their message.
+
+Trials are asked before a probe starts, so a RUNNING trial tells other workers (and a resumed
+tuner) that its configuration is in flight; a tuner killed mid-probe leaves RUNNING trials
+that the storage's heartbeat marks failed, and Optuna's stale-trial callback re-enqueues once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import FrozenTrial, Trial, TrialState, create_trial
+
+from autotune.config import Attention, ConfigError, Engine, Offload, Precision, TrainConfig
+from autotune.probe.metrics import throughput
+from autotune.probe.outcome import Outcome
+from autotune.probe.result import ProbeResult
+from autotune.space import Workload
+from autotune.study.fingerprint import Fingerprint
+
+__all__ = ["DEFAULT_STORAGE", "Measurement", "TrialStore", "open_storage"]
+
+DEFAULT_STORAGE = "sqlite:///trials/autotune.db"
+HEARTBEAT_S = 30
+"""A running tuner touches its RUNNING trials this often; after ``GRACE_S`` without a beat
+they are failed (their tuner died) and their configuration is enqueued again, once."""
+GRACE_S = 180
+
+_FINGERPRINT_ATTR = "autotune_fingerprint"
+
+
+def _distributions() -> dict[str, BaseDistribution]:
+    """The search space as Optuna distributions (fixed per trial: the sampler is autotune's)."""
+    return {
+        "engine": CategoricalDistribution([e.value for e in Engine]),
+        "zero_stage": IntDistribution(0, 3),
+        "precision": CategoricalDistribution([p.value for p in Precision]),
+        "ac_every": IntDistribution(0, 64),
+        "offload": CategoricalDistribution([o.value for o in Offload]),
+        "attention": CategoricalDistribution([a.value for a in Attention]),
+        "micro_batch_size": IntDistribution(1, 1 << 16),
+    }
+
+
+def open_storage(url: str = DEFAULT_STORAGE) -> RDBStorage:
+    """An Optuna RDB storage with heartbeats; SQLite's folder is created.
+
+    Raises:
+        ConfigError: When the URL cannot be opened (one line that says what to use).
+    """
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///"))
+        if str(path) not in ("", ":memory:"):
+            path.expanduser().parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with warnings.catch_warnings():
+            # Heartbeats are "experimental" in Optuna 5: the interface is what autotune pins.
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(
+                url,
+                heartbeat_interval=HEARTBEAT_S,
+                grace_period=GRACE_S,
+                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+            )
+    except Exception as error:  # SQLAlchemy raises many kinds; all mean "cannot open"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"cannot open trial storage {url!r}: {reason}; use sqlite:///path/to.db or "
+            "postgresql://user:password@host/database"
+        ) from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """One trial, decoded: a configuration at a micro-batch size, and what became of it."""
+
+    number: int
+    config: TrainConfig
+    micro_batch_size: int
+    state: str
+    """Optuna's trial state: ``COMPLETE``, ``FAIL``, ``RUNNING``, ``WAITING``."""
+    outcome: str | None
+    """The probe's outcome for this size (``ok``, ``oom``, ...); None while running."""
+    feasible: bool
+    value: float | None
+    attrs: dict[str, Any]
+
+    @property
+    def key(self) -> tuple[TrainConfig, int]:
+        return self.config, self.micro_batch_size
+
+
+class TrialStore:
+    """The study of one fingerprint: ask a trial per probed size, tell what happened."""
+
+    def __init__(
+        self,
+        fingerprint: Fingerprint,
+        workload: Workload,
+        *,
+        storage: str | RDBStorage = DEFAULT_STORAGE,
+        headroom: float = 0.0,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.workload = workload
+        self.headroom = headroom
+        self.storage = open_storage(storage) if isinstance(storage, str) else storage
+        self.study = optuna.create_study(
+            storage=self.storage,
+            study_name=fingerprint.study_name,
+            direction="maximize",
+            load_if_exists=True,
+        )
+        stored = self.study.user_attrs.get(_FINGERPRINT_ATTR)
+        if stored is None:
+            self.study.set_user_attr(_FINGERPRINT_ATTR, fingerprint.to_dict())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                self.study.set_metric_names([fingerprint.objective])
+
+    def ask(self, config: TrainConfig, micro_batch_size: int) -> Trial:
+        """Start a trial for one size of a probe about to run (RUNNING until told).
+
+        The point is autotune's choice, not a sampler's: the trial is created with its params
+        fixed, and its heartbeat recorded (call :meth:`beat` while the probe runs).
+        """
+        distributions = _distributions()
+        params = {**config.to_dict(), "micro_batch_size": micro_batch_size}
+        template = create_trial(
+            state=TrialState.RUNNING, params=params, distributions=distributions
+        )
+        trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
+        self.storage.record_heartbeat(trial_id)
+        return Trial(self.study, trial_id)
+
+    def beat(self, trials: Iterable[Trial]) -> None:
+        """Tell the storage these trials' tuner is alive (from the probe's progress callback)."""
+        for trial in trials:
+            self.storage.record_heartbeat(trial._trial_id)
+
+    def fail_stale(self) -> None:
+        """Fail RUNNING trials whose tuner stopped beating; their configuration is re-enqueued
+        once (Optuna's RetryHeartbeatStaleTrialCallback)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+
+    def tell(self, trial: Trial, result: ProbeResult, *, capacity_bytes: int) -> FrozenTrial:
+        """Record what the probe found at this trial's micro-batch size."""
+        mbs = int(trial.params["micro_batch_size"])
+        entry = next((s for s in result.sizes if s["micro_batch_size"] == mbs), None)
+        attrs: dict[str, Any] = {
+            "probe_dir": str(result.probe_dir),
+            "device": result.device,
+            "simulated": result.device.startswith("simulated"),
+            "grad_accum": self.workload.grad_accum(mbs),
+        }
+        if entry is None:
+            # Never run at this size: a larger-than-failed size (inferred OOM) or a probe that
+            # stopped early.
+            smaller_oom = any(
+                s["outcome"] == Outcome.OOM.value and s["micro_batch_size"] <= mbs
+                for s in result.sizes
+            )
+            if smaller_oom:
+                attrs.update(outcome=Outcome.OOM.value, inferred=True)
+                return self._infeasible(trial, attrs, 1.0)
+            attrs.update(outcome="not_run", message=result.message or "the probe stopped early")
+            return self._fail(trial, attrs)
+        attrs.update(_measured(entry))
+        attrs["outcome"] = entry["outcome"]
+        if entry["outcome"] == Outcome.OOM.value:
+            return self._infeasible(trial, attrs, 1.0)
+        if entry["outcome"] != Outcome.OK.value:
+            attrs["message"] = entry.get("message") or result.message
+            return self._fail(trial, attrs)
+        # The objective is taken at the user's accumulation count, not the probe's.
+        speed = throughput(
+            micro_step_s=entry["micro_step_s"],
+            optimizer_step_s=entry["optimizer_step_s"],
+            micro_batch_size=mbs,
+            seq_len=self.workload.seq_len,
+            grad_accum=attrs["grad_accum"],
+            world_size=self.workload.world_size,
+            model_flops_per_token=0.0,
+            hardware_flops_per_token=0.0,
+            peak_flops=None,
+        )
+        scale = speed.tokens_per_second / entry["tokens_per_second"]
+        attrs["objective_mfu"] = entry["mfu"] * scale if entry.get("mfu") else None
+        attrs["objective_tokens_per_second"] = speed.tokens_per_second
+        peak = entry.get("peak_reserved_bytes") or entry.get("peak_allocated_bytes") or 0
+        # Feasible when the peak leaves the headroom free and the allocator did not thrash.
+        violation = peak / capacity_bytes - (1.0 - self.headroom) if capacity_bytes else 0.0
+        if entry.get("alloc_retries"):
+            violation = max(violation, 0.01)
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        trial.set_constraint("memory", violation)
+        objective = (
+            attrs["objective_tokens_per_second"]
+            if self.fingerprint.objective == "tokens"
+            else attrs["objective_mfu"]
+        )
+        return self.study.tell(trial, float(objective or 0.0))
+
+    def _infeasible(self, trial: Trial, attrs: dict[str, Any], violation: float) -> FrozenTrial:
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        trial.set_constraint("memory", violation)
+        return self.study.tell(trial, 0.0)
+
+    def _fail(self, trial: Trial, attrs: dict[str, Any]) -> FrozenTrial:
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        return self.study.tell(trial, state=TrialState.FAIL)
+
+    def measurements(self, states: Iterable[TrialState] | None = None) -> list[Measurement]:
+        """Every trial of the study, decoded (all workers', resumed runs' included)."""
+        trials = self.study.get_trials(deepcopy=False, states=tuple(states) if states else None)
+        return [_decode(t) for t in trials if "micro_batch_size" in t.params]
+
+    def best(self) -> Measurement | None:
+        """The feasible measurement with the highest objective, if any."""
+        feasible = [
+            m
+            for m in self.measurements((TrialState.COMPLETE,))
+            if m.feasible and m.value is not None and m.value > 0
+        ]
+        return max(feasible, key=lambda m: m.value or 0.0, default=None)
+
+
+def _measured(entry: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "tokens_per_second",
+        "tokens_per_second_per_rank",
+        "mfu",
+        "hfu",
+        "micro_step_s",
+        "optimizer_step_s",
+        "step_s",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "alloc_retries",
+        "stage",
+        "message",
+    )
+    return {
+        k: entry[k]
+        for k in keys
+        if k in entry and not (isinstance(entry[k], float) and math.isnan(entry[k]))
+    }
+
+
+def _decode(trial: FrozenTrial) -> Measurement:
+    params = dict(trial.params)
+    mbs = int(params.pop("micro_batch_size"))
+    constraints = trial.constraints.values()
+    return Measurement(
+        number=trial.number,
+        config=TrainConfig.from_dict(params),
+        micro_batch_size=mbs,
+        state=trial.state.name,
+        outcome=trial.user_attrs.get("outcome"),
+        feasible=trial.state is TrialState.COMPLETE and all(c <= 0 for c in constraints),
+        value=trial.value if trial.state is TrialState.COMPLETE else None,
+        attrs=json.loads(json.dumps(trial.user_attrs)),
+    )

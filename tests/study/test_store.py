@@ -1,0 +1,134 @@
+"""The trial database on a real SQLite file: naming, recording, infeasible OOMs, resume."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune.config import ConfigError, TrainConfig
+from autotune.estimator.simulate import SimulatedDevice
+from autotune.probe import ProbeSpec
+from autotune.space import Workload
+from autotune.study import Fingerprint, TrialStore, open_storage
+from autotune.study import store as store_module
+
+WORK = Workload(seq_len=4096, global_batch=512, world_size=8)
+GPU = SimulatedDevice.named("h100-80gb", seed=0)
+
+
+def _fingerprint(**kwargs: object) -> Fingerprint:
+    base = {
+        "model": "llama-7b",
+        "seq_len": 4096,
+        "global_batch": 512,
+        "gpu": "h100-80gb",
+        "gpu_memory_bytes": GPU.gpu.memory_bytes,
+        "gpus": 8,
+        "device": "simulated",
+        "software": {"torch": "2.13.0", "deepspeed": "0.19.8", "transformers": "5.23.0"},
+    }
+    return Fingerprint(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def _probe(store: TrialStore, tmp: Path, config: TrainConfig, sizes: tuple[int, ...]) -> None:
+    trials = [store.ask(config, m) for m in sizes]
+    spec = ProbeSpec(
+        model="llama-7b",
+        config=config,
+        micro_batch_sizes=sizes,
+        seq_len=4096,
+        num_processes=8,
+        device="cuda",
+    )
+    result = GPU.launch_probe(spec, tmp / f"probe-{len(store.measurements())}")
+    for trial in trials:
+        store.tell(trial, result, capacity_bytes=GPU.capacity(spec))
+
+
+def test_study_names_are_readable_and_separate_what_differs() -> None:
+    name = _fingerprint(device="cuda").study_name
+    assert name == "llama-7b/seq4096/gbs512@8xH100-80GB/torch2.13.0+ds0.19.8+tf5.23.0"
+    assert _fingerprint().study_name != name  # simulated never mixes with real
+    assert "2n16x" in _fingerprint(gpus=16, nodes=2).study_name
+    assert _fingerprint(objective="mfu").study_name.split("/")[3] == "mfu"
+    other = _fingerprint(software={"torch": "2.14.0", "deepspeed": "0.19.8", "transformers": "5"})
+    assert other.study_name != _fingerprint().study_name
+    with pytest.raises(ConfigError, match="objective"):
+        _fingerprint(objective="loss")
+
+
+def test_probes_become_trials_and_ooms_are_infeasible(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/db/autotune.db"  # the folder is created
+    store = TrialStore(_fingerprint(), WORK, storage=url)
+    _probe(store, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (1, 2, 4, 8))
+    by_size = {m.micro_batch_size: m for m in store.measurements()}
+    assert [by_size[m].outcome for m in (1, 2, 4, 8)] == ["ok", "ok", "oom", "oom"]
+    assert by_size[8].attrs["inferred"] is True  # never run: larger than an OOM
+    assert by_size[1].feasible and by_size[2].feasible
+    assert not by_size[4].feasible and by_size[4].state == "COMPLETE"  # samplers see it
+    assert by_size[4].value == 0.0
+    # The value is tokens/s at the user's global batch: accumulation 512 / (2 x 8) = 32.
+    assert by_size[2].attrs["grad_accum"] == 32
+    assert by_size[2].value == pytest.approx(by_size[2].attrs["objective_tokens_per_second"])
+    assert by_size[2].value > by_size[1].value > 0
+    best = store.best()
+    assert best is not None and best.micro_batch_size == 2
+    assert best.config == TrainConfig(engine="fsdp", zero_stage=3)
+    assert Path(best.attrs["probe_dir"]).is_dir()
+
+
+def test_headroom_makes_a_tight_fit_infeasible(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/a.db"
+    loose = TrialStore(_fingerprint(), WORK, storage=url)
+    _probe(loose, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (2,))
+    peak = loose.measurements()[0].attrs["peak_reserved_bytes"]
+    fraction = peak / GPU.capacity(ProbeSpec(model="llama-7b"))
+    tight = TrialStore(_fingerprint(gpus=9), WORK, storage=url, headroom=1 - fraction + 0.01)
+    _probe(tight, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (2,))
+    assert loose.measurements()[0].feasible
+    assert not tight.measurements()[0].feasible
+
+
+def test_a_second_process_reads_the_same_study(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/shared.db"
+    store = TrialStore(_fingerprint(), WORK, storage=url)
+    _probe(store, tmp_path, TrainConfig(engine="deepspeed", zero_stage=2), (1, 2))
+    code = (
+        "import sys, json\n"
+        "sys.path.insert(0, 'tests/study')\n"
+        "from test_store import _fingerprint, WORK\n"
+        "from autotune.study import TrialStore\n"
+        f"s = TrialStore(_fingerprint(), WORK, storage={url!r})\n"
+        "print(json.dumps([[m.micro_batch_size, m.outcome] for m in s.measurements()]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert done.stdout.strip() == '[[1, "ok"], [2, "ok"]]'
+
+
+def test_running_trials_of_a_dead_tuner_fail_and_are_enqueued_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(store_module, "GRACE_S", 1)
+    url = f"sqlite:///{tmp_path}/stale.db"
+    dead = TrialStore(_fingerprint(), WORK, storage=url)
+    dead.ask(TrainConfig(engine="fsdp", zero_stage=2), 4)  # the tuner dies mid-probe
+    time.sleep(2.5)
+    resumed = TrialStore(_fingerprint(), WORK, storage=url)
+    resumed.fail_stale()
+    states = sorted(m.state for m in resumed.measurements())
+    assert states == ["FAIL", "WAITING"]  # failed, and its configuration queued again
+    waiting = [m for m in resumed.measurements() if m.state == "WAITING"]
+    assert waiting[0].key == (TrainConfig(engine="fsdp", zero_stage=2), 4)
+
+
+def test_a_bad_storage_url_is_one_clear_line() -> None:
+    with pytest.raises(ConfigError, match=r"cannot open trial storage.*sqlite:///"):
+        open_storage("nosuchdb://x")
