@@ -14,11 +14,11 @@ import gc
 import resource
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import psutil
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from autotune.units import format_bytes
@@ -29,11 +29,16 @@ class LiveTensorBytes(TorchDispatchMode):
 
     Every op's outputs are inspected; a storage is counted once, at its current size, until
     its last reference dies (storage Python objects are preserved while the C++ storage
-    lives, so a weakref finalizer sees the real free). Storages resized in place (FSDP2 frees
-    and re-allocates unsharded parameters that way) are recounted when next seen, and the
-    total is recomputed from scratch before an OOM is raised, so a stale count never causes
-    a false OOM. Tensors created before the mode was entered are not counted: enter it
-    before the model is built.
+    lives, so a weakref finalizer sees the real free). Wrapper tensor subclasses such as
+    ``DTensor`` own no memory: their storage has no data pointer but reports the wrapper's
+    (global) size. They are looked through to the inner tensors they hold (a DTensor's local
+    shard), which are the ones counted; the inner tensors are invisible otherwise, since the
+    subclass allocates them while this mode is off the dispatch stack. Storages resized in
+    place with ``UntypedStorage.resize_``, which bypasses the dispatcher (FSDP2 frees and
+    re-allocates its all-gather buffers that way), are observed through a hook installed
+    while the mode is entered; the total is recomputed from scratch before an OOM is raised,
+    so a stale count never causes a false OOM. Tensors created before the mode was entered
+    are not counted: enter it before the model is built.
     """
 
     def __init__(self, limit_bytes: int | None = None) -> None:
@@ -42,6 +47,20 @@ class LiveTensorBytes(TorchDispatchMode):
         self._live: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+
+    def __enter__(self) -> Self:
+        _resize_hook.add(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _resize_hook.remove(self)
+            raise
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        try:
+            super().__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            _resize_hook.remove(self)
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current live size."""
@@ -85,6 +104,28 @@ class LiveTensorBytes(TorchDispatchMode):
         if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
             self._raise_if_over(nbytes)
 
+    def _track_tensor(self, tensor: torch.Tensor) -> None:
+        if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
+            self._track(tensor.untyped_storage())  # the common case: no subclass checks
+        elif is_traceable_wrapper_subclass(tensor):
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor) and not inner.is_meta:
+                    self._track_tensor(inner)
+        else:
+            try:
+                storage = tensor.untyped_storage()
+                storage.data_ptr()  # raises for a wrapper's storage, which holds no data
+            except (RuntimeError, NotImplementedError):
+                return  # a subclass with no memory of its own, and no inner tensors to see
+            self._track(storage)
+
+    def _track_resized(self, storage: torch.UntypedStorage) -> None:
+        """Account for ``storage`` after ``UntypedStorage.resize_`` changed its allocation."""
+        if storage.nbytes() == 0 and storage._cdata not in self._live:
+            return  # emptying a storage this counter never saw changes nothing
+        self._track(storage)
+
     def _raise_if_over(self, requested: int) -> None:
         assert self.limit_bytes is not None
         if self.recount() <= self.limit_bytes:
@@ -102,12 +143,61 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
-                try:
-                    storage = leaf.untyped_storage()
-                except (RuntimeError, NotImplementedError):
-                    continue  # tensor subclasses without a storage of their own
-                self._track(storage)
+                self._track_tensor(leaf)
         return out
+
+
+class _ResizeHook:
+    """Reports ``UntypedStorage.resize_`` calls to the entered :class:`LiveTensorBytes` modes.
+
+    ``resize_`` on a storage changes its allocation without going through the dispatcher, so
+    no dispatch mode sees it. The method is replaced while at least one counter is entered and
+    restored when the last one exits. An allocation over a counter's limit is undone before
+    the OOM propagates, as a device that is out of memory leaves the storage as it was.
+    """
+
+    def __init__(self) -> None:
+        self.original: Any = None
+        self.counters: list[LiveTensorBytes] = []
+        self._overrode_own_method = False
+
+    def add(self, counter: LiveTensorBytes) -> None:
+        if not self.counters:
+            self._overrode_own_method = "resize_" in vars(torch.UntypedStorage)
+            self.original = torch.UntypedStorage.resize_
+            torch.UntypedStorage.resize_ = _observed_resize  # type: ignore[method-assign,assignment]
+        self.counters.append(counter)
+
+    def remove(self, counter: LiveTensorBytes) -> None:
+        if counter not in self.counters:
+            return
+        self.counters.remove(counter)
+        if self.counters:
+            return
+        if vars(torch.UntypedStorage).get("resize_") is _observed_resize:
+            if self._overrode_own_method:
+                torch.UntypedStorage.resize_ = self.original  # type: ignore[method-assign]
+            else:
+                del torch.UntypedStorage.resize_  # inherited from the C base class again
+
+
+_resize_hook = _ResizeHook()
+
+
+def _observed_resize(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+    """``UntypedStorage.resize_`` that reports the new size to the entered counters."""
+    original = _resize_hook.original
+    old_nbytes = storage.nbytes()
+    result = original(storage, size)
+    try:
+        for counter in list(_resize_hook.counters):
+            counter._track_resized(storage)
+    except torch.OutOfMemoryError:
+        original(storage, old_nbytes)
+        for counter in list(_resize_hook.counters):
+            counter._track_resized(storage)
+        raise
+    return result
 
 
 def apply_cuda_limit(limit_bytes: int, device: torch.device) -> float:

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from autotune.config import Engine, TrainConfig
 from autotune.probe.memory import LiveTensorBytes, MemoryMeter
 from autotune.probe.outcome import is_oom_error
 
@@ -139,42 +146,55 @@ def test_peak_and_reset_peak() -> None:
         del small, keep
 
 
-def test_storage_resized_in_place_is_no_false_oom() -> None:
-    """A storage shrunk with resize_(0) (as FSDP2 frees unsharded parameters) is recounted
-    before an OOM is raised, so its old size does not count against the limit."""
+def test_storage_resized_in_place_is_followed() -> None:
+    """UntypedStorage.resize_ bypasses the dispatcher (FSDP2 frees and re-allocates its
+    unsharded parameters that way); the count follows it at once, with no op in between."""
     with LiveTensorBytes(limit_bytes=10000) as tracker:
         x = torch.empty(2000)  # 8000 bytes
-        x.untyped_storage().resize_(0)  # not a tensor op: the count is stale
-        y = torch.empty(1500)  # 6000 bytes: 14000 by the stale count, 6000 for real
+        x.untyped_storage().resize_(0)
+        assert tracker.live_bytes == 0
+        y = torch.empty(1500)  # 6000 bytes: fits, as the 8000 were freed
         assert tracker.live_bytes == 6000
-        assert tracker.recount() == 6000
-        assert tracker.peak_bytes >= 6000
+        x.untyped_storage().resize_(1000)
+        assert tracker.live_bytes == 7000
+        assert tracker.peak_bytes == 8000
+        assert tracker.recount() == 7000
         del x, y
 
 
-def test_storage_regrown_in_place_is_recounted() -> None:
-    """A storage grown back in place is counted at its new size once seen again."""
-    with LiveTensorBytes() as tracker:
-        x = torch.empty(2000)
-        x.untyped_storage().resize_(0)
-        assert tracker.recount() == 0
-        x.untyped_storage().resize_(8000)
-        x.zero_()  # the next op that outputs it re-reads its size
-        assert tracker.live_bytes == 8000
-        del x
-
-
-def test_regrown_storage_over_the_limit_raises() -> None:
-    """Growing a storage back past the limit is an OOM when it is next seen."""
+def test_storage_regrown_over_the_limit_raises_and_stays_empty() -> None:
+    """Growing a storage past the limit raises at the resize, and leaves it as it was."""
     with LiveTensorBytes(limit_bytes=10000) as tracker:
         x = torch.empty(2000)
         x.untyped_storage().resize_(0)
         y = torch.empty(1500)
-        x.untyped_storage().resize_(8000)
         with pytest.raises(torch.OutOfMemoryError, match="emulated"):
-            x.zero_()
-        assert tracker.recount() == 14000
+            x.untyped_storage().resize_(8000)
+        assert x.untyped_storage().nbytes() == 0
+        assert tracker.live_bytes == 6000
+        assert tracker.recount() == 6000
+        x.untyped_storage().resize_(4000)  # fits
+        assert tracker.live_bytes == 10000
         del x, y
+
+
+def test_resize_hook_lives_while_a_counter_is_entered() -> None:
+    """The resize_ hook is installed on entering, shared by nested counters, removed after."""
+    assert "resize_" not in vars(torch.UntypedStorage)
+    with LiveTensorBytes() as outer:
+        x = torch.empty(100)
+        with LiveTensorBytes() as inner:
+            y = torch.empty(10)
+            y.untyped_storage().resize_(80)
+            x.untyped_storage().resize_(0)
+            assert inner.live_bytes == 80  # x was made before the inner counter: not its own
+        assert "resize_" in vars(torch.UntypedStorage)
+        assert outer.live_bytes == 80
+        del x, y
+    assert "resize_" not in vars(torch.UntypedStorage)
+    storage = torch.empty(10).untyped_storage()
+    storage.resize_(0)  # plain resize_ again
+    assert storage.nbytes() == 0
 
 
 def test_meta_tensors_are_free() -> None:
@@ -266,3 +286,159 @@ def test_memory_meter_without_tracker() -> None:
     reading = MemoryMeter(device=torch.device("cpu")).read()
     assert reading["host_rss_bytes"] > 0
     assert "peak_allocated_bytes" not in reading
+
+
+# Wrapper tensor subclasses and FSDP2 need a process group; these run in a fresh interpreter
+# (this file as a script) so that the group and FSDP's global state stay out of the session.
+
+
+def _run_isolated(*args: str) -> Any:
+    """Run this file as a script with ``args``; returns the JSON it prints last."""
+    done = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_dtensor_counts_its_local_shard_not_the_wrapper() -> None:
+    """A DTensor's own storage holds no data and reports the global size; what an op on it
+    allocates is its local shard, and that is what is counted, and freed with it."""
+    counts = _run_isolated("dtensor")
+    assert counts["wrapper_storage_bytes"] == 8000  # 2000 float32 elements, globally
+    assert counts["after_zeros_like"] == 4000  # the 1000-element local shard
+    assert counts["after_del"] == 0
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_fsdp2_count_equals_the_live_storages(zero_stage: int) -> None:
+    """FSDP2 (world size 1) on the tiny model, built and stepped twice under the counter: at
+    each quiet point the count equals the distinct storages of every live tensor (DTensor
+    shards, gradients, optimizer state), and the step peak stays within the model states plus
+    an unsharded block or two (params 4P + grads 4P + Adam 8P = 16P, with P parameters)."""
+    report = _run_isolated("fsdp", str(zero_stage))
+    params = report["params"]
+    for point in report["points"]:
+        assert point["counted"] == point["recounted"], point  # no stale size
+        assert point["counted"] == pytest.approx(point["walked"], rel=0.01), point
+    after_build, *steps = report["points"]
+    assert after_build["counted"] == pytest.approx(4 * params, rel=0.01)  # fp32 weights
+    for step in steps:
+        assert step["counted"] == pytest.approx(12 * params, rel=0.01)  # + two Adam moments
+        assert step["peak"] < 20 * params, step
+
+
+def test_fsdp2_probe_step_peak(run_probe: Any) -> None:
+    """Through the probe worker: FSDP2 zero 3 at one rank peaks below 20 bytes a parameter."""
+    result = run_probe(
+        TrainConfig(engine=Engine.FSDP, zero_stage=3), micro_batch_sizes=(1,), seq_len=16
+    )
+    assert result.sizes, result
+    report = json.loads((result.probe_dir / "rank0.json").read_text())
+    params = report["num_params"]
+    assert report["build_memory"]["peak_allocated_bytes"] < 4.1 * params
+    assert result.sizes[0]["peak_allocated_bytes"] < 20 * params
+
+
+def _reachable_storages() -> dict[int, int]:
+    """Data pointer to size of the distinct storages of every tensor the collector reaches."""
+    from torch.distributed.tensor import DTensor
+
+    gc.collect()
+    sizes: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if tensor.is_meta:
+            continue
+        try:
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue  # other wrapper subclasses: their inner tensors are reached themselves
+        if pointer:
+            sizes[pointer] = max(sizes.get(pointer, 0), storage.nbytes())
+    return sizes
+
+
+def _isolated_dtensor() -> dict[str, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    # A shard of 1000 elements of a 2000-element tensor: the wrapper is twice its shard.
+    sharded = DTensor.from_local(
+        torch.ones(1000), mesh, [Shard(0)], run_check=False, shape=torch.Size([2000]), stride=(1,)
+    )
+    with LiveTensorBytes() as tracker:
+        zeros = torch.zeros_like(sharded)
+        after_zeros_like = tracker.live_bytes
+        del zeros
+        return {
+            "wrapper_storage_bytes": sharded.untyped_storage().nbytes(),
+            "after_zeros_like": after_zeros_like,
+            "after_del": tracker.live_bytes,
+        }
+
+
+def _isolated_fsdp(zero_stage: int) -> dict[str, Any]:
+    from autotune.models import resolve_model
+    from autotune.models.presets import synthetic_batch
+    from autotune.probe.engines import build_trainee
+    from autotune.probe.engines.base import EngineContext
+
+    model = resolve_model("tiny")
+    before = _reachable_storages()
+    points = []
+
+    def point(tracker: LiveTensorBytes) -> None:
+        reachable = _reachable_storages()
+        counted = tracker.live_bytes
+        points.append(
+            {
+                "counted": counted,
+                "recounted": tracker.recount(),
+                "walked": sum(size for ptr, size in reachable.items() if ptr not in before),
+                "peak": tracker.peak_bytes,
+            }
+        )
+
+    with LiveTensorBytes() as tracker:
+        context = EngineContext(
+            model=model,
+            config=TrainConfig(engine=Engine.FSDP, zero_stage=zero_stage),
+            device=torch.device("cpu"),
+            rank=0,
+            world_size=1,
+            micro_batch_size=1,
+            grad_accum=1,
+            lr=1e-4,
+            seed=0,
+        )
+        trainee = build_trainee(context)
+        point(tracker)
+        batch = synthetic_batch(model, 1, 16, seed=0)
+        for _ in range(2):
+            tracker.reset_peak()
+            loss = trainee.forward(batch, sync=True)
+            trainee.backward(loss, sync=True)
+            trainee.optimizer_step()
+            del loss
+            point(tracker)
+    return {"params": model.num_params, "points": points}
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as store_dir:
+        store = dist.FileStore(str(Path(store_dir) / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            if sys.argv[1] == "dtensor":
+                print(json.dumps(_isolated_dtensor()))
+            else:
+                print(json.dumps(_isolated_fsdp(int(sys.argv[2]))))
+        finally:
+            dist.destroy_process_group()
