@@ -360,6 +360,187 @@ def plan(
     )
 
 
+def _cpu_device_spec(device_memory: int) -> Any:
+    """A GpuSpec standing for the CPU under an emulated device cap (real CPU probes).
+
+    Its speeds only order the first probes; the search rescales predictions by what the
+    probes measure. Its memory is the emulated cap.
+    """
+    from autotune.hardware import GpuSpec
+
+    return GpuSpec(
+        key="cpu",
+        name="CPU (emulated device memory)",
+        memory_bytes=device_memory,
+        peak_flops={"bf16": 1e11, "fp16": 1e11, "fp32": 1e11},
+        hbm_bandwidth=20e9,
+        intra_node_bandwidth=5e9,
+        host_link_bandwidth=20e9,
+        inter_node_bandwidth=1e9,
+        form_factor="pcie",
+    )
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Option(help="Preset name or path to a config.json.")] = "llama-7b",
+    budget: Annotated[str, typer.Option(help="Wall-clock budget: 30m, 1h30m, 90s.")] = "30m",
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 2048,
+    global_batch: Annotated[
+        int | None, typer.Option(help="Sequences per optimizer step (default: 8 per GPU).")
+    ] = None,
+    gpus: Annotated[
+        int | None, typer.Option(help="GPUs (default: all here; 1 on the CPU).")
+    ] = None,
+    engine: Annotated[
+        str | None, typer.Option(help="Only these engines, comma-separated: fsdp,deepspeed.")
+    ] = None,
+    simulate: Annotated[
+        str | None, typer.Option(help="Probe a simulated GPU (the estimator), e.g. h100-80gb.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cuda, cpu (real CPU probes) or auto.")] = "auto",
+    device_memory: Annotated[
+        str | None, typer.Option(help="Memory cap per device, e.g. 20GiB (needed on the CPU).")
+    ] = None,
+    headroom: Annotated[str, typer.Option(help="Memory to leave free, e.g. 10%.")] = "0%",
+    storage: Annotated[
+        str, typer.Option(help="Optuna storage URL.")
+    ] = "sqlite:///trials/autotune.db",
+    trials_dir: Annotated[Path, typer.Option(help="Where probe folders go.")] = Path("trials"),
+    seed: Annotated[int, typer.Option(help="Seed of the simulated device's noise.")] = 0,
+    json_output: Annotated[bool, typer.Option("--json", help="Machine-readable summary.")] = False,
+) -> None:
+    """Find the fastest configuration that fits: probe, escalate, record every trial."""
+    import optuna
+
+    from autotune.estimator.plan import plan as make_plan
+    from autotune.estimator.plan import usable_bytes
+    from autotune.estimator.simulate import SimulatedDevice
+    from autotune.hardware import detect_gpus
+    from autotune.models import resolve_model
+    from autotune.probe import launch_probe
+    from autotune.search.controller import Controller, Event
+    from autotune.space import Workload
+    from autotune.study import Fingerprint, TrialStore
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    spec = resolve_model(model)
+    budget_s = parse_duration(budget)
+    cap = parse_size(device_memory) if device_memory else None
+    found = detect_gpus()
+    runner: Any
+    if simulate:
+        sim = SimulatedDevice.named(simulate, seed=seed)
+        gpu_info, kind, world = sim.gpu, "simulated", gpus or 8
+        runner, probe_device = sim.launch_probe, "cuda"
+        capacity = cap or usable_bytes(sim.gpu)
+    else:
+        if device == "auto":
+            if found is None:
+                raise UsageError(
+                    "no GPU found: use --device cpu --device-memory 64MiB (real CPU probes) "
+                    "or --simulate h100-80gb (the estimator's simulated GPU)"
+                )
+            device = "cuda"
+        if device == "cpu":
+            if cap is None:
+                raise UsageError("--device cpu needs --device-memory, e.g. 64MiB, to emulate a GPU")
+            gpu_info, kind, world = _cpu_device_spec(cap), "cpu", gpus or 1
+            capacity = cap
+        else:
+            gpu_info, here = _resolve_gpu(None)
+            kind, world = "cuda", gpus or here
+            capacity = cap or usable_bytes(gpu_info)
+        runner, probe_device = launch_probe, device
+    workload = Workload(
+        seq_len=seq_len,
+        global_batch=global_batch if global_batch is not None else 8 * world,
+        world_size=world,
+    )
+    fingerprint = Fingerprint(
+        model=spec.name,
+        seq_len=seq_len,
+        global_batch=workload.global_batch,
+        gpu=gpu_info.key,
+        gpu_memory_bytes=capacity,
+        gpus=world,
+        device=kind,
+    )
+    store = TrialStore(fingerprint, workload, storage=storage, headroom=_parse_fraction(headroom))
+    rows = make_plan(
+        spec,
+        gpu_info,
+        workload,
+        engines=_parse_engines(engine),
+        reserve=0 if kind == "cpu" else 1024**3,
+    )
+    if kind == "cpu":
+        rows = [r for r in rows if r.config.offload.value == "none"]  # no host to offload to
+
+    def show(event: Event) -> None:
+        if json_output:
+            return
+        if event.kind == "probe" and event.proposal:
+            best = event.best
+            console.print(
+                f"[dim]probe {event.probes + 1}: {event.proposal.config.label()} at micro-batch "
+                f"{','.join(map(str, event.proposal.micro_batch_sizes))}; best so far "
+                f"{f'{best.value:,.0f} tokens/s' if best and best.value else '-'}; budget left "
+                f"{format_duration(event.budget_left_s)}[/]"
+            )
+        elif event.kind == "result" and event.result:
+            outcomes = (
+                ", ".join(
+                    f"{s['micro_batch_size']}: {s['outcome']}"
+                    + (
+                        f" {s['tokens_per_second']:,.0f} tok/s"
+                        if s.get("tokens_per_second")
+                        else ""
+                    )
+                    for s in event.result.sizes
+                )
+                or event.result.outcome.value
+            )
+            console.print(f"  {outcomes}")
+
+    if not json_output:
+        console.print(
+            f"tuning {spec.name} on {world} x {gpu_info.name}"
+            f"{' (simulated)' if kind == 'simulated' else ''}, seq {seq_len}, global batch "
+            f"{workload.global_batch}; study [bold]{fingerprint.study_name}[/] in {storage}"
+        )
+    controller = Controller(
+        model=spec,
+        model_ref=model,
+        workload=workload,
+        store=store,
+        rows=rows,
+        runner=runner,
+        budget_s=budget_s,
+        trials_dir=trials_dir,
+        device=probe_device,
+        device_memory_bytes=cap,
+        capacity_bytes=capacity,
+        simulated=kind == "simulated",
+        on_event=show,
+    )
+    summary = controller.run()
+    if json_output:
+        print(json.dumps({"study": fingerprint.study_name, **summary.to_dict()}, indent=2,
+                         default=str))  # fmt: skip
+    else:
+        best = summary.best
+        console.print(f"stopped: {summary.stop_reason}; {summary.probes} probes this run")
+        if best is None:
+            console.print("[red]no configuration fits[/]")
+        else:
+            console.print(
+                f"[bold]best: {best.config.label()} at micro-batch {best.micro_batch_size} "
+                f"(accumulation {best.attrs.get('grad_accum')}): {best.value:,.0f} tokens/s[/]"
+            )
+    raise typer.Exit(0 if summary.best else 1)
+
+
 @app.command()
 def models(
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,

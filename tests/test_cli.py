@@ -142,3 +142,38 @@ def test_plan_bad_input_is_one_line(tmp_path: Path, args: tuple[str, ...], says:
     done = autotune("plan", *args, cwd=tmp_path)
     assert done.returncode == 2
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_run_without_a_gpu_says_what_to_use(tmp_path: Path) -> None:
+    done = autotune("run", "--model", "tiny", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "--device cpu" in done.stderr and "--simulate" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_run_on_the_cpu_finds_a_fit_records_trials_and_resumes(tmp_path: Path) -> None:
+    """Real CPU probes under an emulated cap; the rerun probes nothing it already knows."""
+    args = ("run", "--model", "tiny", "--device", "cpu", "--device-memory", "3MiB")
+    args += ("--seq-len", "128", "--global-batch", "16", "--budget", "2m")
+    first = autotune(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "best: " in first.stdout
+    assert (tmp_path / "trials" / "autotune.db").is_file()
+    again = autotune(*args, "--json", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    summary = json.loads(again.stdout)
+    assert summary["probes"] == 0
+    best = summary["best"]
+    assert best["micro_batch_size"] * best["grad_accum"] == 16
+    assert best["peak_allocated_bytes"] <= 3 * 1024**2
+    assert Path(best["probe_dir"]).is_dir()
+
+
+def test_run_on_a_simulated_gpu_says_so(tmp_path: Path) -> None:
+    args = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8")
+    done = autotune(*args, "--seq-len", "4096", "--global-batch", "512", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert "simulated" in summary["study"]
+    assert summary["best"]["simulated"] is True
+    assert summary["stop_reason"].startswith("search done")

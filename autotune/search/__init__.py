@@ -1,0 +1,1 @@
+"""The search: the ladder sampler (``ladder``) and the loop that runs probes (``controller``)."""

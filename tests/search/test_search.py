@@ -1,0 +1,97 @@
+"""The ladder search and the controller, end to end on the simulated device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autotune.estimator.plan import plan
+from autotune.estimator.simulate import SimulatedDevice
+from autotune.models import resolve_model
+from autotune.probe import ProbeSpec
+from autotune.search.controller import Controller, Event
+from autotune.space import Workload
+from autotune.study import Fingerprint, TrialStore
+
+SCENARIOS = [
+    # model, gpu, GPUs, seq, global batch
+    ("llama-7b", "h100-80gb", 8, 4096, 512),
+    ("llama-13b", "a100-40gb", 8, 2048, 256),
+    ("qwen2.5-7b", "h100-80gb", 1, 2048, 16),
+    ("llama-70b", "h100-80gb", 64, 4096, 1024),
+    ("qwen2.5-1.5b", "rtx4090", 8, 2048, 64),
+]
+
+
+def _controller(
+    tmp_path: Path, scenario: tuple, *, budget_s: float = 3600.0, noise: float = 0.0
+) -> tuple[Controller, list, list[Event]]:
+    name, gpu, world, seq, gbs = scenario
+    device = SimulatedDevice.named(gpu, seed=1, noise=noise)
+    model = resolve_model(name)
+    work = Workload(seq_len=seq, global_batch=gbs, world_size=world)
+    fingerprint = Fingerprint(
+        model=name,
+        seq_len=seq,
+        global_batch=gbs,
+        gpu=gpu,
+        gpu_memory_bytes=device.gpu.memory_bytes,
+        gpus=world,
+        device="simulated",
+    )
+    store = TrialStore(fingerprint, work, storage=f"sqlite:///{tmp_path}/t.db")
+    rows = plan(model, device.gpu, work)
+    events: list[Event] = []
+    controller = Controller(
+        model=model,
+        model_ref=name,
+        workload=work,
+        store=store,
+        rows=rows,
+        runner=device.launch_probe,
+        budget_s=budget_s,
+        trials_dir=tmp_path / "trials",
+        device="cuda",
+        device_memory_bytes=None,
+        capacity_bytes=device.capacity(ProbeSpec(model=name)),
+        simulated=True,
+        on_event=events.append,
+    )
+    return controller, rows, events
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: f"{s[0]}@{s[2]}x{s[1]}")
+def test_search_reaches_the_oracle_in_few_probes(tmp_path: Path, scenario: tuple) -> None:
+    controller, rows, _ = _controller(tmp_path, scenario)
+    # The oracle: the best fitting configuration, enumerating every configuration and size.
+    oracle = max(r.tokens_per_second for r in rows if r.fits)
+    summary = controller.run()
+    assert summary.best is not None
+    assert summary.best.value is not None
+    assert summary.best.value >= 0.98 * oracle
+    assert summary.probes <= 12
+    assert summary.stop_reason.startswith("search done")
+    # Micro-batch x ranks x accumulation = global batch, exactly.
+    best = summary.best
+    assert best.micro_batch_size * scenario[2] * best.attrs["grad_accum"] == scenario[4]
+
+
+def test_no_configuration_is_probed_twice_and_a_rerun_resumes(tmp_path: Path) -> None:
+    first, _, _ = _controller(tmp_path, SCENARIOS[0], noise=0.02)
+    done = first.run()
+    keys = [m.key for m in done.measurements]
+    assert len(keys) == len(set(keys))
+    again, _, _ = _controller(tmp_path, SCENARIOS[0], noise=0.02)
+    resumed = again.run()
+    assert resumed.probes == 0  # everything it needs is in the study already
+    assert resumed.best == done.best
+
+
+def test_the_budget_stops_the_search_and_keeps_the_best(tmp_path: Path) -> None:
+    controller, _, events = _controller(tmp_path, SCENARIOS[1], budget_s=60.0)
+    summary = controller.run()
+    assert summary.stop_reason.startswith("budget spent")
+    assert 1 <= summary.probes <= 2
+    assert events[-1].kind == "stop" and events[-1].message == summary.stop_reason
+    assert [e.kind for e in events[:2]] == ["probe", "result"]
