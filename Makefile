@@ -24,17 +24,16 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
-# The main job. With a GPU: probe a 1.5B model over a micro-batch sweep. Without one: a real
-# 2-rank DeepSpeed ZeRO-2 probe of the tiny model on the CPU under an emulated device limit.
+# The main job: autotune run. With a GPU: tune qwen2.5-1.5b on this node's GPUs for 15 minutes.
+# Without one: the same search with real probes on the CPU, 2 ranks under an emulated 4 MiB device.
 run: install
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		echo "GPU found: probing qwen2.5-1.5b (FSDP2 ZeRO-3, bf16) over micro-batch 1,2,4,8"; \
-		$(BIN)/autotune probe --model qwen2.5-1.5b --engine fsdp --zero-stage 3 \
-			--micro-batch 1,2,4,8 --seq-len 2048; \
+		echo "GPU found: tuning qwen2.5-1.5b on this node's GPUs (budget 15m)"; \
+		$(BIN)/autotune run --model qwen2.5-1.5b --seq-len 2048 --budget 15m; \
 	else \
-		echo "no GPU: real CPU probe of the tiny model, 2 DeepSpeed ZeRO-2 ranks, emulated 4MiB device"; \
-		$(BIN)/autotune probe --model tiny --engine deepspeed --zero-stage 2 --gpus 2 \
-			--device cpu --device-memory 4MiB --micro-batch 1,2,4,8,16 --seq-len 128; \
+		echo "no GPU: tuning the tiny model with real CPU probes, 2 ranks, emulated 4MiB device"; \
+		$(BIN)/autotune run --model tiny --device cpu --gpus 2 --device-memory 4MiB \
+			--seq-len 128 --global-batch 32 --budget 3m; \
 	fi
 
 test: install
