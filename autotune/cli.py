@@ -541,6 +541,136 @@ def run(
     raise typer.Exit(0 if summary.best else 1)
 
 
+def _stores(storage: str, model: str | None, gpu: str | None) -> list[Any]:
+    """The studies of a storage matching a model name and a GPU key (None: any)."""
+    from autotune.study import TrialStore
+
+    stores = TrialStore.existing(storage)
+    if model:
+        stores = [s for s in stores if s.fingerprint.model == model]
+    if gpu:
+        stores = [s for s in stores if s.fingerprint.gpu == gpu.lower()]
+    return stores
+
+
+def _measurement_row(measurement: Any) -> dict[str, Any]:
+    attrs = measurement.attrs
+    return {
+        "number": measurement.number,
+        "config": measurement.config.to_dict(),
+        "label": measurement.config.label(),
+        "micro_batch_size": measurement.micro_batch_size,
+        "grad_accum": attrs.get("grad_accum"),
+        "state": measurement.state,
+        "outcome": measurement.outcome,
+        "feasible": measurement.feasible,
+        "objective": measurement.value,
+        "tokens_per_second": attrs.get("objective_tokens_per_second"),
+        "mfu": attrs.get("objective_mfu"),
+        "peak_bytes": attrs.get("peak_reserved_bytes") or attrs.get("peak_allocated_bytes"),
+        "probe_dir": attrs.get("probe_dir"),
+        "message": attrs.get("message"),
+    }
+
+
+@app.command()
+def best(
+    model: Annotated[str | None, typer.Option(help="Only studies of this model.")] = None,
+    gpu: Annotated[str | None, typer.Option(help="Only studies on this GPU key.")] = None,
+    storage: Annotated[
+        str, typer.Option(help="Optuna storage URL.")
+    ] = "sqlite:///trials/autotune.db",
+    json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """The best configuration found so far, per study (workload x hardware x software)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    stores = _stores(storage, model, gpu)
+    if not stores:
+        raise UsageError(f"no autotune study in {storage} matches: run autotune run first")
+    results = []
+    for store in stores:
+        found = store.best()
+        results.append(
+            {
+                "study": store.fingerprint.study_name,
+                "fingerprint": store.fingerprint.to_dict(),
+                "trials": len(store.measurements()),
+                "best": _measurement_row(found) if found else None,
+            }
+        )
+    if json_output:
+        print(json.dumps(results, indent=2, default=str))
+    else:
+        table = Table(
+            "study", "configuration", "mbs", "accum", "tokens/s", "MFU", "peak", "trials",
+            header_style="bold",
+        )  # fmt: skip
+        for entry in results:
+            row = entry["best"] or {}
+            table.add_row(
+                entry["study"],
+                row.get("label", "[red]nothing fits yet[/]"),
+                str(row.get("micro_batch_size", "-")),
+                str(row.get("grad_accum", "-")),
+                _fmt(row.get("tokens_per_second"), ",.0f"),
+                _fmt(row.get("mfu"), ".1%"),
+                format_bytes(row["peak_bytes"]) if row.get("peak_bytes") else "-",
+                str(entry["trials"]),
+            )
+        console.print(table)
+    raise typer.Exit(0 if any(entry["best"] for entry in results) else 1)
+
+
+@app.command()
+def trials(
+    model: Annotated[str | None, typer.Option(help="Only studies of this model.")] = None,
+    gpu: Annotated[str | None, typer.Option(help="Only studies on this GPU key.")] = None,
+    storage: Annotated[
+        str, typer.Option(help="Optuna storage URL.")
+    ] = "sqlite:///trials/autotune.db",
+    json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Every probe of every matching study: configuration, size, outcome, speed, memory."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    stores = _stores(storage, model, gpu)
+    if not stores:
+        raise UsageError(f"no autotune study in {storage} matches: run autotune run first")
+    data = [
+        {
+            "study": store.fingerprint.study_name,
+            "trials": [_measurement_row(m) for m in store.measurements()],
+        }
+        for store in stores
+    ]
+    if json_output:
+        print(json.dumps(data, indent=2, default=str))
+        return
+    for entry in data:
+        table = Table(
+            "#", "configuration", "mbs", "outcome", "tokens/s", "MFU", "peak", "probe folder",
+            header_style="bold", title=entry["study"],
+        )  # fmt: skip
+        for row in entry["trials"]:
+            outcome = row["outcome"] or row["state"].lower()
+            if row["state"] == "COMPLETE" and not row["feasible"]:
+                outcome = f"[red]{outcome}[/]"
+            table.add_row(
+                str(row["number"]),
+                row["label"],
+                str(row["micro_batch_size"]),
+                outcome,
+                _fmt(row["tokens_per_second"], ",.0f"),
+                _fmt(row["mfu"], ".1%"),
+                format_bytes(row["peak_bytes"]) if row["peak_bytes"] else "-",
+                row["probe_dir"] or "-",
+            )
+        console.print(table)
+
+
 @app.command()
 def models(
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,

@@ -167,6 +167,20 @@ def test_run_on_the_cpu_finds_a_fit_records_trials_and_resumes(tmp_path: Path) -
     assert best["micro_batch_size"] * best["grad_accum"] == 16
     assert best["peak_allocated_bytes"] <= 3 * 1024**2
     assert Path(best["probe_dir"]).is_dir()
+    # Launchers read the best configuration back from the trial database.
+    read = autotune("best", "--model", "tiny", "--json", cwd=tmp_path)
+    assert read.returncode == 0, read.stderr
+    (study,) = json.loads(read.stdout)
+    assert study["study"] == summary["study"]
+    assert study["best"]["config"] == best["config"]
+    assert study["best"]["micro_batch_size"] == best["micro_batch_size"]
+    listed = autotune("trials", "--json", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)[0]["trials"]
+    assert len(rows) == study["trials"] >= 1
+    assert {row["outcome"] for row in rows} <= {"ok", "oom"}
+    missing = autotune("best", "--model", "llama-7b", cwd=tmp_path)
+    assert missing.returncode == 2 and "run autotune run first" in missing.stderr
 
 
 def test_run_on_a_simulated_gpu_says_so(tmp_path: Path) -> None:

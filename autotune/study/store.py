@@ -138,6 +138,24 @@ class TrialStore:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 self.study.set_metric_names([fingerprint.objective])
 
+    @classmethod
+    def existing(cls, storage: str | RDBStorage = DEFAULT_STORAGE) -> list[TrialStore]:
+        """Every autotune study in a storage (studies without a fingerprint are skipped)."""
+        opened = open_storage(storage) if isinstance(storage, str) else storage
+        found = []
+        for summary in optuna.get_all_study_summaries(opened, include_best_trial=False):
+            data = summary.user_attrs.get(_FINGERPRINT_ATTR)
+            if not data:
+                continue
+            fingerprint = Fingerprint.from_dict(data)
+            workload = Workload(
+                seq_len=fingerprint.seq_len,
+                global_batch=fingerprint.global_batch,
+                world_size=fingerprint.gpus,
+            )
+            found.append(cls(fingerprint, workload, storage=opened))
+        return found
+
     def ask(self, config: TrainConfig, micro_batch_size: int) -> Trial:
         """Start a trial for one size of a probe about to run (RUNNING until told).
 
