@@ -54,6 +54,10 @@ class SimulatedDevice:
     gpus_per_node: int = 8
     reserve: int = DEVICE_RESERVE_BYTES
     """Device bytes tensors cannot use (CUDA context, allocator); see the planner."""
+    model_error: float = 0.0
+    """Systematic error of the estimator against this simulated GPU: each configuration's peak
+    memory and step time are off by a seeded factor within ±model_error (the same at every
+    micro-batch), so a search guided by the estimator meets surprises, as on a real GPU."""
 
     @classmethod
     def named(cls, gpu: str, **kwargs: Any) -> SimulatedDevice:
@@ -75,6 +79,15 @@ class SimulatedDevice:
         rng = random.Random(hashlib.sha256(key.encode()).digest())
         return max(0.5, rng.gauss(1.0, self.noise)) if self.noise else 1.0
 
+    def bias(self, model: str, config: Any) -> tuple[float, float]:
+        """The (peak memory, step time) factors this device applies to ``config``'s estimate."""
+        if not self.model_error:
+            return 1.0, 1.0
+        key = json.dumps(["bias", self.seed, model, config.to_dict()])
+        rng = random.Random(hashlib.sha256(key.encode()).digest())
+        error = self.model_error
+        return 1.0 + rng.uniform(-error, error), 1.0 + rng.uniform(-error, error)
+
     def launch_probe(self, spec: ProbeSpec, probe_dir: Path, **_ignored: Any) -> ProbeResult:
         """Answer one probe from the estimator; same contract as ``autotune.probe.launch_probe``.
 
@@ -85,6 +98,7 @@ class SimulatedDevice:
         (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
         model = resolve_model(spec.model)
         capacity = self.capacity(spec)
+        memory_factor, time_factor = self.bias(spec.model, spec.config)
         peak_flops = self.gpu.peak(spec.config.precision.value.split("-")[0])
         sizes: list[dict[str, Any]] = []
         wall = _START_S
@@ -100,21 +114,22 @@ class SimulatedDevice:
                 seq_len=spec.seq_len,
                 world_size=spec.num_processes,
             )
+            peak = int(memory.peak_bytes * memory_factor)
             reading = {
-                "peak_allocated_bytes": memory.peak_bytes,
-                "peak_reserved_bytes": memory.peak_bytes,
+                "peak_allocated_bytes": peak,
+                "peak_reserved_bytes": peak,
                 "alloc_retries": 0,
                 "ooms": 0,
                 "memory_source": "simulated",
                 "emulated_limit_bytes": spec.device_memory_bytes,
                 "simulated": True,
             }
-            if memory.peak_bytes > capacity:
+            if peak > capacity:
                 failed = mbs
                 outcome = Outcome.OOM
                 stage = Stage.FORWARD if memory.phase == "loss" else Stage(memory.phase)
                 message = (
-                    f"simulated out of memory: peak {format_bytes(memory.peak_bytes)} at the "
+                    f"simulated out of memory: peak {format_bytes(peak)} at the "
                     f"{memory.phase} exceeds {format_bytes(capacity)} usable"
                 )
                 sizes.append(
@@ -141,7 +156,7 @@ class SimulatedDevice:
                 world_size=spec.num_processes,
                 gpus_per_node=self.gpus_per_node,
             )
-            jitter = self._jitter(spec, mbs)
+            jitter = self._jitter(spec, mbs) * time_factor
             speed = probe_throughput(
                 spec,
                 model,

@@ -139,3 +139,28 @@ def test_simulated_single_rank_recovers_after_an_oom(tmp_path: Path) -> None:
     )
     assert [s["outcome"] for s in result.sizes] == ["oom", "ok", "ok"]
     assert result.sizes[0]["peak_allocated_bytes"] > 40 * 1024**3
+
+
+def test_simulated_model_error_is_per_configuration_and_bounded(tmp_path: Path) -> None:
+    exact = SimulatedDevice.named("h100-80gb", seed=5)
+    biased = SimulatedDevice.named("h100-80gb", seed=5, model_error=0.1)
+    configs = [TrainConfig(), TrainConfig(ac_every=1), TrainConfig(ac_every=2)]
+    factors = [biased.bias("qwen2.5-1.5b", c) for c in configs]
+    assert all(0.9 <= f <= 1.1 for pair in factors for f in pair)
+    assert len(set(factors)) == len(configs)  # each configuration is off by its own factors
+    assert exact.bias("qwen2.5-1.5b", configs[0]) == (1.0, 1.0)
+
+    def reading(device: SimulatedDevice) -> tuple[float, float]:
+        result = _probe(
+            tmp_path / str(id(device)), device, model="qwen2.5-1.5b", config=configs[0],
+            micro_batch_sizes=(1, 2), seq_len=1024,
+        )  # fmt: skip
+        return (
+            result.sizes[1]["peak_allocated_bytes"] / result.sizes[0]["peak_allocated_bytes"],
+            result.sizes[0]["peak_allocated_bytes"],
+        )
+
+    (ratio_exact, peak_exact), (ratio_biased, peak_biased) = reading(exact), reading(biased)
+    memory_factor = factors[0][0]
+    assert peak_biased == pytest.approx(peak_exact * memory_factor, rel=1e-6)
+    assert ratio_biased == pytest.approx(ratio_exact, rel=1e-6)  # the same at every size
