@@ -49,7 +49,8 @@ class Event:
     """What the live view shows after each step of the loop."""
 
     kind: str
-    """``probe`` (about to start), ``result`` (one probe done), ``stop``."""
+    """``resume`` (stale trials failed), ``probe`` (about to start), ``result`` (one probe
+    done), ``stop``."""
     proposal: Proposal | None = None
     result: ProbeResult | None = None
     best: Measurement | None = None
@@ -140,7 +141,15 @@ class Controller:
 
     def run(self) -> RunSummary:
         """Search until done; returns why it stopped and the best measurement."""
-        self.store.fail_stale()  # trials of a tuner that died: failed and re-enqueued once
+        stale = self.store.fail_stale()  # a tuner that died: its points are retried once
+        if stale:
+            self.on_event(
+                Event(
+                    kind="resume",
+                    message=f"{len(stale)} trial(s) left running by a tuner that ended were "
+                    "failed; their points are retried once",
+                )
+            )
         probes = 0
         reason = "search done: no remaining configuration can beat the best measured"
         sizes = micro_batch_options(self.workload)
@@ -170,6 +179,8 @@ class Controller:
             except KeyboardInterrupt:
                 reason = "interrupted (Ctrl-C): the running probe was stopped and recorded"
                 break
+            if result is None:
+                continue  # another worker took it: propose again from what it claimed
             probes += 1
             self.on_event(
                 Event(
@@ -191,7 +202,11 @@ class Controller:
             measurements=self.store.measurements(),
         )
 
-    def _probe(self, proposal: Proposal, *, timeout_s: float) -> ProbeResult:
+    def _probe(self, proposal: Proposal, *, timeout_s: float) -> ProbeResult | None:
+        """Probe the proposal; None when another worker claimed one of its points first."""
+        trials = self.store.claim(proposal.config, proposal.micro_batch_sizes)
+        if trials is None:
+            return None
         spec = ProbeSpec(
             model=self.model_ref,
             config=proposal.config,
@@ -204,7 +219,6 @@ class Controller:
             timed_steps=self.timed_steps,
             timeout_s=max(timeout_s, MIN_PROBE_TIMEOUT_S),
         )
-        trials = [self.store.ask(proposal.config, m) for m in proposal.micro_batch_sizes]
         probe_dir = new_probe_dir(self.trials_dir.resolve(), _folder(self.store.study.study_name))
         try:
             result = self.runner(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))

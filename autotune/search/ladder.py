@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow
-from autotune.study.store import Measurement
+from autotune.study.store import RETRYABLE, Measurement
 
 __all__ = ["Proposal", "propose"]
 
@@ -59,11 +59,16 @@ class _Seen:
 
 def _by_config(measurements: Iterable[Measurement]) -> dict[TrainConfig, _Seen]:
     seen: dict[TrainConfig, _Seen] = defaultdict(lambda: _Seen({}, set(), set(), set(), {}))
+    interrupted: dict[tuple[TrainConfig, int], int] = defaultdict(int)
     for m in measurements:
         entry = seen[m.config]
         mbs = m.micro_batch_size
-        if m.state in ("RUNNING", "WAITING"):
+        if m.state == "RUNNING":
             entry.running.add(mbs)
+        elif m.state == "FAIL" and m.outcome in RETRYABLE:
+            interrupted[m.key] += 1  # Ctrl-C or a dead tuner: retried once
+            if interrupted[m.key] > 1:
+                entry.failed.add(mbs)
         elif m.outcome == "ok":
             peak = m.attrs.get("peak_reserved_bytes") or m.attrs.get("peak_allocated_bytes")
             entry.ok[mbs] = float(peak or 0)
@@ -71,7 +76,7 @@ def _by_config(measurements: Iterable[Measurement]) -> dict[TrainConfig, _Seen]:
                 entry.speed[mbs] = m.value
         elif m.outcome == "oom" or (m.state == "COMPLETE" and not m.feasible):
             entry.oom.add(mbs)
-        else:
+        elif m.state == "FAIL":
             entry.failed.add(mbs)
     return seen
 

@@ -11,15 +11,21 @@ constraint-aware samplers learn the infeasible region, and optuna-dashboard show
 infeasible. A configuration whose peak comes within ``headroom`` of the capacity is
 infeasible the same way. Crashes, hangs and errors are FAIL trials with their message.
 
-Trials are asked before a probe starts, so a RUNNING trial tells other workers (and a resumed
-tuner) that its configuration is in flight; a tuner killed mid-probe leaves RUNNING trials
-that the storage's heartbeat marks failed, and Optuna's stale-trial callback re-enqueues once.
+Trials are claimed before a probe starts, so a RUNNING trial tells other workers (and a
+resumed tuner) that its configuration is in flight; two workers racing for the same point both
+write their claim, and the later one withdraws (a PRUNED trial marked ``withdrawn``, hidden from
+the search). A tuner killed mid-probe leaves RUNNING trials: on this host they are failed as
+soon as a tuner finds their owner process gone, elsewhere when the storage's heartbeat goes
+stale. Failed-by-interruption trials (``interrupted``, ``stale``) are retried once by the
+search; a second such failure closes the point.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import psutil
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, Trial, TrialState, create_trial
 
 from autotune.config import Attention, ConfigError, Engine, Offload, Precision, TrainConfig
@@ -38,13 +45,16 @@ from autotune.probe.result import ProbeResult
 from autotune.space import Workload
 from autotune.study.fingerprint import Fingerprint
 
-__all__ = ["DEFAULT_STORAGE", "Measurement", "TrialStore", "open_storage"]
+__all__ = ["DEFAULT_STORAGE", "RETRYABLE", "Measurement", "TrialStore", "open_storage"]
 
 DEFAULT_STORAGE = "sqlite:///trials/autotune.db"
 HEARTBEAT_S = 30
 """A running tuner touches its RUNNING trials this often; after ``GRACE_S`` without a beat
-they are failed (their tuner died) and their configuration is enqueued again, once."""
+they are failed (their tuner died, on another host) and their point is retried once."""
 GRACE_S = 180
+RETRYABLE = ("interrupted", "stale")
+"""Outcomes of trials that failed through no fault of their configuration (Ctrl-C, a tuner
+that died): the search retries such a point once."""
 
 _FINGERPRINT_ATTR = "autotune_fingerprint"
 
@@ -80,7 +90,6 @@ def open_storage(url: str = DEFAULT_STORAGE) -> RDBStorage:
                 url,
                 heartbeat_interval=HEARTBEAT_S,
                 grace_period=GRACE_S,
-                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
             )
     except Exception as error:  # SQLAlchemy raises many kinds; all mean "cannot open"
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -98,7 +107,7 @@ class Measurement:
     config: TrainConfig
     micro_batch_size: int
     state: str
-    """Optuna's trial state: ``COMPLETE``, ``FAIL``, ``RUNNING``, ``WAITING``."""
+    """Optuna's trial state: ``COMPLETE``, ``FAIL``, ``RUNNING``."""
     outcome: str | None
     """The probe's outcome for this size (``ok``, ``oom``, ...); None while running."""
     feasible: bool
@@ -160,28 +169,77 @@ class TrialStore:
         """Start a trial for one size of a probe about to run (RUNNING until told).
 
         The point is autotune's choice, not a sampler's: the trial is created with its params
-        fixed, and its heartbeat recorded (call :meth:`beat` while the probe runs).
+        fixed, its owner (host, process) recorded, and its heartbeat started (call :meth:`beat`
+        while the probe runs).
         """
         distributions = _distributions()
         params = {**config.to_dict(), "micro_batch_size": micro_batch_size}
         template = create_trial(
-            state=TrialState.RUNNING, params=params, distributions=distributions
+            state=TrialState.RUNNING,
+            params=params,
+            distributions=distributions,
+            user_attrs=_owner(),
         )
         trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
         self.storage.record_heartbeat(trial_id)
         return Trial(self.study, trial_id)
+
+    def claim(self, config: TrainConfig, micro_batch_sizes: Iterable[int]) -> list[Trial] | None:
+        """Ask a trial per size, unless another worker holds or measured one of them.
+
+        Every worker writes its claim first and then looks: of two claims on the same point
+        the later one (higher trial id) withdraws, so two workers never probe the same point.
+
+        Returns:
+            The trials, or None when another worker got there first (ours are withdrawn).
+        """
+        trials = [self.ask(config, m) for m in micro_batch_sizes]
+        mine = {t._trial_id for t in trials}
+        keys = {_key(config.to_dict(), int(t.params["micro_batch_size"])) for t in trials}
+        first = min(mine)
+        taken = any(
+            other._trial_id not in mine
+            and (other.state is TrialState.COMPLETE or other._trial_id < first)
+            and _key(other.params, int(other.params.get("micro_batch_size", -1))) in keys
+            for other in self.study.get_trials(
+                deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)
+            )
+        )
+        if not taken:
+            return trials
+        for trial in trials:
+            trial.set_user_attr("withdrawn", True)
+            self.study.tell(trial, state=TrialState.PRUNED)
+        return None
 
     def beat(self, trials: Iterable[Trial]) -> None:
         """Tell the storage these trials' tuner is alive (from the probe's progress callback)."""
         for trial in trials:
             self.storage.record_heartbeat(trial._trial_id)
 
-    def fail_stale(self) -> None:
-        """Fail RUNNING trials whose tuner stopped beating; their configuration is re-enqueued
-        once (Optuna's RetryHeartbeatStaleTrialCallback)."""
+    def fail_stale(self) -> list[int]:
+        """Fail RUNNING trials whose tuner is gone; the search retries their points once.
+
+        On this host a trial's owner process is checked directly (a killed tuner is seen at
+        once); elsewhere a trial is stale when its heartbeat is older than ``GRACE_S``.
+
+        Returns:
+            The numbers of the trials failed here.
+        """
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        for trial in running:
+            if _owner_gone(trial.user_attrs):
+                self.storage.set_trial_user_attr(trial._trial_id, "outcome", "stale")
+                self.storage.set_trial_user_attr(
+                    trial._trial_id, "message", "its tuner process ended while it ran"
+                )
+                self.storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            # Other hosts' trials, by heartbeat: failed with no outcome, which reads as stale.
             optuna.storages.fail_stale_trials(self.study)
+        still = {t._trial_id for t in self.study.get_trials(states=(TrialState.RUNNING,))}
+        return [t.number for t in running if t._trial_id not in still]
 
     def tell(self, trial: Trial, result: ProbeResult, *, capacity_bytes: int) -> FrozenTrial:
         """Record what the probe found at this trial's micro-batch size."""
@@ -254,9 +312,14 @@ class TrialStore:
         return self.study.tell(trial, state=TrialState.FAIL)
 
     def measurements(self, states: Iterable[TrialState] | None = None) -> list[Measurement]:
-        """Every trial of the study, decoded (all workers', resumed runs' included)."""
+        """Every trial of the study, decoded (all workers', resumed runs' included), except
+        claims withdrawn in a race with another worker."""
         trials = self.study.get_trials(deepcopy=False, states=tuple(states) if states else None)
-        return [_decode(t) for t in trials if "micro_batch_size" in t.params]
+        return [
+            _decode(t)
+            for t in trials
+            if "micro_batch_size" in t.params and not t.user_attrs.get("withdrawn")
+        ]
 
     def best(self) -> Measurement | None:
         """The feasible measurement with the highest objective, if any."""
@@ -266,6 +329,32 @@ class TrialStore:
             if m.feasible and m.value is not None and m.value > 0
         ]
         return max(feasible, key=lambda m: m.value or 0.0, default=None)
+
+
+def _owner() -> dict[str, Any]:
+    """Who runs a trial: host, process id and the process's start time (pids are reused)."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pid_started": psutil.Process().create_time(),
+    }
+
+
+def _owner_gone(attrs: dict[str, Any]) -> bool:
+    """Whether a trial's owner process ran on this host and has ended."""
+    if attrs.get("host") != socket.gethostname() or "pid" not in attrs:
+        return False
+    try:
+        return bool(psutil.Process(int(attrs["pid"])).create_time() != attrs.get("pid_started"))
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False  # not ours to inspect: leave it to the heartbeat
+
+
+def _key(params: dict[str, Any], micro_batch_size: int) -> tuple[Any, ...]:
+    config = {k: v for k, v in params.items() if k != "micro_batch_size"}
+    return (*sorted(TrainConfig.from_dict(config).to_dict().items()), micro_batch_size)
 
 
 def _measured(entry: dict[str, Any]) -> dict[str, Any]:
@@ -299,7 +388,10 @@ def _decode(trial: FrozenTrial) -> Measurement:
         config=TrainConfig.from_dict(params),
         micro_batch_size=mbs,
         state=trial.state.name,
-        outcome=trial.user_attrs.get("outcome"),
+        # A trial failed by the storage's heartbeat has no outcome: its tuner went stale.
+        outcome=trial.user_attrs.get(
+            "outcome", "stale" if trial.state is TrialState.FAIL else None
+        ),
         feasible=trial.state is TrialState.COMPLETE and all(c <= 0 for c in constraints),
         value=trial.value if trial.state is TrialState.COMPLETE else None,
         attrs=json.loads(json.dumps(trial.user_attrs)),

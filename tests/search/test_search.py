@@ -95,3 +95,42 @@ def test_the_budget_stops_the_search_and_keeps_the_best(tmp_path: Path) -> None:
     assert 1 <= summary.probes <= 2
     assert events[-1].kind == "stop" and events[-1].message == summary.stop_reason
     assert [e.kind for e in events[:2]] == ["probe", "result"]
+
+
+def _interrupt_at(controller: Controller, call: int) -> list[tuple]:
+    """Ctrl-C during the controller's ``call``-th probe; returns the points it was probing."""
+    inner, calls, points = controller.runner, [], []
+
+    def runner(spec: ProbeSpec, probe_dir: Path, **kwargs: object) -> object:
+        calls.append(spec)
+        if len(calls) == call:
+            points.extend((spec.config, m) for m in spec.micro_batch_sizes)
+            raise KeyboardInterrupt
+        return inner(spec, probe_dir, **kwargs)
+
+    controller.runner = runner  # type: ignore[assignment]
+    return points
+
+
+def test_an_interrupted_probe_is_retried_once_on_resume(tmp_path: Path) -> None:
+    first, _, _ = _controller(tmp_path, SCENARIOS[0])
+    interrupted = _interrupt_at(first, 2)
+    summary = first.run()
+    assert summary.stop_reason.startswith("interrupted") and summary.probes == 1
+    failed = [m for m in summary.measurements if m.state == "FAIL"]
+    assert sorted(m.key for m in failed) == sorted(interrupted)
+    assert {m.outcome for m in failed} == {"interrupted"}
+
+    # Resumed, and interrupted again at once: the same points were retried.
+    second, _, _ = _controller(tmp_path, SCENARIOS[0])
+    retried = _interrupt_at(second, 1)
+    second.run()
+    assert sorted(retried) == sorted(interrupted)
+
+    # Twice interrupted closes those points; the third run finishes with the others.
+    third, _, _ = _controller(tmp_path, SCENARIOS[0])
+    done = third.run()
+    assert done.best is not None and done.stop_reason.startswith("search done")
+    complete = [m.key for m in done.measurements if m.state == "COMPLETE"]
+    assert not set(interrupted) & set(complete)
+    assert len(complete) == len(set(complete))

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import pytest
 
 from autotune.config import ConfigError, TrainConfig
@@ -112,21 +113,56 @@ def test_a_second_process_reads_the_same_study(tmp_path: Path) -> None:
     assert done.stdout.strip() == '[[1, "ok"], [2, "ok"]]'
 
 
-def test_running_trials_of_a_dead_tuner_fail_and_are_enqueued_once(
+def test_running_trials_without_a_heartbeat_fail_as_stale(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(store_module, "HEARTBEAT_S", 1)
     monkeypatch.setattr(store_module, "GRACE_S", 1)
     url = f"sqlite:///{tmp_path}/stale.db"
-    dead = TrialStore(_fingerprint(), WORK, storage=url)
-    dead.ask(TrainConfig(engine="fsdp", zero_stage=2), 4)  # the tuner dies mid-probe
+    other = TrialStore(_fingerprint(), WORK, storage=url)
+    other.ask(TrainConfig(engine="fsdp", zero_stage=2), 4)  # alive, but it stops beating
     time.sleep(2.5)
     resumed = TrialStore(_fingerprint(), WORK, storage=url)
-    resumed.fail_stale()
-    states = sorted(m.state for m in resumed.measurements())
-    assert states == ["FAIL", "WAITING"]  # failed, and its configuration queued again
-    waiting = [m for m in resumed.measurements() if m.state == "WAITING"]
-    assert waiting[0].key == (TrainConfig(engine="fsdp", zero_stage=2), 4)
+    assert resumed.fail_stale() == [0]
+    (m,) = resumed.measurements()
+    assert (m.state, m.outcome) == ("FAIL", "stale")
+
+
+def test_running_trials_of_a_dead_tuner_on_this_host_fail_at_once(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/dead.db"
+    code = (
+        "import sys\n"
+        "sys.path.insert(0, 'tests/study')\n"
+        "from test_store import _fingerprint, WORK\n"
+        "from autotune.config import TrainConfig\n"
+        "from autotune.study import TrialStore\n"
+        f"s = TrialStore(_fingerprint(), WORK, storage={url!r})\n"
+        "s.ask(TrainConfig(engine='fsdp', zero_stage=2), 4)\n"  # then the process ends
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2]
+    )  # fmt: skip
+    resumed = TrialStore(_fingerprint(), WORK, storage=url)
+    alive = resumed.ask(TrainConfig(), 2)  # ours, running: left alone
+    assert resumed.fail_stale() == [0]  # no heartbeat grace period to wait for
+    states = {m.number: (m.state, m.outcome) for m in resumed.measurements()}
+    assert states == {0: ("FAIL", "stale"), alive.number: ("RUNNING", None)}
+
+
+def test_two_workers_never_claim_the_same_point(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/claims.db"
+    first = TrialStore(_fingerprint(), WORK, storage=url)
+    second = TrialStore(_fingerprint(), WORK, storage=url)
+    config = TrainConfig(engine="fsdp", zero_stage=3)
+    held = first.claim(config, [2, 4])
+    assert held is not None and len(held) == 2
+    assert second.claim(config, [4, 8]) is None  # 4 is in flight: the whole claim withdraws
+    assert second.claim(TrainConfig(engine="fsdp", zero_stage=2), [4]) is not None
+    assert second.claim(config, [8]) is not None
+    keys = sorted((m.config.label(), m.micro_batch_size) for m in first.measurements())
+    assert len(keys) == len(set(keys)) == 4  # withdrawn claims are hidden from the search
+    pruned = first.study.get_trials(states=(optuna.trial.TrialState.PRUNED,))
+    assert len(pruned) == 2 and all(t.user_attrs["withdrawn"] for t in pruned)
 
 
 def test_a_bad_storage_url_is_one_clear_line() -> None:
