@@ -1,15 +1,15 @@
 """Rank every configuration of the space by predicted throughput, without a GPU.
 
-For each configuration the planner finds the largest micro-batch that fits the GPU's memory
-(peak memory grows with the micro-batch, so a bisection over the sizes that reach the global
-batch exactly), predicts the step time at every size that fits, and keeps the fastest.
-Configurations that fit at no size are listed after, with how much they miss by.
+For each configuration the planner predicts peak memory and step time at every micro-batch that
+reaches the global batch exactly, and keeps the fastest size that fits the GPU's memory (every
+size's prediction stays on the row for the search). Configurations that fit at no size are
+listed after, with how much they miss by at micro-batch 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.config import Attention, Engine, Precision, TrainConfig
@@ -19,7 +19,13 @@ from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
 from autotune.space import Workload, configurations, micro_batch_options
 
-__all__ = ["DEVICE_RESERVE_BYTES", "PlanRow", "default_precision", "plan", "usable_bytes"]
+__all__ = [
+    "DEVICE_RESERVE_BYTES",
+    "PlanRow",
+    "default_precision",
+    "plan",
+    "usable_bytes",
+]
 
 DEVICE_RESERVE_BYTES = 1024**3
 """Device memory tensors cannot use: the CUDA context, cuBLAS and NCCL workspaces, and the
@@ -56,6 +62,18 @@ class PlanRow:
     capacity_bytes: int
     time: StepTime | None
     """Predicted step time; None when the configuration does not fit."""
+    peaks: Mapping[int, int] = field(default_factory=dict)
+    """Predicted peak bytes at every micro-batch of the workload, fitting or not."""
+    speeds: Mapping[int, float] = field(default_factory=dict)
+    """Predicted tokens/s at every micro-batch of the workload, fitting or not (the search
+    weighs the sizes that may fit where the memory prediction may be off)."""
+
+    def peak_at(self, micro_batch_size: int) -> float:
+        """Predicted peak bytes at a micro-batch (between listed sizes: linear in it)."""
+        if micro_batch_size in self.peaks:
+            return self.peaks[micro_batch_size]
+        slope = self.memory.activation_bytes_per_sample
+        return self.memory.peak_bytes + slope * (micro_batch_size - self.micro_batch_size)
 
     @property
     def fits(self) -> bool:
@@ -82,22 +100,6 @@ class PlanRow:
             "memory": self.memory.to_dict(),
             "time": self.time.to_dict() if self.time else None,
         }
-
-
-def _largest_fitting(
-    sizes: list[int], peak: Any, capacity: int
-) -> tuple[int | None, dict[int, MemoryEstimate]]:
-    """Bisect the sorted ``sizes`` for the largest whose peak fits; returns it and the probes."""
-    seen: dict[int, MemoryEstimate] = {}
-    lo, hi, best = 0, len(sizes) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        seen[sizes[mid]] = estimate = peak(sizes[mid])
-        if estimate.peak_bytes <= capacity:
-            best, lo = sizes[mid], mid + 1
-        else:
-            hi = mid - 1
-    return best, seen
 
 
 def plan(
@@ -148,43 +150,32 @@ def plan(
                 world_size=workload.world_size,
             )
 
-        largest, seen = _largest_fitting(sizes, peak, capacity)
-        if largest is None:
-            smallest = sizes[0]
-            rows.append(
-                PlanRow(
-                    config=config,
-                    micro_batch_size=smallest,
-                    grad_accum=workload.grad_accum(smallest),
-                    memory=seen.get(smallest) or peak(smallest),
-                    capacity_bytes=capacity,
-                    time=None,
-                )
-            )
-            continue
-        best: PlanRow | None = None
-        for mbs in (m for m in sizes if m <= largest):
-            accum = workload.grad_accum(mbs)
-            time = predict_step_time(
+        memories = {m: peak(m) for m in sizes}
+        times = {
+            m: predict_step_time(
                 model,
                 config,
                 gpu,
-                micro_batch_size=mbs,
+                micro_batch_size=m,
                 seq_len=workload.seq_len,
-                grad_accum=accum,
+                grad_accum=workload.grad_accum(m),
                 world_size=workload.world_size,
                 gpus_per_node=gpus_per_node,
             )
-            if best is None or time.tokens_per_second > best.tokens_per_second:
-                memory = seen.get(mbs) or peak(mbs)
-                best = PlanRow(
-                    config=config,
-                    micro_batch_size=mbs,
-                    grad_accum=accum,
-                    memory=memory,
-                    capacity_bytes=capacity,
-                    time=time,
-                )
-        assert best is not None
-        rows.append(best)
+            for m in sizes
+        }
+        fitting = [m for m in sizes if memories[m].peak_bytes <= capacity]
+        best = max(fitting, key=lambda m: times[m].tokens_per_second, default=sizes[0])
+        rows.append(
+            PlanRow(
+                config=config,
+                micro_batch_size=best,
+                grad_accum=workload.grad_accum(best),
+                memory=memories[best],
+                capacity_bytes=capacity,
+                time=times[best] if fitting else None,
+                peaks={m: e.peak_bytes for m, e in memories.items()},
+                speeds={m: t.tokens_per_second for m, t in times.items()},
+            )
+        )
     return sorted(rows, key=lambda r: (not r.fits, -r.tokens_per_second, r.over_bytes))

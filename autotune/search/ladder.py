@@ -1,39 +1,58 @@
 """The ladder search: which configuration and micro-batch sizes to probe next.
 
 A pure function of what the study holds (every worker's measurements, resumed runs included)
-and of the estimator's predictions; it never sees processes or files.
+and of the estimator's predictions; it never sees processes or files. It is a branch and
+bound over the configurations of the space, with the estimator as the bound:
 
-1. Every configuration of the space gets the estimator's prediction: the largest micro-batch
-   that fits and the throughput there (:func:`autotune.estimator.plan.plan`).
-2. Predictions are calibrated by what was measured: per configuration, the measured peaks
-   rescale the predicted ones (one point fixes a ratio, two fit the line), and across
-   configurations the median ratio of measured to predicted throughput rescales the rest.
-3. The next probe goes to the configuration with the highest calibrated throughput that is
-   still open, at the largest micro-batch the calibrated memory model says fits, plus the
-   size below it (the probe sweeps both in one process, smaller first).
-4. A configuration is closed once its largest fitting size is bracketed (measured ok, and the
-   next size measured or inferred OOM) or nothing fits; the search ends when no open
-   configuration's calibrated upper bound can beat the best measured by more than the margin.
+1. Every configuration has the estimator's predicted peak memory (linear in the micro-batch)
+   and throughput at each size (:func:`autotune.estimator.plan.plan`).
+2. Measurements calibrate the predictions. Memory, per configuration: one measured peak fixes
+   the offset of the predicted line, two fit the line. Throughput: a measured configuration's
+   own measured/predicted ratio rescales its other sizes; the others are rescaled by the median
+   ratio of the measured ones.
+3. Each prediction carries an uncertainty. Memory: ``PRIOR_ERROR`` before a configuration is
+   measured, ``ONE_POINT_ERROR`` with one measured point, none with two or more. Throughput
+   of an unmeasured configuration: its own error (``PRIOR_ERROR``, or once ``KNOWN_AFTER``
+   configurations are measured, two standard deviations of their measured/predicted ratios,
+   at least ``MIN_ERROR``) times (1 + 1/sqrt(n)) for the error of a scale learnt from n
+   configurations; a measured configuration's other sizes: ``MIN_ERROR``.
+4. The next probe goes to the open configuration with the highest calibrated throughput at
+   its calibrated largest fitting size. One probe sweeps, smallest first: that size, the size
+   below when the configuration has no measurement yet (a second point for the memory line),
+   and the sizes above it that may still fit within the memory uncertainty (an OOM there is
+   cheap: the sizes below it are kept).
+5. A configuration is closed once its largest fitting size is bracketed (measured ok, and the
+   next size measured or inferred OOM, or certainly out of memory). The search ends when no
+   open configuration's optimistic bound (calibrated throughput x (1 + uncertainty) at any
+   size that may fit) beats the best measured.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow
 from autotune.study.store import RETRYABLE, Measurement
 
-__all__ = ["Proposal", "propose"]
+__all__ = ["MIN_ERROR", "ONE_POINT_ERROR", "PRIOR_ERROR", "Proposal", "propose"]
 
-UPPER_BOUND_MARGIN = 1.05
-"""An open configuration is worth a probe while its calibrated prediction exceeds the best
-measured throughput divided by this margin (predictions carry a few percent of error)."""
-UNCERTAIN = 1.05
-"""A size whose calibrated peak is within this factor of the capacity is probed to verify."""
+PRIOR_ERROR = 0.10
+"""Relative error assumed of an unmeasured prediction, memory and time alike: the time model's
+agreement with published runs is within 9-15 % (docs/time-model.md), and the memory model's
+error on real GPUs (allocator, workspaces) is not yet measured (docs/gpu-results.md)."""
+ONE_POINT_ERROR = 0.03
+"""Memory error at other sizes of a configuration measured at one size (the slope is
+predicted; the offset is measured)."""
+MIN_ERROR = 0.03
+"""Floor of the throughput uncertainty learnt from measured configurations (timing noise of a
+short probe, and what three configurations cannot show)."""
+KNOWN_AFTER = 3
+"""Measured configurations needed before their spread replaces the prior throughput error."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,17 +67,17 @@ class Proposal:
 
 @dataclass
 class _Seen:
-    ok: dict[int, float]
+    ok: dict[int, float] = field(default_factory=dict)
     """Micro-batch size -> measured peak bytes, for sizes that ran."""
-    oom: set[int]
-    failed: set[int]
-    running: set[int]
-    speed: dict[int, float]
-    """Micro-batch size -> measured objective."""
+    oom: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+    running: set[int] = field(default_factory=set)
+    speed: dict[int, float] = field(default_factory=dict)
+    """Micro-batch size -> measured objective, for sizes that ran and count as fitting."""
 
 
 def _by_config(measurements: Iterable[Measurement]) -> dict[TrainConfig, _Seen]:
-    seen: dict[TrainConfig, _Seen] = defaultdict(lambda: _Seen({}, set(), set(), set(), {}))
+    seen: dict[TrainConfig, _Seen] = defaultdict(_Seen)
     interrupted: dict[tuple[TrainConfig, int], int] = defaultdict(int)
     for m in measurements:
         entry = seen[m.config]
@@ -74,6 +93,8 @@ def _by_config(measurements: Iterable[Measurement]) -> dict[TrainConfig, _Seen]:
             entry.ok[mbs] = float(peak or 0)
             if m.feasible and m.value:
                 entry.speed[mbs] = m.value
+            elif not m.feasible:
+                entry.oom.add(mbs)  # ran, but inside the headroom or thrashing: not fitting
         elif m.outcome == "oom" or (m.state == "COMPLETE" and not m.feasible):
             entry.oom.add(mbs)
         elif m.state == "FAIL":
@@ -81,19 +102,62 @@ def _by_config(measurements: Iterable[Measurement]) -> dict[TrainConfig, _Seen]:
     return seen
 
 
-def _calibrated_peak(row: PlanRow, seen: _Seen, mbs: int) -> float:
-    """Predicted peak at ``mbs``, rescaled by the peaks measured for this configuration."""
-    slope = row.memory.activation_bytes_per_sample
-    predicted = row.memory.peak_bytes + slope * (mbs - row.micro_batch_size)
-    measured = sorted(seen.ok.items())
-    if len(measured) >= 2:
-        (m1, p1), (m2, p2) = measured[0], measured[-1]
-        return p2 + (p2 - p1) / (m2 - m1) * (mbs - m2)
-    if len(measured) == 1:
-        ((m1, p1),) = measured
-        at_m1 = row.memory.peak_bytes + slope * (m1 - row.micro_batch_size)
-        return predicted + (p1 - at_m1)
-    return predicted
+@dataclass(frozen=True, slots=True)
+class _Memory:
+    """A configuration's calibrated memory line and its uncertainty."""
+
+    row: PlanRow
+    seen: _Seen
+
+    def peak(self, mbs: int) -> float:
+        measured = sorted(self.seen.ok.items())
+        if len(measured) >= 2:
+            (m1, p1), (m2, p2) = measured[0], measured[-1]
+            return p2 + (p2 - p1) / (m2 - m1) * (mbs - m2)
+        if len(measured) == 1:
+            ((m1, p1),) = measured
+            return self.row.peak_at(mbs) + p1 - self.row.peak_at(m1)
+        return self.row.peak_at(mbs)
+
+    @property
+    def error(self) -> float:
+        points = len(self.seen.ok)
+        return 0.0 if points >= 2 else ONE_POINT_ERROR if points == 1 else PRIOR_ERROR
+
+    def fits(self, mbs: int) -> bool:
+        """Fits by the calibrated line (measured sizes: as measured)."""
+        if mbs in self.seen.ok:
+            return mbs not in self.seen.oom
+        return (
+            mbs < min(self.seen.oom, default=mbs + 1) and self.peak(mbs) <= self.row.capacity_bytes
+        )
+
+    def may_fit(self, mbs: int) -> bool:
+        """Fits within the uncertainty of the calibrated line."""
+        if mbs in self.seen.ok or mbs >= min(self.seen.oom, default=mbs + 1):
+            return self.fits(mbs)
+        return self.peak(mbs) <= self.row.capacity_bytes * (1 + self.error)
+
+
+def _throughput_scale(rows: list[PlanRow], seen: dict[TrainConfig, _Seen]) -> tuple[float, float]:
+    """Median measured/predicted throughput ratio across configurations, and its uncertainty."""
+    ratios = []
+    for row in rows:
+        s = seen.get(row.config)
+        pairs = [(v, row.speeds[m]) for m, v in s.speed.items() if row.speeds.get(m)] if s else []
+        if pairs:
+            ratios.append(statistics.mean(v / p for v, p in pairs))
+    if not ratios:
+        return 1.0, PRIOR_ERROR
+    scale = statistics.median(ratios)
+    # An unmeasured configuration's calibrated prediction is off by its own error (about two
+    # standard deviations of the measured ratios, or the prior) plus the error of the scale,
+    # which shrinks as 1/sqrt(n) of the configurations measured.
+    n = len(ratios)
+    spread = PRIOR_ERROR
+    if n >= KNOWN_AFTER:
+        spread = max(MIN_ERROR, 2 * statistics.pstdev(r / scale for r in ratios))
+    return scale, spread * (1 + 1 / math.sqrt(n))
 
 
 def propose(
@@ -104,7 +168,7 @@ def propose(
     """The next probe, or None when the search is done.
 
     Args:
-        rows: The planner's rows for every configuration (predictions at the best size).
+        rows: The planner's rows for every configuration (predictions at every size).
         measurements: Every trial of the study.
         sizes: Micro-batch sizes that reach the global batch exactly, ascending.
 
@@ -112,54 +176,42 @@ def propose(
         What to probe next; None when no open configuration can beat the best measured.
     """
     seen = _by_config(measurements)
-    ratios = [
-        max(s.speed.values()) / row.tokens_per_second
-        for row in rows
-        if (s := seen.get(row.config)) and s.speed and row.tokens_per_second > 0
-    ]
-    scale = statistics.median(ratios) if ratios else 1.0
+    scale, error = _throughput_scale(rows, seen)
     best = max((max(s.speed.values()) for s in seen.values() if s.speed), default=0.0)
     candidates: list[tuple[float, Proposal]] = []
     for row in rows:
-        s = seen.get(row.config) or _Seen({}, set(), set(), set(), {})
-        if s.running or s.failed:
-            continue  # in flight elsewhere, or broken: not retried by the search
-        capacity = row.capacity_bytes
-        fits = [m for m in sizes if _calibrated_peak(row, s, m) <= capacity]
-        smallest_oom = min(s.oom, default=None)
-        if smallest_oom is not None:
-            fits = [m for m in fits if m < smallest_oom]
-        if not fits:
-            if not s.ok and sizes[0] not in s.oom and row.fits:
-                fits = [sizes[0]]  # the model says it fits: let a probe decide
-            else:
-                continue
-        target = fits[-1]
-        index = sizes.index(target)
-        probe: list[int] = []
-        if target not in s.ok:
-            probe.append(target)
-            if not s.ok and index > 0:
-                probe.append(sizes[index - 1])  # a second point for the line and the speed
-        elif index + 1 < len(sizes) and sizes[index + 1] not in s.oom:
-            above = sizes[index + 1]
-            # Verify the limit only where the calibrated model is unsure (within 5 %).
-            if _calibrated_peak(row, s, above) <= capacity * UNCERTAIN:
-                probe.append(above)
-        if not probe:
-            continue  # the largest fitting size is measured and its limit known
-        predicted = row.tokens_per_second * scale
-        if best and predicted * UPPER_BOUND_MARGIN < best:
-            continue
+        s = seen.get(row.config) or _Seen()
+        if s.running or s.failed or not row.speeds:
+            continue  # in flight elsewhere, broken, or out of memory by any margin
+        memory = _Memory(row, s)
+        own = [v / row.speeds[m] for m, v in s.speed.items() if row.speeds.get(m)]
+        ratio, uncertainty = (statistics.mean(own), MIN_ERROR) if own else (scale, error)
+        open_sizes = [m for m in sizes if m in row.speeds and m not in s.ok and memory.may_fit(m)]
+        if not open_sizes:
+            continue  # every size that may fit is measured: the limit is bracketed
+        bound = max(row.speeds[m] for m in open_sizes) * ratio * (1 + uncertainty)
+        if best and bound <= best:
+            continue  # cannot beat the best measured, even optimistically
+        fitting = [m for m in sizes if m in row.speeds and memory.fits(m)]
+        target = fitting[-1] if fitting else open_sizes[0]
+        probe = {m for m in open_sizes if m >= target}
+        if not probe:  # the limit is measured; a smaller size is predicted faster
+            target = max(open_sizes, key=lambda m: row.speeds[m])
+            probe = {target}
+        if not s.ok and target in open_sizes:
+            below = [m for m in sizes if m < target and m in row.speeds]
+            if below:
+                probe.add(below[-1])  # a second point for the memory line and the speed
+        expected = row.speeds[target] * ratio
         candidates.append(
             (
-                predicted,
+                expected,
                 Proposal(
                     config=row.config,
                     micro_batch_sizes=tuple(sorted(probe)),
-                    predicted_tokens_per_second=predicted,
-                    reason="calibrated prediction "
-                    f"{predicted:,.0f} tokens/s at micro-batch {target}",
+                    predicted_tokens_per_second=expected,
+                    reason=f"calibrated prediction {expected:,.0f} tokens/s at micro-batch "
+                    f"{target} (bound {bound:,.0f})",
                 ),
             )
         )
