@@ -29,6 +29,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from autotune.probe.lifetime import PARENT_ENV, die_with_parent
+
 PRELOAD = (
     "torch",
     "torch.distributed.fsdp",
@@ -64,10 +66,11 @@ def _preload(with_deepspeed: bool) -> None:
         )
 
 
-def _exec_child(request: dict[str, Any], server_sock: socket.socket) -> None:
+def _exec_child(request: dict[str, Any], server_sock: socket.socket, server: int) -> None:
     """In the forked child: become the rank, run the worker, never return."""
     code = 1
     try:
+        die_with_parent(server)
         server_sock.close()
         os.setpgid(0, request["process_group"])
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
@@ -117,16 +120,17 @@ def serve(sock: socket.socket, *, with_deepspeed: bool) -> None:
         if readable:
             chunk = sock.recv(65536)
             if not chunk:
-                break  # the client is gone: so is the server (children live on)
+                break  # the client is gone: so are the server and its children
             buffer += chunk
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
                 request = json.loads(line)["spawn"]
                 sys.stdout.flush()
                 sys.stderr.flush()
+                server = os.getpid()
                 pid = os.fork()
                 if pid == 0:
-                    _exec_child(request, sock)
+                    _exec_child(request, sock, server)
                 # Also set the group from the parent, so it is in place before the answer.
                 with contextlib.suppress(OSError):
                     os.setpgid(pid, request["process_group"] or pid)
@@ -146,6 +150,8 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     fd, with_deepspeed = int(args[0]), args[1] == "1"
+    parent = os.environ.get(PARENT_ENV)
+    die_with_parent(int(parent) if parent else None)  # the tuner's end is the server's end
     serve(socket.socket(fileno=fd), with_deepspeed=with_deepspeed)
     return 0
 
@@ -204,6 +210,7 @@ class ForkServer:
             ],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
             process_group=0,  # a Ctrl-C in the terminal is the tuner's to handle, not ours
         )
         theirs.close()

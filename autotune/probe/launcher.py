@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from autotune.probe.lifetime import PARENT_ENV
 from autotune.probe.outcome import RankExit, classify_probe
 from autotune.probe.result import ProbeResult, merge_sizes
 from autotune.probe.spec import ProbeSpec
@@ -132,7 +133,7 @@ class SubprocessSpawner:
         with stdout.open("ab") as out, stderr.open("ab") as err:
             return subprocess.Popen(
                 worker_command(probe_dir),
-                env=env,
+                env={**env, PARENT_ENV: str(os.getpid())},
                 stdout=out,
                 stderr=err,
                 stdin=subprocess.DEVNULL,

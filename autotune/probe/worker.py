@@ -31,6 +31,7 @@ from autotune.config import Precision
 from autotune.hardware import peak_flops_for
 from autotune.models import ModelSpec, resolve_model, synthetic_batch
 from autotune.probe.engines import EngineContext, Trainee, build_trainee
+from autotune.probe.lifetime import PARENT_ENV, die_with_parent
 from autotune.probe.memory import LiveTensorBytes, MemoryMeter, apply_cuda_limit
 from autotune.probe.metrics import now, probe_throughput, synchronize
 from autotune.probe.outcome import Outcome, Stage, is_oom_error
@@ -362,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m autotune.probe.worker PROBE_DIR", file=sys.stderr)
         return 2
+    parent = os.environ.get(PARENT_ENV)
+    die_with_parent(int(parent) if parent else None)  # no orphan rank outlives its tuner
     return run(Path(args[0]))
 
 
