@@ -9,7 +9,8 @@ PYTEST_ARGS ?=
 # Wheels for an offline Python 3.12 x86_64 GPU node that already has torch and transformers.
 WHEEL_PYTHON ?= 3.12
 WHEEL_PLATFORMS := --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
-WHEEL_PACKAGES ?= optuna sqlalchemy alembic greenlet typer rich hjson pydantic nvidia-ml-py psutil
+WHEEL_PACKAGES ?= optuna sqlalchemy alembic greenlet typer rich hjson pydantic nvidia-ml-py psutil \
+	psycopg psycopg-binary
 
 .PHONY: install run test test-fast lint bench wheelhouse clean
 

@@ -4,12 +4,14 @@ The controller owns the budget and the interruptions; the ladder (``propose``) o
 choices; the runner is the real probe launcher or the simulated device (the same call). A
 probe is started only if the time it is expected to take (the median of the probes so far,
 or the first probe's guess) fits in what is left, and its timeout never outlasts the budget.
-Ctrl-C stops the running probe (the launcher kills its process group), records its trials as
-failed with the reason, and ends the run with the best found so far.
+Ctrl-C (or SIGTERM, which the CLI turns into the same interruption) stops the running probe
+(the launcher kills its process group), records its trials as failed with the reason, and ends
+the run with the best found so far.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from optuna.trial import TrialState
+from optuna.trial import Trial, TrialState
 
 from autotune.config import ConfigError
 from autotune.estimator.plan import PlanRow
@@ -64,6 +66,8 @@ class RunSummary:
     """How a run ended."""
 
     stop_reason: str
+    interrupted: str | None = None
+    """What stopped the run early (``Ctrl-C``, ``SIGTERM``), or None."""
     probes: int
     elapsed_s: float
     best: Measurement | None
@@ -73,6 +77,7 @@ class RunSummary:
         best = self.best
         return {
             "stop_reason": self.stop_reason,
+            "interrupted": self.interrupted,
             "probes": self.probes,
             "elapsed_s": self.elapsed_s,
             "best": None
@@ -152,50 +157,55 @@ class Controller:
             )
         probes = 0
         reason = "search done: no remaining configuration can beat the best measured"
+        interrupted: str | None = None
         sizes = micro_batch_options(self.workload)
-        while True:
-            left = self.budget_s - self.elapsed()
-            if left < max(self._expected_probe_s(), MIN_PROBE_TIMEOUT_S) and probes:
-                reason = f"budget spent ({left:.0f} s left, a probe takes about "
-                reason += f"{self._expected_probe_s():.0f} s)"
-                break
-            if left <= 0:
-                reason = "budget spent"
-                break
-            proposal = propose(self.rows, self.store.measurements(), sizes)
-            if proposal is None:
-                break
-            self.on_event(
-                Event(
-                    kind="probe",
-                    proposal=proposal,
-                    best=self.store.best(),
-                    probes=probes,
-                    budget_left_s=left,
+        try:
+            while True:
+                left = self.budget_s - self.elapsed()
+                if left < max(self._expected_probe_s(), MIN_PROBE_TIMEOUT_S) and probes:
+                    reason = f"budget spent ({left:.0f} s left, a probe takes about "
+                    reason += f"{self._expected_probe_s():.0f} s)"
+                    break
+                if left <= 0:
+                    reason = "budget spent"
+                    break
+                proposal = propose(self.rows, self.store.measurements(), sizes)
+                if proposal is None:
+                    break
+                self.on_event(
+                    Event(
+                        kind="probe",
+                        proposal=proposal,
+                        best=self.store.best(),
+                        probes=probes,
+                        budget_left_s=left,
+                    )
                 )
-            )
-            try:
                 result = self._probe(proposal, timeout_s=min(self.probe_timeout_s, left))
-            except KeyboardInterrupt:
-                reason = "interrupted (Ctrl-C): the running probe was stopped and recorded"
-                break
-            if result is None:
-                continue  # another worker took it: propose again from what it claimed
-            probes += 1
-            self.on_event(
-                Event(
-                    kind="result",
-                    proposal=proposal,
-                    result=result,
-                    best=self.store.best(),
-                    probes=probes,
-                    budget_left_s=self.budget_s - self.elapsed(),
+                if result is None:
+                    # Another worker took a point of it: propose again from what it claimed,
+                    # after a random pause (two workers that withdrew at once part ways).
+                    time.sleep(random.uniform(0.05, 0.5))
+                    continue
+                probes += 1
+                self.on_event(
+                    Event(
+                        kind="result",
+                        proposal=proposal,
+                        result=result,
+                        best=self.store.best(),
+                        probes=probes,
+                        budget_left_s=self.budget_s - self.elapsed(),
+                    )
                 )
-            )
+        except KeyboardInterrupt as stop:
+            interrupted = str(stop) or "Ctrl-C"
+            reason = f"interrupted ({interrupted}): the running probe was stopped and recorded"
         best = self.store.best()
         self.on_event(Event(kind="stop", best=best, probes=probes, message=reason))
         return RunSummary(
             stop_reason=reason,
+            interrupted=interrupted,
             probes=probes,
             elapsed_s=self.elapsed(),
             best=best,
@@ -204,9 +214,6 @@ class Controller:
 
     def _probe(self, proposal: Proposal, *, timeout_s: float) -> ProbeResult | None:
         """Probe the proposal; None when another worker claimed one of its points first."""
-        trials = self.store.claim(proposal.config, proposal.micro_batch_sizes)
-        if trials is None:
-            return None
         spec = ProbeSpec(
             model=self.model_ref,
             config=proposal.config,
@@ -220,7 +227,13 @@ class Controller:
             timeout_s=max(timeout_s, MIN_PROBE_TIMEOUT_S),
         )
         probe_dir = new_probe_dir(self.trials_dir.resolve(), _folder(self.store.study.study_name))
+        trials: list[Trial] = []
         try:
+            # An interruption inside the claim leaves RUNNING trials of this process, which
+            # the next run fails as stale.
+            trials = self.store.claim(proposal.config, proposal.micro_batch_sizes) or []
+            if not trials:
+                return None
             result = self.runner(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))
         except KeyboardInterrupt:
             for trial in trials:

@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import socket
+import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from typing import Any
 
 import optuna
 import psutil
+import sqlalchemy.exc
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, Trial, TrialState, create_trial
@@ -52,6 +55,8 @@ HEARTBEAT_S = 30
 """A running tuner touches its RUNNING trials this often; after ``GRACE_S`` without a beat
 they are failed (their tuner died, on another host) and their point is retried once."""
 GRACE_S = 180
+OPEN_ATTEMPTS = 5
+"""Tries to open a storage whose tables another worker is creating at the same moment."""
 RETRYABLE = ("interrupted", "stale")
 """Outcomes of trials that failed through no fault of their configuration (Ctrl-C, a tuner
 that died): the search retries such a point once."""
@@ -82,21 +87,29 @@ def open_storage(url: str = DEFAULT_STORAGE) -> RDBStorage:
         path = Path(url.removeprefix("sqlite:///"))
         if str(path) not in ("", ":memory:"):
             path.expanduser().parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with warnings.catch_warnings():
-            # Heartbeats are "experimental" in Optuna 5: the interface is what autotune pins.
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(
-                url,
-                heartbeat_interval=HEARTBEAT_S,
-                grace_period=GRACE_S,
-            )
-    except Exception as error:  # SQLAlchemy raises many kinds; all mean "cannot open"
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(
-            f"cannot open trial storage {url!r}: {reason}; use sqlite:///path/to.db or "
-            "postgresql://user:password@host/database"
-        ) from None
+    for attempt in range(1, OPEN_ATTEMPTS + 1):
+        try:
+            with warnings.catch_warnings():
+                # Heartbeats are "experimental" in Optuna 5: the interface is what autotune pins.
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as error:
+            # Workers that start together on an empty database all create its tables; the
+            # losers of that race meet duplicate objects, and find the tables on a retry.
+            if attempt == OPEN_ATTEMPTS:
+                raise _cannot_open(url, error) from None
+            time.sleep(random.uniform(0.2, 1.0))
+        except Exception as error:  # SQLAlchemy raises many kinds; all mean "cannot open"
+            raise _cannot_open(url, error) from None
+    raise AssertionError("unreachable")
+
+
+def _cannot_open(url: str, error: Exception) -> ConfigError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ConfigError(
+        f"cannot open trial storage {url!r}: {reason}; use sqlite:///path/to.db or "
+        "postgresql://user:password@host/database"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -187,8 +200,10 @@ class TrialStore:
     def claim(self, config: TrainConfig, micro_batch_sizes: Iterable[int]) -> list[Trial] | None:
         """Ask a trial per size, unless another worker holds or measured one of them.
 
-        Every worker writes its claim first and then looks: of two claims on the same point
-        the later one (higher trial id) withdraws, so two workers never probe the same point.
+        Every worker writes its claim first, then looks, and withdraws on any other trial of
+        the same points. Each worker's writes are committed before it looks, so of two
+        overlapping claims at least one sees the other: two workers never both probe a point
+        (both may withdraw; they then propose again after a random pause).
 
         Returns:
             The trials, or None when another worker got there first (ours are withdrawn).
@@ -196,10 +211,8 @@ class TrialStore:
         trials = [self.ask(config, m) for m in micro_batch_sizes]
         mine = {t._trial_id for t in trials}
         keys = {_key(config.to_dict(), int(t.params["micro_batch_size"])) for t in trials}
-        first = min(mine)
         taken = any(
             other._trial_id not in mine
-            and (other.state is TrialState.COMPLETE or other._trial_id < first)
             and _key(other.params, int(other.params.get("micro_batch_size", -1))) in keys
             for other in self.study.get_trials(
                 deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)

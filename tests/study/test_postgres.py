@@ -1,0 +1,354 @@
+"""The trial database on a real PostgreSQL server: the store, claims, stale trials, the CLI,
+and several tuner workers at once.
+
+The server is private to the test session (``conftest.py``, ``tests/pgserver.py``); every
+test gets an empty database of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from optuna.trial import TrialState
+from pgserver import PostgresServer
+
+from autotune.config import ConfigError, TrainConfig
+from autotune.study import TrialStore, open_storage
+from autotune.study import store as store_module
+
+from .test_store import WORK, _fingerprint, _probe
+
+ROOT = Path(__file__).parents[2]
+RUN_ARGS = (
+    "run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8",
+    "--seq-len", "4096", "--global-batch", "512", "--budget", "30m", "--json",
+)  # fmt: skip
+CLI_TIMEOUT_S = 300
+
+
+def _cli(*args: str) -> list[str]:
+    """The real console entry point in a fresh interpreter."""
+    return [sys.executable, "-c", "from autotune.cli import main; main()", *args]
+
+
+def autotune(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _cli(*args), cwd=cwd, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False
+    )
+
+
+def _plain(url: str) -> str:
+    """The URL as a user writes it, without naming the driver."""
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def _sizes(trials: list[Any] | None) -> list[int] | None:
+    return None if trials is None else [int(t.params["micro_batch_size"]) for t in trials]
+
+
+def _best_feasible(store: TrialStore) -> Any:
+    complete = store.measurements((TrialState.COMPLETE,))
+    feasible = [m for m in complete if m.feasible and m.value]
+    return max(feasible, key=lambda m: m.value or 0.0)
+
+
+def test_trial_store_round_trip_on_postgresql(fresh_postgres_url: str, tmp_path: Path) -> None:
+    url = fresh_postgres_url
+    store = TrialStore(_fingerprint(), WORK, storage=url)
+    _probe(store, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (1, 2, 4, 8))
+    by_size = {m.micro_batch_size: m for m in store.measurements()}
+    assert [by_size[m].outcome for m in (1, 2, 4, 8)] == ["ok", "ok", "oom", "oom"]
+    assert by_size[8].attrs["inferred"] is True
+    assert by_size[1].feasible and by_size[2].feasible
+    assert not by_size[4].feasible and by_size[4].state == "COMPLETE"
+    assert by_size[4].value == 0.0
+    assert by_size[2].attrs["grad_accum"] == 32
+    assert by_size[2].value == pytest.approx(by_size[2].attrs["objective_tokens_per_second"])
+    assert by_size[2].value > by_size[1].value > 0
+    best = store.best()
+    assert best is not None and best.micro_batch_size == 2
+    assert best.config == TrainConfig(engine="fsdp", zero_stage=3)
+    assert Path(best.attrs["probe_dir"]).is_dir()
+
+    # A trial asked by one worker is visible to another as RUNNING before it is told.
+    running = store.ask(TrainConfig(engine="deepspeed", zero_stage=2), 4)
+    other = TrialStore(_fingerprint(), WORK, storage=url)
+    seen = {m.key: m for m in other.measurements()}
+    in_flight = seen[(TrainConfig(engine="deepspeed", zero_stage=2), 4)]
+    assert in_flight.state == "RUNNING" and in_flight.outcome is None
+    assert other.study.study_name == store.study.study_name
+    store.study.tell(running, state=TrialState.FAIL)
+
+    # A second study in the same database; existing() finds both, fingerprints intact.
+    TrialStore(_fingerprint(gpus=16), WORK, storage=url)
+    found = {s.fingerprint.study_name: s for s in TrialStore.existing(url)}
+    assert sorted(found) == sorted([_fingerprint().study_name, _fingerprint(gpus=16).study_name])
+    reread = found[_fingerprint().study_name]
+    assert reread.fingerprint == _fingerprint()
+    assert reread.fingerprint.to_dict() == _fingerprint().to_dict()
+    assert reread.workload == WORK
+    assert [(m.key, m.state, m.outcome, m.value) for m in reread.measurements()] == [
+        (m.key, m.state, m.outcome, m.value) for m in store.measurements()
+    ]
+    reread_best = reread.best()
+    assert reread_best is not None
+    assert (reread_best.number, reread_best.key) == (best.number, best.key)
+    assert reread_best.attrs == best.attrs  # JSON user attributes survive the round trip
+    assert found[_fingerprint(gpus=16).study_name].measurements() == []
+
+
+def test_running_trials_without_a_heartbeat_fail_as_stale_on_postgresql(
+    fresh_postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(store_module, "GRACE_S", 1)
+    other = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    other.ask(TrainConfig(engine="fsdp", zero_stage=2), 4)  # alive, but it stops beating
+    fresh = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    assert fresh.fail_stale() == []  # within the grace period: still running
+    time.sleep(2.5)
+    resumed = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    assert resumed.fail_stale() == [0]
+    (m,) = resumed.measurements()
+    assert (m.state, m.outcome) == ("FAIL", "stale")
+
+
+def test_running_trials_of_a_dead_tuner_on_this_host_fail_at_once_on_postgresql(
+    fresh_postgres_url: str,
+) -> None:
+    code = (
+        "import sys\n"
+        "sys.path.insert(0, 'tests/study')\n"
+        "from test_store import _fingerprint, WORK\n"
+        "from autotune.config import TrainConfig\n"
+        "from autotune.study import TrialStore\n"
+        f"s = TrialStore(_fingerprint(), WORK, storage={fresh_postgres_url!r})\n"
+        "s.ask(TrainConfig(engine='fsdp', zero_stage=2), 4)\n"  # then the process ends
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=CLI_TIMEOUT_S)
+    resumed = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    alive = resumed.ask(TrainConfig(), 2)  # ours, running: left alone
+    assert resumed.fail_stale() == [0]
+    states = {m.number: (m.state, m.outcome) for m in resumed.measurements()}
+    assert states == {0: ("FAIL", "stale"), alive.number: ("RUNNING", None)}
+
+
+def test_two_workers_never_claim_the_same_point_on_postgresql(fresh_postgres_url: str) -> None:
+    first = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    second = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    config = TrainConfig(engine="fsdp", zero_stage=3)
+    held = first.claim(config, [2, 4])
+    assert held is not None and len(held) == 2
+    assert second.claim(config, [4, 8]) is None  # 4 is in flight: the whole claim withdraws
+    assert second.claim(TrainConfig(engine="fsdp", zero_stage=2), [4]) is not None
+    assert second.claim(config, [8]) is not None
+    keys = sorted((m.config.label(), m.micro_batch_size) for m in first.measurements())
+    assert len(keys) == len(set(keys)) == 4  # withdrawn claims are hidden from the search
+    pruned = first.study.get_trials(states=(TrialState.PRUNED,))
+    assert len(pruned) == 2 and all(t.user_attrs["withdrawn"] for t in pruned)
+
+
+def test_interleaved_claims_never_both_hold_a_point(fresh_postgres_url: str) -> None:
+    """Worker A writes its first trial; worker B claims in full; A writes the rest and looks.
+
+    Two workers' claims interleave like this whenever both run at once: whatever the order,
+    at most one of them may come away holding the point they share (micro-batch 4).
+    """
+    a = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    b = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    config = TrainConfig(engine="fsdp", zero_stage=3)
+    claimed_by_b: list[list[int] | None] = []
+    ask = a.ask
+
+    def ask_then_let_b_claim(cfg: TrainConfig, micro_batch_size: int) -> Any:
+        trial = ask(cfg, micro_batch_size)
+        if not claimed_by_b:
+            claimed_by_b.append(_sizes(b.claim(config, [4, 8])))
+        return trial
+
+    a.ask = ask_then_let_b_claim  # type: ignore[method-assign]
+    got_a = a.claim(config, [2, 4])
+    held_a = _sizes(got_a)
+    holders = [held for held in (held_a, claimed_by_b[0]) if held and 4 in held]
+    assert len(holders) <= 1, f"both workers hold micro-batch 4: A {held_a}, B {claimed_by_b[0]}"
+    running = Counter(m.key for m in a.measurements((TrialState.RUNNING,)))
+    assert all(n == 1 for n in running.values()), running
+
+
+def test_a_missing_database_is_one_clear_line(postgres_url: str) -> None:
+    missing = postgres_url.rsplit("/", 1)[0] + "/no_such_database"
+    with pytest.raises(ConfigError, match=r"cannot open trial storage.*no_such_database") as err:
+        open_storage(missing)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_run_best_and_trials_against_postgresql(
+    fresh_postgres_url: str, tmp_path: Path
+) -> None:
+    url = fresh_postgres_url
+    trials_dir = tmp_path / "trials"
+    run = autotune(*RUN_ARGS, "--storage", url, "--trials-dir", str(trials_dir), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["probes"] > 0
+    assert summary["best"] is not None and summary["best"]["simulated"] is True
+
+    # Read back with the URL as users write it (no driver named).
+    best = autotune("best", "--storage", _plain(url), "--json", cwd=tmp_path)
+    assert best.returncode == 0, best.stderr
+    [entry] = json.loads(best.stdout)
+    assert entry["study"] == summary["study"]
+    assert entry["fingerprint"]["model"] == "llama-7b"
+    assert entry["fingerprint"]["gpus"] == 8 and entry["fingerprint"]["device"] == "simulated"
+    row = entry["best"]
+    assert row["config"] == summary["best"]["config"]
+    assert row["micro_batch_size"] == summary["best"]["micro_batch_size"]
+    assert row["objective"] == pytest.approx(summary["best"]["objective"])
+    assert row["feasible"] is True and row["state"] == "COMPLETE"
+
+    listed = autotune("trials", "--storage", url, "--json", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    [study] = json.loads(listed.stdout)
+    assert study["study"] == summary["study"]
+    rows = study["trials"]
+    assert len(rows) == entry["trials"] >= summary["probes"]
+    assert {r["state"] for r in rows} <= {"COMPLETE", "FAIL"}  # nothing left RUNNING
+    assert row["number"] in {r["number"] for r in rows}
+    for r in rows:
+        assert Path(r["probe_dir"]).is_dir() and trials_dir in Path(r["probe_dir"]).parents
+    keys = [(json.dumps(r["config"], sort_keys=True), r["micro_batch_size"]) for r in rows]
+    assert len(set(keys)) == len(keys)
+
+    again = autotune(*RUN_ARGS, "--storage", url, "--trials-dir", str(trials_dir), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    resumed = json.loads(again.stdout)
+    assert resumed["probes"] == 0  # everything was measured by the first run
+    assert resumed["study"] == summary["study"]
+    assert resumed["best"]["config"] == summary["best"]["config"]
+    assert resumed["best"]["micro_batch_size"] == summary["best"]["micro_batch_size"]
+    [store] = TrialStore.existing(url)
+    assert len(store.measurements()) == len(rows)  # nothing was added by the second run
+
+
+def test_two_workers_on_one_study_never_measure_the_same_point_twice(
+    fresh_postgres_url: str, tmp_path: Path
+) -> None:
+    url = fresh_postgres_url
+    # The schema exists before the workers start, as on a shared server in use.
+    open_storage(url)
+    workers = [
+        subprocess.Popen(
+            _cli(*RUN_ARGS, "--storage", url, "--trials-dir", str(tmp_path / f"w{n}")),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    outputs = []
+    try:
+        for worker in workers:
+            stdout, stderr = worker.communicate(timeout=CLI_TIMEOUT_S)
+            outputs.append((worker.returncode, stdout, stderr))
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    for code, _, stderr in outputs:
+        assert code == 0, stderr
+    summaries = [json.loads(stdout) for _, stdout, _ in outputs]
+    assert summaries[0]["study"] == summaries[1]["study"]
+    assert sum(s["probes"] for s in summaries) > 0
+
+    [store] = TrialStore.existing(url)
+    assert store.fingerprint.study_name == summaries[0]["study"]
+    assert not store.measurements((TrialState.RUNNING,))
+    complete = store.measurements((TrialState.COMPLETE,))
+    counts = Counter(m.key for m in complete)
+    twice = sorted(
+        f"{config.label()} at micro-batch {mbs} (x{n})"
+        for (config, mbs), n in counts.items()
+        if n > 1
+    )
+    assert not twice, f"measured by both workers: {twice}"
+
+    best = autotune("best", "--storage", url, "--json", cwd=tmp_path)
+    assert best.returncode == 0, best.stderr
+    [entry] = json.loads(best.stdout)
+    expected = _best_feasible(store)
+    assert entry["best"]["number"] == expected.number
+    assert entry["best"]["config"] == expected.config.to_dict()
+    assert entry["best"]["micro_batch_size"] == expected.micro_batch_size
+    assert entry["best"]["objective"] == pytest.approx(expected.value)
+    # Each worker's own answer is no better than the study's best.
+    for summary in summaries:
+        assert summary["best"]["objective"] <= expected.value + 1e-9
+
+
+OPENER = """
+import sys
+from autotune.study import open_storage
+print("ready", flush=True)
+for url in sys.stdin:
+    try:
+        open_storage(url.strip())
+        print("ok", flush=True)
+    except Exception as error:
+        print("error:", error, flush=True)
+"""
+
+
+def test_workers_starting_together_on_an_empty_database_all_open_it(
+    postgres_server: PostgresServer,
+) -> None:
+    """Several tuners started at once on a new database: every one of them opens it.
+
+    Each round gives the same fresh database to all of them at the same moment, so their
+    first connection (which creates Optuna's tables) races.
+    """
+    openers = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPENER],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    failures = []
+    try:
+        for opener in openers:
+            assert opener.stdout is not None and opener.stdout.readline().strip() == "ready"
+        for round_ in range(5):
+            url = postgres_server.create_database(f"together_{round_}")
+            for opener in openers:
+                assert opener.stdin is not None
+                opener.stdin.write(url + "\n")
+                opener.stdin.flush()
+            for opener in openers:
+                assert opener.stdout is not None
+                answer = opener.stdout.readline().strip()
+                if answer != "ok":
+                    failures.append(f"round {round_}: {answer}")
+    finally:
+        for opener in openers:
+            if opener.stdin is not None:
+                opener.stdin.close()
+        for opener in openers:
+            try:
+                opener.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                opener.kill()
+                opener.wait()
+    assert not failures, "\n".join(failures)
