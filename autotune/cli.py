@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -419,7 +421,8 @@ def run(
     from autotune.hardware import detect_gpus
     from autotune.models import resolve_model
     from autotune.probe import launch_probe
-    from autotune.search.controller import Controller, Event
+    from autotune.report.live import RunView, best_table
+    from autotune.search.controller import Controller
     from autotune.space import Workload
     from autotune.study import Fingerprint, TrialStore
 
@@ -477,38 +480,13 @@ def run(
     if kind == "cpu":
         rows = [r for r in rows if r.config.offload.value == "none"]  # no host to offload to
 
-    def show(event: Event) -> None:
-        if json_output:
-            return
-        if event.kind == "probe" and event.proposal:
-            best = event.best
-            console.print(
-                f"[dim]probe {event.probes + 1}: {event.proposal.config.label()} at micro-batch "
-                f"{','.join(map(str, event.proposal.micro_batch_sizes))}; best so far "
-                f"{f'{best.value:,.0f} tokens/s' if best and best.value else '-'}; budget left "
-                f"{format_duration(event.budget_left_s)}[/]"
-            )
-        elif event.kind == "result" and event.result:
-            outcomes = (
-                ", ".join(
-                    f"{s['micro_batch_size']}: {s['outcome']}"
-                    + (
-                        f" {s['tokens_per_second']:,.0f} tok/s"
-                        if s.get("tokens_per_second")
-                        else ""
-                    )
-                    for s in event.result.sizes
-                )
-                or event.result.outcome.value
-            )
-            console.print(f"  {outcomes}")
-
     if not json_output:
         console.print(
             f"tuning {spec.name} on {world} x {gpu_info.name}"
             f"{' (simulated)' if kind == 'simulated' else ''}, seq {seq_len}, global batch "
             f"{workload.global_batch}; study [bold]{fingerprint.study_name}[/] in {storage}"
         )
+    view = RunView(console, budget_s=budget_s, simulated=kind == "simulated")
     controller = Controller(
         model=spec,
         model_ref=model,
@@ -522,15 +500,17 @@ def run(
         device_memory_bytes=cap,
         capacity_bytes=capacity,
         simulated=kind == "simulated",
-        on_event=show,
+        on_event=None if json_output else view,
     )
-    summary = controller.run()
+    with _sigterm_interrupts(), view if not json_output else contextlib.nullcontext():
+        summary = controller.run()
     if json_output:
         print(json.dumps({"study": fingerprint.study_name, **summary.to_dict()}, indent=2,
                          default=str))  # fmt: skip
     else:
-        best = summary.best
+        console.print(best_table(summary, capacity))
         console.print(f"stopped: {summary.stop_reason}; {summary.probes} probes this run")
+        best = summary.best
         if best is None:
             console.print("[red]no configuration fits[/]")
         else:
@@ -538,7 +518,24 @@ def run(
                 f"[bold]best: {best.config.label()} at micro-batch {best.micro_batch_size} "
                 f"(accumulation {best.attrs.get('grad_accum')}): {best.value:,.0f} tokens/s[/]"
             )
+    if summary.interrupted:
+        raise typer.Exit(143 if summary.interrupted == "SIGTERM" else 130)
     raise typer.Exit(0 if summary.best else 1)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a scheduler's time limit, ``kill``) stops the run like Ctrl-C: the running
+    probe is stopped and recorded, and the best so far printed."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stores(storage: str, model: str | None, gpu: str | None) -> list[Any]:

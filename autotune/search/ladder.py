@@ -16,11 +16,12 @@ bound over the configurations of the space, with the estimator as the bound:
    configurations are measured, two standard deviations of their measured/predicted ratios,
    at least ``MIN_ERROR``) times (1 + 1/sqrt(n)) for the error of a scale learnt from n
    configurations; a measured configuration's other sizes: ``MIN_ERROR``.
-4. The next probe goes to the open configuration with the highest calibrated throughput at
-   its calibrated largest fitting size. One probe sweeps, smallest first: that size, the size
-   below when the configuration has no measurement yet (a second point for the memory line),
-   and the sizes above it that may still fit within the memory uncertainty (an OOM there is
-   cheap: the sizes below it are kept).
+4. The next probe goes to the open configuration with the highest expected throughput: the
+   calibrated throughput at its calibrated largest fitting size (or, where none fits, its
+   smallest size that may), times the chance that the size fits. One probe sweeps, smallest
+   first: that size, the size below when the configuration has no measurement yet (a second
+   point for the memory line), and the sizes above it that may still fit within the memory
+   uncertainty (an OOM there is cheap: the sizes below it are kept).
 5. A configuration is closed once its largest fitting size is bracketed (measured ok, and the
    next size measured or inferred OOM, or certainly out of memory). The search ends when no
    open configuration's optimistic bound (calibrated throughput x (1 + uncertainty) at any
@@ -132,6 +133,15 @@ class _Memory:
             mbs < min(self.seen.oom, default=mbs + 1) and self.peak(mbs) <= self.row.capacity_bytes
         )
 
+    def chance_to_fit(self, mbs: int) -> float:
+        """1 where the calibrated line fits, falling to 0 at the edge of its uncertainty."""
+        if self.fits(mbs):
+            return 1.0
+        if not self.may_fit(mbs) or not self.error:
+            return 0.0
+        capacity = self.row.capacity_bytes
+        return max(0.0, (capacity * (1 + self.error) - self.peak(mbs)) / (capacity * self.error))
+
     def may_fit(self, mbs: int) -> bool:
         """Fits within the uncertainty of the calibrated line."""
         if mbs in self.seen.ok or mbs >= min(self.seen.oom, default=mbs + 1):
@@ -202,7 +212,9 @@ def propose(
             below = [m for m in sizes if m < target and m in row.speeds]
             if below:
                 probe.add(below[-1])  # a second point for the memory line and the speed
-        expected = row.speeds[target] * ratio
+        # Expected throughput: the speed there times the chance that it fits (the calibrated
+        # peak's error taken as uniform within the memory uncertainty).
+        expected = row.speeds[target] * ratio * memory.chance_to_fit(target)
         candidates.append(
             (
                 expected,

@@ -1,0 +1,163 @@
+"""What ``autotune run`` shows while it works, and the table it ends with.
+
+Every probe leaves one line (a log that reads the same in a terminal, a CI log or a nightly
+job's output file). On a terminal a status panel stays below the lines and refreshes a few
+times a second: the current rung and micro-batch, how long the probe has run, the last
+outcome, the best so far (tokens/s and MFU), probes done, and the budget as a bar.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+from autotune.search.controller import Event, RunSummary
+from autotune.study.store import Measurement
+from autotune.units import format_bytes, format_duration
+
+__all__ = ["RunView", "best_table", "outcome_text"]
+
+
+def outcome_text(sizes: Iterable[dict[str, Any]], fallback: str) -> str:
+    """One probe's sizes as ``2: ok 10,803 tok/s, 4: oom`` (or the probe's outcome)."""
+    parts = []
+    for s in sizes:
+        text = f"{s['micro_batch_size']}: {s['outcome']}"
+        if s.get("tokens_per_second"):
+            text += f" {s['tokens_per_second']:,.0f} tok/s"
+        parts.append(text)
+    return ", ".join(parts) or fallback
+
+
+def _speed(m: Measurement | None) -> str:
+    if m is None or not m.value:
+        return "-"
+    mfu = m.attrs.get("objective_mfu")
+    return f"{m.attrs.get('objective_tokens_per_second') or m.value:,.0f} tokens/s" + (
+        f", MFU {mfu:.1%}" if mfu else ""
+    )
+
+
+class RunView:
+    """Consumes the controller's events; a context manager around the run."""
+
+    def __init__(
+        self, console: Console, *, budget_s: float, simulated: bool, live: bool | None = None
+    ) -> None:
+        self.console = console
+        self.budget_s = budget_s
+        self.simulated = simulated
+        self.live = console.is_terminal if live is None else live
+        self._event: Event | None = None
+        self._event_at = time.monotonic()
+        self._last = "-"
+        self._best: Measurement | None = None
+        self._probes = 0
+        self._screen: Live | None = None
+
+    def __enter__(self) -> RunView:
+        if self.live:
+            self._screen = Live(self, console=self.console, refresh_per_second=4, transient=True)
+            self._screen.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if self._screen is not None:
+            self._screen.__exit__(kind, error, trace)
+            self._screen = None
+
+    def __call__(self, event: Event) -> None:
+        self._event, self._event_at = event, time.monotonic()
+        self._probes = event.probes
+        self._best = event.best or self._best
+        if event.kind == "resume":
+            self.console.print(f"[yellow]resumed: {event.message}[/]")
+        elif event.kind == "probe" and event.proposal:
+            p = event.proposal
+            self.console.print(
+                f"[dim]probe {event.probes + 1}: {p.config.label()} at micro-batch "
+                f"{','.join(map(str, p.micro_batch_sizes))} "
+                f"(predicted {p.predicted_tokens_per_second:,.0f} tokens/s)[/]"
+            )
+        elif event.kind == "result" and event.result:
+            self._last = outcome_text(event.result.sizes, event.result.outcome.value)
+            self.console.print(f"  {self._last}")
+
+    def _budget_left(self) -> float:
+        event = self._event
+        if event is None:
+            return self.budget_s
+        if event.kind == "stop":
+            return 0.0
+        left = event.budget_left_s
+        if not self.simulated:  # wall-clock keeps running while a probe does
+            left -= time.monotonic() - self._event_at
+        return max(0.0, left)
+
+    def __rich__(self) -> RenderableType:
+        event = self._event
+        status = Table.grid(padding=(0, 2))
+        status.add_column(style="bold")
+        status.add_column()
+        if event is not None and event.kind == "probe" and event.proposal:
+            p = event.proposal
+            running = time.monotonic() - self._event_at
+            status.add_row(
+                "probing",
+                f"{p.config.label()} at micro-batch {','.join(map(str, p.micro_batch_sizes))}"
+                + ("" if self.simulated else f" ({format_duration(running)})"),
+            )
+        status.add_row("last", self._last)
+        best = self._best
+        status.add_row(
+            "best",
+            f"{_speed(best)} ({best.config.label()}, micro-batch {best.micro_batch_size})"
+            if best
+            else "-",
+        )
+        left = self._budget_left()
+        status.add_row("probes", str(self._probes))
+        bar = ProgressBar(total=self.budget_s, completed=self.budget_s - left, width=40)
+        budget = Table.grid(padding=(0, 1))
+        budget.add_row(bar, f"{format_duration(left)} of {format_duration(self.budget_s)} left")
+        status.add_row("budget", budget)
+        return Group(status)
+
+
+def best_table(summary: RunSummary, capacity_bytes: int, *, top: int = 5) -> Table:
+    """The best feasible size of each configuration, fastest first."""
+    per_config: dict[Any, Measurement] = {}
+    for m in summary.measurements:
+        if m.feasible and m.value:
+            held = per_config.get(m.config)
+            if held is None or (held.value or 0) < m.value:
+                per_config[m.config] = m
+    ranked = sorted(per_config.values(), key=lambda m: -(m.value or 0))[:top]
+    table = Table(title="best configurations", title_justify="left")
+    for name in ("", "configuration", "micro-batch", "accum", "tokens/s", "MFU", "peak"):
+        table.add_column(name, justify="left" if name == "configuration" else "right")
+    for i, m in enumerate(ranked, 1):
+        peak = m.attrs.get("peak_reserved_bytes") or m.attrs.get("peak_allocated_bytes") or 0
+        mfu = m.attrs.get("objective_mfu")
+        table.add_row(
+            str(i),
+            m.config.label(),
+            str(m.micro_batch_size),
+            str(m.attrs.get("grad_accum", "")),
+            f"{m.value:,.0f}",
+            f"{mfu:.1%}" if mfu else "-",
+            f"{format_bytes(peak)} ({peak / capacity_bytes:.0%})" if capacity_bytes else "-",
+        )
+    return table

@@ -1,0 +1,591 @@
+"""`autotune run` end to end on the CPU: real tuner processes, real probe ranks, no mocks.
+
+Every run here is the real console entry point in its own session, with real probe processes
+under an emulated device-memory cap, and its own trial database and probe folders in
+``tmp_path``. The cap is never a fixed number: the ``setup`` fixture measures real peaks with
+``autotune probe --json``, reads the estimator's predictions with ``autotune plan --json`` (for
+the emulated CPU device the tuner plans for), and derives a cap at which a size the search
+aims at does not fit, asserting that precondition first.
+
+- A: a real (emulated) OOM is recorded as an infeasible trial, and the search goes on and ends
+  with a feasible best that ``autotune best`` reads back.
+- B: a tuner SIGKILLed mid-probe (its ranks killed too, as in a node crash) is resumed: the
+  dead tuner's RUNNING trials are failed at once, their points retried once, nothing COMPLETE
+  is probed again, and a second rerun probes nothing.
+- C: Ctrl-C (SIGINT to the tuner's process group, as a terminal sends it) stops the running
+  probe, records its trials as interrupted, prints the best so far; a rerun retries them once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from autotune.cli import _cpu_device_spec, app
+
+pytestmark = pytest.mark.slow
+
+UNTIL_S = 240.0
+"""Longest wait for a tuner to reach a state or to finish (a failure, not a timing claim)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One rank on the CPU: the single engine, probes of a few seconds each."""
+
+    model: str
+    seq_len: int = 128
+    global_batch: int = 16
+
+    @property
+    def sizes(self) -> list[int]:
+        """Micro-batch sizes that reach the global batch exactly on one rank."""
+        return [m for m in range(1, self.global_batch + 1) if self.global_batch % m == 0]
+
+    def args(self) -> list[str]:
+        return ["--model", self.model, "--seq-len", str(self.seq_len), "--gpus", "1"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A derived cap and what the search is expected to do under it."""
+
+    workload: Workload
+    cap: int
+    config: dict[str, Any]
+    """The configuration whose predicted size runs out of memory (TrainConfig.to_dict())."""
+    oom_size: int
+    """The size the search tries that really runs out of memory under ``cap``."""
+    why: str
+
+
+# --------------------------------------------------------------------------- CLI helpers
+
+
+def cli(*args: str, expect: int | None = 0) -> str:
+    """Run an ``autotune`` command in this process (plan, probe, trials, best); its stdout."""
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    if expect is not None:
+        assert result.exit_code == expect, (args, result.exit_code, result.output)
+    return result.stdout
+
+
+def plan_rows(workload: Workload, cap: int, folder: Path) -> list[dict[str, Any]]:
+    """``autotune plan --json`` for the emulated CPU device the tuner plans with at ``cap``.
+
+    The tuner plans for ``_cpu_device_spec(cap)`` with no reserve, and drops offload rows on
+    the CPU; the same here, so the rows are the ones the search ranks.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    gpu_file = folder / f"cpu-{cap}.toml"
+    gpu_file.write_text(_cpu_device_spec(cap).to_toml())
+    data = json.loads(
+        cli(
+            "plan",
+            *workload.args(),
+            "--global-batch",
+            str(workload.global_batch),
+            "--gpu",
+            str(gpu_file),
+            "--reserve",
+            "0",
+            "--top",
+            "0",
+            "--json",
+        )
+    )
+    assert data["predicted"] is True
+    return [row for row in data["rows"] if row["config"]["offload"] == "none"]
+
+
+def predicted_peak(row: dict[str, Any], mbs: int) -> float:
+    """The estimator's peak for a plan row's configuration at ``mbs`` (the ladder's line)."""
+    memory = row["memory"]
+    return memory["peak_bytes"] + memory["activation_bytes_per_sample"] * (
+        mbs - row["micro_batch_size"]
+    )
+
+
+def row_of(rows: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    return next(row for row in rows if row["config"] == config)
+
+
+def measure_peaks(
+    workload: Workload, config: dict[str, Any], sizes: list[int], folder: Path
+) -> dict[int, int]:
+    """Real peak bytes per size: ``autotune probe --json`` without a cap, one rank.
+
+    One warm-up and one timed step: the peak is reached by the second step (the optimizer's
+    states exist from the first optimizer step on), so the tuner's longer probes peak alike.
+    """
+    data = json.loads(
+        cli(
+            "probe",
+            *workload.args(),
+            "--device",
+            "cpu",
+            "--engine",
+            config["engine"],
+            "--zero-stage",
+            str(config["zero_stage"]),
+            "--precision",
+            config["precision"],
+            "--ac",
+            str(config["ac_every"]),
+            "--attention",
+            config["attention"],
+            "--micro-batch",
+            ",".join(map(str, sizes)),
+            "--warmup-steps",
+            "1",
+            "--steps",
+            "1",
+            "--trials-dir",
+            str(folder),
+            "--json",
+        )
+    )
+    assert data["spec"]["config"] == config
+    peaks = {}
+    for size in data["sizes"]:
+        assert size["outcome"] == "ok", size
+        # The ladder calibrates with reserved bytes where present, as here.
+        peaks[size["micro_batch_size"]] = (
+            size["peak_reserved_bytes"] or size["peak_allocated_bytes"]
+        )
+    assert sorted(peaks) == sorted(sizes)
+    return peaks
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def tuner_command(setup: Setup, root: Path, *extra: str) -> list[str]:
+    workload = setup.workload
+    return [
+        sys.executable,
+        "-c",
+        "from autotune.cli import main; main()",
+        "run",
+        *workload.args(),
+        "--global-batch",
+        str(workload.global_batch),
+        "--device",
+        "cpu",
+        "--device-memory",
+        str(setup.cap),
+        "--budget",
+        "2m",
+        "--storage",
+        f"sqlite:///{root}/t.db",
+        "--trials-dir",
+        str(root / "trials"),
+        "--json",
+        *extra,
+    ]
+
+
+def start_tuner(setup: Setup, root: Path) -> subprocess.Popen[str]:
+    """The tuner in its own session (so signals reach it and not pytest)."""
+    return subprocess.Popen(
+        tuner_command(setup, root),
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def run_tuner(setup: Setup, root: Path) -> tuple[int, dict[str, Any], str]:
+    """Run the tuner to the end; exit code, --json summary, stderr."""
+    done = subprocess.run(
+        tuner_command(setup, root),
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=UNTIL_S,
+        check=False,
+        start_new_session=True,
+    )
+    assert done.stdout.strip(), f"no summary (exit {done.returncode}):\n{done.stderr}"
+    return done.returncode, json.loads(done.stdout), done.stderr
+
+
+def processes_of(root: Path) -> list[psutil.Process]:
+    """Live processes of this test: the tuner (its storage URL) and probe ranks (their probe
+    folder) name ``root`` on their command line; anything in their process groups too."""
+    needle = str(root).rstrip("/")
+    own_group = os.getpgid(0)
+    found: dict[int, psutil.Process] = {}
+    groups: set[int] = set()
+    procs = list(psutil.process_iter(["cmdline", "status"]))
+    for proc in procs:
+        try:
+            if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            parts = proc.info["cmdline"] or []
+            if any(part == needle or f"{needle}/" in part for part in parts):
+                found[proc.pid] = proc
+                groups.add(os.getpgid(proc.pid))
+        except (psutil.Error, ProcessLookupError):
+            continue
+    groups.discard(own_group)
+    for proc in procs:
+        try:
+            if (
+                proc.pid not in found
+                and proc.info["status"] != psutil.STATUS_ZOMBIE
+                and os.getpgid(proc.pid) in groups
+            ):
+                found[proc.pid] = proc
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return list(found.values())
+
+
+def wait_gone(root: Path, timeout_s: float = 15.0) -> list[psutil.Process]:
+    """Wait until no process of ``root`` is alive; what is still there after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_of(root)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Path]:
+    """The test's folder; afterwards no process of it may be left (those found are killed
+    by pid, and the test fails)."""
+    yield tmp_path
+    left = wait_gone(tmp_path, timeout_s=5.0)
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    assert not left, f"processes of the test outlived it: {left}"
+
+
+def trial_states(root: Path) -> list[str]:
+    """Every trial's state while a tuner runs, read with Optuna directly."""
+    storage = optuna.storages.RDBStorage(f"sqlite:///{root}/t.db")
+    try:
+        (study,) = storage.get_all_studies()
+        return [t.state.name for t in storage.get_all_trials(study._study_id, deepcopy=False)]
+    finally:
+        storage.remove_session()
+        storage.engine.dispose()
+
+
+def running_probe_dir(root: Path) -> Path | None:
+    """A probe folder without a result whose rank 0 has been running for a second or more
+    (its command line names the folder), so the launcher is waiting on it."""
+    for folder in (root / "trials").glob("*/*"):
+        if (folder / "result.json").exists():
+            continue
+        for proc in processes_of(folder):
+            with contextlib.suppress(psutil.Error):
+                if time.time() - proc.create_time() >= 1.0:
+                    return folder
+    return None
+
+
+def wait_for_second_probe(tuner: subprocess.Popen[str], root: Path, setup: Setup) -> Path:
+    """Wait until one trial is COMPLETE, one RUNNING, and the running probe's ranks started."""
+    deadline = time.monotonic() + UNTIL_S
+    while time.monotonic() < deadline:
+        if tuner.poll() is not None:
+            out, err = tuner.communicate()
+            pytest.fail(
+                f"the tuner ended (exit {tuner.returncode}) before a second probe; the set-up "
+                f"expects the search to probe both configurations ({setup.why}):\n{out}\n{err}"
+            )
+        folder = running_probe_dir(root)
+        if folder is not None and (root / "t.db").exists():
+            try:
+                states = Counter(trial_states(root))
+            except (ValueError, optuna.exceptions.StorageInternalError):
+                states = Counter()  # the study is being created
+            if states["COMPLETE"] >= 1 and states["RUNNING"] >= 1:
+                return folder
+        time.sleep(0.2)
+    tuner.kill()
+    pytest.fail("the tuner never had a COMPLETE and a RUNNING trial at once")
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def trials_of(root: Path) -> list[dict[str, Any]]:
+    """``autotune trials --json``: the one study's rows."""
+    (study,) = json.loads(cli("trials", "--storage", f"sqlite:///{root}/t.db", "--json"))
+    return study["trials"]
+
+
+def key(row: dict[str, Any]) -> tuple[str, int]:
+    """A trial's point: configuration params + micro-batch size."""
+    return json.dumps(row["config"], sort_keys=True), row["micro_batch_size"]
+
+
+def config_key(config: dict[str, Any], mbs: int) -> tuple[str, int]:
+    return json.dumps(config, sort_keys=True), mbs
+
+
+def assert_consistent(rows: list[dict[str, Any]], cap: int) -> None:
+    """No RUNNING trial; every point measured COMPLETE at most once; feasible means fits."""
+    running = [r for r in rows if r["state"] == "RUNNING"]
+    assert not running, f"trials left RUNNING: {running}"
+    complete = Counter(key(r) for r in rows if r["state"] == "COMPLETE")
+    repeated = {k: n for k, n in complete.items() if n > 1}
+    assert not repeated, f"points measured COMPLETE more than once: {repeated}"
+    for row in rows:
+        if row["feasible"]:
+            assert row["outcome"] == "ok" and 0 < row["peak_bytes"] <= cap, row
+
+
+def assert_feasible_best(summary: dict[str, Any], rows: list[dict[str, Any]], cap: int) -> None:
+    """The summary's best is the best feasible COMPLETE trial, and it fits the cap."""
+    best = summary["best"]
+    assert best is not None, summary
+    assert best["outcome"] == "ok"
+    assert 0 < best["peak_allocated_bytes"] <= cap
+    feasible = [r for r in rows if r["state"] == "COMPLETE" and r["feasible"]]
+    top = max(feasible, key=lambda r: r["objective"])
+    assert (best["config"], best["micro_batch_size"]) == (top["config"], top["micro_batch_size"])
+    assert best["objective"] == pytest.approx(top["objective"])
+
+
+def resume_checks(
+    setup: Setup,
+    root: Path,
+    before: list[dict[str, Any]],
+    cut: list[dict[str, Any]],
+    *,
+    second_rerun: bool,
+) -> None:
+    """Rerun to the end after an interruption; the checks B and C share. ``cut`` are the
+    trials the interruption left (RUNNING or interrupted)."""
+    code, summary, stderr = run_tuner(setup, root)
+    assert code == 0, stderr
+    assert summary["stop_reason"].startswith("search done"), summary
+    after = trials_of(root)
+    assert_consistent(after, setup.cap)
+    assert_feasible_best(summary, after, setup.cap)
+    known = {r["number"] for r in before}
+    new = [r for r in after if r["number"] not in known]
+    measured_before = {key(r) for r in before if r["state"] == "COMPLETE"}
+    again = [r for r in new if key(r) in measured_before]
+    assert not again, f"the rerun probed points already measured: {again}"
+    cut_keys = {key(r) for r in cut}
+    retries = Counter(key(r) for r in new if key(r) in cut_keys)
+    # The interrupted point is what the search was measuring: it is retried, exactly once.
+    assert retries == dict.fromkeys(cut_keys, 1), (retries, cut_keys)
+    assert summary["probes"] >= 1
+    if not second_rerun:
+        return
+    # A second rerun finds everything it needs in the study.
+    code, second, stderr = run_tuner(setup, root)
+    assert code == 0, stderr
+    assert second["probes"] == 0, second
+    assert len(trials_of(root)) == len(after)
+    assert (second["best"]["config"], second["best"]["micro_batch_size"]) == (
+        summary["best"]["config"],
+        summary["best"]["micro_batch_size"],
+    )
+
+
+# --------------------------------------------------------------------------- the set-up
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    """A cap at which the estimator's choice for a configuration fits on paper, not for real.
+
+    The GPT-2-style tiny model on one rank, ``ac:every``. The estimator under-predicts this
+    model on the CPU (math attention keeps dropout masks and probabilities), so its real peaks
+    at two sizes (2 and 4 of 1, 2, 4, 8, 16) are measured and the cap is put half-way inside
+    the band where the estimator says 4 fits and 8 does not (so 4 is the size it aims at),
+    while the real peaks say 2 fits and 4 does not.
+
+    Under that cap the search aims this configuration at micro-batch 4, which runs out of
+    memory, and keeps 2, which fits. Its best is then 2, which the estimator predicts slower
+    than the other configuration (``ac:off``) at the largest size it may fit: whichever of the
+    two is probed first, the search probes the other one too, so a run makes two probes.
+    """
+    folder = tmp_path_factory.mktemp("setup")
+    workload = Workload(model="tiny-gpt2")
+    below, target, above = workload.sizes[1:4]
+    config = {
+        "engine": "single",
+        "zero_stage": 0,
+        "precision": "bf16-mixed",
+        "ac_every": 1,
+        "offload": "none",
+        "attention": "sdpa",
+    }
+    peaks = measure_peaks(workload, config, [below, target], folder / "probes")
+    # The estimator's line for a configuration does not depend on the cap.
+    row = row_of(plan_rows(workload, peaks[target], folder), config)
+    predicted = {m: predicted_peak(row, m) for m in (below, target, above)}
+    low = max(predicted[target], peaks[below])
+    high = min(predicted[above], peaks[target])
+    why = (
+        f"{row['label']}: the estimator predicts {mib(predicted[target])} at micro-batch "
+        f"{target} and {mib(predicted[above])} at {above}; the probe measured "
+        f"{mib(peaks[below])} at {below} and {mib(peaks[target])} at {target}"
+    )
+    assert low < high, (
+        f"precondition: no cap lets the estimator aim at micro-batch {target} (fits, {above} "
+        f"does not) while the real peaks make {below} fit and {target} run out of memory: "
+        f"{why}. If the estimator now predicts {target}'s real peak, this test no longer "
+        "provokes an OOM through it"
+    )
+    cap = int((low + high) / 2)
+    # What `autotune plan` says under the derived cap: this configuration at `target`.
+    row = row_of(plan_rows(workload, cap, folder), config)
+    why = (
+        f"{row['label']}: `autotune plan` under the {mib(cap)} cap predicts micro-batch "
+        f"{row['micro_batch_size']} fits ({mib(row['memory']['peak_bytes'])}); the probe "
+        f"measured {mib(peaks[below])} at {below} and {mib(peaks[target])} at {target}"
+    )
+    assert row["capacity_bytes"] == cap and row["fits"], why
+    assert row["micro_batch_size"] == target, (
+        f"precondition: the plan should aim at {target}; {why}"
+    )
+    assert row["memory"]["peak_bytes"] <= cap < peaks[target], why
+    assert predicted_peak(row, above) > cap and peaks[below] <= cap, why
+    return Setup(workload=workload, cap=cap, config=config, oom_size=target, why=why)
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_a_real_oom_is_recorded_and_the_search_ends_feasible(root: Path, setup: Setup) -> None:
+    """A: the size the estimator chose runs out of (emulated) memory for real; the OOM is an
+    infeasible trial; the search goes on and ends with a feasible best that `autotune best`
+    reads back."""
+    code, summary, stderr = run_tuner(setup, root)
+    assert code == 0, stderr
+    assert summary["stop_reason"].startswith("search done"), summary
+    assert summary["probes"] >= 2, summary  # it went on after the probe that ran out
+    rows = trials_of(root)
+    assert_consistent(rows, setup.cap)
+    assert_feasible_best(summary, rows, setup.cap)
+
+    ooms = [r for r in rows if r["outcome"] == "oom"]
+    assert ooms, f"no trial ran out of memory ({setup.why}): {rows}"
+    (oom,) = [r for r in ooms if key(r) == config_key(setup.config, setup.oom_size)]
+    assert oom["state"] == "COMPLETE" and not oom["feasible"] and oom["objective"] == 0
+    # Really out of memory: the probe's own report names the emulated device's OOM error.
+    result = json.loads((Path(oom["probe_dir"]) / "result.json").read_text())
+    (size,) = [s for s in result["sizes"] if s["micro_batch_size"] == setup.oom_size]
+    assert size["outcome"] == "oom" and size["stage"] in ("forward", "backward"), size
+    assert "OutOfMemoryError" in size["message"] and "emulated" in size["message"], size
+    assert result["emulated_device_memory_bytes"] == setup.cap
+    # The same configuration at a smaller size fits, measured.
+    assert any(
+        r["config"] == setup.config and r["feasible"] and r["micro_batch_size"] < setup.oom_size
+        for r in rows
+    ), rows
+
+    (study,) = json.loads(cli("best", "--storage", f"sqlite:///{root}/t.db", "--json"))
+    assert study["study"] == summary["study"]
+    assert study["trials"] == len(rows)
+    best = study["best"]
+    feasible = [r for r in rows if r["state"] == "COMPLETE" and r["feasible"]]
+    assert best == max(feasible, key=lambda r: r["objective"])
+    assert best["outcome"] == "ok" and 0 < best["peak_bytes"] <= setup.cap
+
+
+def test_b_a_killed_tuner_resumes_without_repeating_a_probe(root: Path, setup: Setup) -> None:
+    """B: SIGKILL the tuner while its second probe runs, kill the orphaned ranks, rerun."""
+    tuner = start_tuner(setup, root)
+    probe_dir = wait_for_second_probe(tuner, root, setup)
+    os.killpg(tuner.pid, signal.SIGKILL)  # the tuner's own session: only the tuner
+    tuner.wait()  # reaped: its pid is gone, as after a crash
+    tuner.communicate()
+    assert tuner.returncode == -signal.SIGKILL
+
+    # The ranks run in their own process group and outlive the tuner; a node crash ends them.
+    ranks = processes_of(root)
+    assert ranks, f"no probe rank found running in {probe_dir}"
+    for group in {os.getpgid(p.pid) for p in ranks}:
+        os.killpg(group, signal.SIGKILL)
+    left = wait_gone(root)
+    assert not left, f"processes still alive after killing the tuner and its ranks: {left}"
+
+    before = trials_of(root)
+    killed = [r for r in before if r["state"] == "RUNNING"]
+    assert killed, f"no trial was RUNNING when the tuner died: {before}"
+    assert any(r["state"] == "COMPLETE" for r in before)
+
+    resume_checks(setup, root, before, killed, second_rerun=True)
+    numbers = {r["number"] for r in killed}
+    for row in trials_of(root):
+        if row["number"] in numbers:
+            # Failed by the rerun because their tuner's process is gone: the rerun started
+            # seconds after the kill, well inside the heartbeat's grace period (a trial still
+            # RUNNING would have failed assert_consistent above).
+            assert row["state"] == "FAIL" and row["outcome"] == "stale", row
+
+
+@pytest.mark.parametrize(
+    ("signum", "name", "code"),
+    [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)],
+    ids=["sigint", "sigterm"],
+)
+def test_c_ctrl_c_stops_the_probe_records_it_and_a_rerun_retries_it(
+    root: Path, setup: Setup, signum: int, name: str, code: int
+) -> None:
+    """C: Ctrl-C (SIGINT to the tuner's process group, as a terminal sends it) or SIGTERM (to
+    the tuner, as a scheduler's time limit does) during its second probe, then a rerun.
+
+    An interrupted `autotune run` exits 128 + the signal's number (130, 143), after printing
+    its summary with the best found so far (here the first probe's feasible size).
+    """
+    tuner = start_tuner(setup, root)
+    probe_dir = wait_for_second_probe(tuner, root, setup)
+    if signum == signal.SIGINT:
+        os.killpg(tuner.pid, signum)  # a terminal's Ctrl-C: the foreground group
+    else:
+        os.kill(tuner.pid, signum)
+    out, err = tuner.communicate(timeout=60)
+    assert tuner.returncode == code, (tuner.returncode, out, err)
+    summary = json.loads(out)
+    assert summary["stop_reason"].startswith(f"interrupted ({name})"), summary
+    assert summary["interrupted"] == name, summary
+    assert summary["probes"] == 1, summary  # the first probe; the stopped one is not counted
+    # The launcher ended the probe's process group before the tuner exited.
+    left = wait_gone(root, timeout_s=2.0)
+    assert not left, f"probe processes outlived the interrupted tuner: {left}"
+    assert not (probe_dir / "result.json").exists()
+
+    before = trials_of(root)
+    assert_consistent(before, setup.cap)  # nothing left RUNNING
+    assert_feasible_best(summary, before, setup.cap)
+    interrupted = [r for r in before if r["outcome"] == "interrupted"]
+    assert interrupted, before
+    for row in interrupted:
+        assert row["state"] == "FAIL" and Path(row["probe_dir"]) == probe_dir, row
+    assert {r["state"] for r in before} == {"COMPLETE", "FAIL"}
+
+    resume_checks(setup, root, before, interrupted, second_rerun=False)
