@@ -52,6 +52,7 @@ bench: install
 	$(BIN)/python bench/probe_overhead.py
 	$(BIN)/python bench/model_states.py
 	$(BIN)/python bench/estimator_accuracy.py
+	$(BIN)/python bench/search_efficiency.py
 
 wheelhouse: install
 	rm -rf wheelhouse && mkdir -p wheelhouse
