@@ -23,7 +23,13 @@ from autotune.config import ConfigError, TrainConfig
 from autotune.study import TrialStore, open_storage
 from autotune.study import store as store_module
 
-from .test_store import WORK, _fingerprint, _probe
+from .test_store import (
+    WORK,
+    _fingerprint,
+    _probe,
+    check_claims_never_overlap,
+    check_dead_tuner_trials_fail_at_once,
+)
 
 ROOT = Path(__file__).parents[2]
 RUN_ARGS = (
@@ -123,36 +129,11 @@ def test_running_trials_without_a_heartbeat_fail_as_stale_on_postgresql(
 def test_running_trials_of_a_dead_tuner_on_this_host_fail_at_once_on_postgresql(
     fresh_postgres_url: str,
 ) -> None:
-    code = (
-        "import sys\n"
-        "sys.path.insert(0, 'tests/study')\n"
-        "from test_store import _fingerprint, WORK\n"
-        "from autotune.config import TrainConfig\n"
-        "from autotune.study import TrialStore\n"
-        f"s = TrialStore(_fingerprint(), WORK, storage={fresh_postgres_url!r})\n"
-        "s.ask(TrainConfig(engine='fsdp', zero_stage=2), 4)\n"  # then the process ends
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=CLI_TIMEOUT_S)
-    resumed = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
-    alive = resumed.ask(TrainConfig(), 2)  # ours, running: left alone
-    assert resumed.fail_stale() == [0]
-    states = {m.number: (m.state, m.outcome) for m in resumed.measurements()}
-    assert states == {0: ("FAIL", "stale"), alive.number: ("RUNNING", None)}
+    check_dead_tuner_trials_fail_at_once(fresh_postgres_url)
 
 
 def test_two_workers_never_claim_the_same_point_on_postgresql(fresh_postgres_url: str) -> None:
-    first = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
-    second = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
-    config = TrainConfig(engine="fsdp", zero_stage=3)
-    held = first.claim(config, [2, 4])
-    assert held is not None and len(held) == 2
-    assert second.claim(config, [4, 8]) is None  # 4 is in flight: the whole claim withdraws
-    assert second.claim(TrainConfig(engine="fsdp", zero_stage=2), [4]) is not None
-    assert second.claim(config, [8]) is not None
-    keys = sorted((m.config.label(), m.micro_batch_size) for m in first.measurements())
-    assert len(keys) == len(set(keys)) == 4  # withdrawn claims are hidden from the search
-    pruned = first.study.get_trials(states=(TrialState.PRUNED,))
-    assert len(pruned) == 2 and all(t.user_attrs["withdrawn"] for t in pruned)
+    check_claims_never_overlap(fresh_postgres_url)
 
 
 def test_interleaved_claims_never_both_hold_a_point(fresh_postgres_url: str) -> None:

@@ -128,8 +128,8 @@ def test_running_trials_without_a_heartbeat_fail_as_stale(
     assert (m.state, m.outcome) == ("FAIL", "stale")
 
 
-def test_running_trials_of_a_dead_tuner_on_this_host_fail_at_once(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path}/dead.db"
+def check_dead_tuner_trials_fail_at_once(url: str) -> None:
+    """A tuner on this host dies mid-probe: the next one fails its trials without waiting."""
     code = (
         "import sys\n"
         "sys.path.insert(0, 'tests/study')\n"
@@ -140,7 +140,7 @@ def test_running_trials_of_a_dead_tuner_on_this_host_fail_at_once(tmp_path: Path
         "s.ask(TrainConfig(engine='fsdp', zero_stage=2), 4)\n"  # then the process ends
     )
     subprocess.run(
-        [sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2]
+        [sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2], timeout=300
     )  # fmt: skip
     resumed = TrialStore(_fingerprint(), WORK, storage=url)
     alive = resumed.ask(TrainConfig(), 2)  # ours, running: left alone
@@ -149,8 +149,8 @@ def test_running_trials_of_a_dead_tuner_on_this_host_fail_at_once(tmp_path: Path
     assert states == {0: ("FAIL", "stale"), alive.number: ("RUNNING", None)}
 
 
-def test_two_workers_never_claim_the_same_point(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path}/claims.db"
+def check_claims_never_overlap(url: str) -> None:
+    """Two workers' claims on the same points: the later one withdraws, and is hidden."""
     first = TrialStore(_fingerprint(), WORK, storage=url)
     second = TrialStore(_fingerprint(), WORK, storage=url)
     config = TrainConfig(engine="fsdp", zero_stage=3)
@@ -163,6 +163,14 @@ def test_two_workers_never_claim_the_same_point(tmp_path: Path) -> None:
     assert len(keys) == len(set(keys)) == 4  # withdrawn claims are hidden from the search
     pruned = first.study.get_trials(states=(optuna.trial.TrialState.PRUNED,))
     assert len(pruned) == 2 and all(t.user_attrs["withdrawn"] for t in pruned)
+
+
+def test_running_trials_of_a_dead_tuner_on_this_host_fail_at_once(tmp_path: Path) -> None:
+    check_dead_tuner_trials_fail_at_once(f"sqlite:///{tmp_path}/dead.db")
+
+
+def test_two_workers_never_claim_the_same_point(tmp_path: Path) -> None:
+    check_claims_never_overlap(f"sqlite:///{tmp_path}/claims.db")
 
 
 def test_a_bad_storage_url_is_one_clear_line() -> None:
