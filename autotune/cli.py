@@ -405,6 +405,9 @@ def run(
         str | None, typer.Option(help="Memory cap per device, e.g. 20GiB (needed on the CPU).")
     ] = None,
     headroom: Annotated[str, typer.Option(help="Memory to leave free, e.g. 10%.")] = "0%",
+    objective: Annotated[
+        str, typer.Option(help="What to maximize: tokens (tokens/s) or mfu.")
+    ] = "tokens",
     storage: Annotated[
         str, typer.Option(help="Optuna storage URL.")
     ] = "sqlite:///trials/autotune.db",
@@ -421,7 +424,7 @@ def run(
     from autotune.hardware import detect_gpus
     from autotune.models import resolve_model
     from autotune.probe import launch_probe
-    from autotune.report.live import RunView, best_table
+    from autotune.report.live import RunView, best_table, speed_text
     from autotune.search.controller import Controller
     from autotune.space import Workload
     from autotune.study import Fingerprint, TrialStore
@@ -468,7 +471,12 @@ def run(
         gpu_memory_bytes=capacity,
         gpus=world,
         device=kind,
+        objective=objective,
     )
+    if objective == "mfu" and kind == "cpu":
+        raise UsageError(
+            "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
+        )
     store = TrialStore(fingerprint, workload, storage=storage, headroom=_parse_fraction(headroom))
     rows = make_plan(
         spec,
@@ -516,7 +524,7 @@ def run(
         else:
             console.print(
                 f"[bold]best: {best.config.label()} at micro-batch {best.micro_batch_size} "
-                f"(accumulation {best.attrs.get('grad_accum')}): {best.value:,.0f} tokens/s[/]"
+                f"(accumulation {best.attrs.get('grad_accum')}): {speed_text(best)}[/]"
             )
     if summary.interrupted:
         raise typer.Exit(143 if summary.interrupted == "SIGTERM" else 130)

@@ -191,3 +191,19 @@ def test_run_on_a_simulated_gpu_says_so(tmp_path: Path) -> None:
     assert "simulated" in summary["study"]
     assert summary["best"]["simulated"] is True
     assert summary["stop_reason"].startswith("search done")
+
+
+def test_run_can_maximize_mfu_in_a_study_of_its_own(tmp_path: Path) -> None:
+    args = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8")
+    args += ("--seq-len", "4096", "--global-batch", "512", "--json")
+    tokens = json.loads(autotune(*args, cwd=tmp_path).stdout)
+    done = autotune(*args, "--objective", "mfu", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    mfu = json.loads(done.stdout)
+    assert "/mfu/" in mfu["study"] and mfu["study"].replace("/mfu", "") == tokens["study"]
+    assert mfu["probes"] > 0  # its own study: nothing is reused from the tokens/s one
+    best = mfu["best"]
+    assert 0 < best["objective"] < 1 and best["objective"] == best["objective_mfu"]
+    refused = autotune("run", "--model", "tiny", "--device", "cpu", "--device-memory", "4MiB",
+                       "--objective", "mfu", cwd=tmp_path)  # fmt: skip
+    assert refused.returncode == 2 and "--objective tokens" in refused.stderr

@@ -22,7 +22,7 @@ from autotune.search.controller import Event, RunSummary
 from autotune.study.store import Measurement
 from autotune.units import format_bytes, format_duration
 
-__all__ = ["RunView", "best_table", "outcome_text"]
+__all__ = ["RunView", "best_table", "outcome_text", "speed_text"]
 
 
 def outcome_text(sizes: Iterable[dict[str, Any]], fallback: str) -> str:
@@ -36,7 +36,8 @@ def outcome_text(sizes: Iterable[dict[str, Any]], fallback: str) -> str:
     return ", ".join(parts) or fallback
 
 
-def _speed(m: Measurement | None) -> str:
+def speed_text(m: Measurement | None) -> str:
+    """``74,270 tokens/s, MFU 43.2%`` at the user's global batch (``-`` without one)."""
     if m is None or not m.value:
         return "-"
     mfu = m.attrs.get("objective_mfu")
@@ -123,7 +124,7 @@ class RunView:
         best = self._best
         status.add_row(
             "best",
-            f"{_speed(best)} ({best.config.label()}, micro-batch {best.micro_batch_size})"
+            f"{speed_text(best)} ({best.config.label()}, micro-batch {best.micro_batch_size})"
             if best
             else "-",
         )
@@ -156,7 +157,7 @@ def best_table(summary: RunSummary, capacity_bytes: int, *, top: int = 5) -> Tab
             m.config.label(),
             str(m.micro_batch_size),
             str(m.attrs.get("grad_accum", "")),
-            f"{m.value:,.0f}",
+            f"{m.attrs.get('objective_tokens_per_second') or 0:,.0f}",
             f"{mfu:.1%}" if mfu else "-",
             f"{format_bytes(peak)} ({peak / capacity_bytes:.0%})" if capacity_bytes else "-",
         )
