@@ -3,7 +3,9 @@
 The controller owns the budget and the interruptions; the ladder (``propose``) owns the
 choices; the runner is the real probe launcher or the simulated device (the same call). A
 probe is started only if the time it is expected to take (the median of the probes so far,
-or the first probe's guess) fits in what is left, and its timeout never outlasts the budget.
+or the first probe's guess) fits in what is left. Its timeout is the earlier of the budget's
+end and a hang guard (``HANG_FACTOR`` times the longest probe so far); a probe the budget
+cut short is recorded as interrupted, and retried by a later run.
 Ctrl-C (or SIGTERM, which the CLI turns into the same interruption) stops the running probe
 (the launcher kills its process group), records its trials as failed with the reason, and ends
 the run with the best found so far.
@@ -25,6 +27,7 @@ from autotune.config import ConfigError
 from autotune.estimator.plan import PlanRow
 from autotune.models import ModelSpec
 from autotune.probe.launcher import new_probe_dir
+from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec
 from autotune.search.ladder import Proposal, propose
@@ -36,6 +39,9 @@ __all__ = ["Controller", "Event", "ProbeRunner", "RunSummary"]
 FIRST_PROBE_GUESS_S = 120.0
 """Expected duration of the first probe, before any was measured (start-up, build, steps)."""
 MIN_PROBE_TIMEOUT_S = 30.0
+HANG_FACTOR = 4.0
+"""Once probes were measured, one that runs this many times longer than the longest of them
+(and longer than ``FIRST_PROBE_GUESS_S``) is taken to hang and is stopped as a timeout."""
 
 
 class ProbeRunner(Protocol):
@@ -181,7 +187,7 @@ class Controller:
                         budget_left_s=left,
                     )
                 )
-                result = self._probe(proposal, timeout_s=min(self.probe_timeout_s, left))
+                result = self._probe(proposal, left_s=left)
                 if result is None:
                     # Another worker took a point of it: propose again from what it claimed,
                     # after a random pause (two workers that withdrew at once part ways).
@@ -212,8 +218,17 @@ class Controller:
             measurements=self.store.measurements(),
         )
 
-    def _probe(self, proposal: Proposal, *, timeout_s: float) -> ProbeResult | None:
+    def _timeout(self, left_s: float) -> tuple[float, bool]:
+        """The next probe's timeout, and whether the budget (not a hang guard) sets it."""
+        guard = self.probe_timeout_s
+        if self._durations:
+            longest = max(self._durations)
+            guard = min(guard, max(FIRST_PROBE_GUESS_S, HANG_FACTOR * longest))
+        return max(min(guard, left_s), MIN_PROBE_TIMEOUT_S), left_s < guard
+
+    def _probe(self, proposal: Proposal, *, left_s: float) -> ProbeResult | None:
         """Probe the proposal; None when another worker claimed one of its points first."""
+        timeout_s, budget_bound = self._timeout(left_s)
         spec = ProbeSpec(
             model=self.model_ref,
             config=proposal.config,
@@ -224,7 +239,7 @@ class Controller:
             device_memory_bytes=self.device_memory_bytes,
             warmup_steps=self.warmup_steps,
             timed_steps=self.timed_steps,
-            timeout_s=max(timeout_s, MIN_PROBE_TIMEOUT_S),
+            timeout_s=timeout_s,
         )
         probe_dir = new_probe_dir(self.trials_dir.resolve(), _folder(self.store.study.study_name))
         trials: list[Trial] = []
@@ -236,17 +251,26 @@ class Controller:
                 return None
             result = self.runner(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))
         except KeyboardInterrupt:
-            for trial in trials:
-                trial.set_user_attr("outcome", "interrupted")
-                trial.set_user_attr("probe_dir", str(probe_dir))
-                self.store.study.tell(trial, state=TrialState.FAIL)
+            self._interrupted(trials, probe_dir, "interrupted")
             raise
         self._durations.append(result.wall_s)
         if self.simulated:
             self._spent += result.wall_s
+        if result.outcome is Outcome.TIMEOUT and budget_bound:
+            # Cut by the end of the budget, not hung: a later run with time retries it.
+            self._interrupted(trials, probe_dir, "the budget ended during the probe")
+            return result
         for trial in trials:
             self.store.tell(trial, result, capacity_bytes=self.capacity_bytes)
         return result
+
+    def _interrupted(self, trials: list[Trial], probe_dir: Path, why: str) -> None:
+        """Record trials cut short through no fault of their point (retried once)."""
+        for trial in trials:
+            trial.set_user_attr("outcome", "interrupted")
+            trial.set_user_attr("message", why)
+            trial.set_user_attr("probe_dir", str(probe_dir))
+            self.store.study.tell(trial, state=TrialState.FAIL)
 
 
 def _folder(study_name: str) -> str:

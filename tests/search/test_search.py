@@ -10,7 +10,13 @@ from autotune.estimator.plan import plan
 from autotune.estimator.simulate import SimulatedDevice
 from autotune.models import resolve_model
 from autotune.probe import ProbeSpec
-from autotune.search.controller import Controller, Event
+from autotune.search.controller import (
+    FIRST_PROBE_GUESS_S,
+    HANG_FACTOR,
+    MIN_PROBE_TIMEOUT_S,
+    Controller,
+    Event,
+)
 from autotune.space import Workload
 from autotune.study import Fingerprint, TrialStore
 
@@ -134,3 +140,29 @@ def test_an_interrupted_probe_is_retried_once_on_resume(tmp_path: Path) -> None:
     complete = [m.key for m in done.measurements if m.state == "COMPLETE"]
     assert not set(interrupted) & set(complete)
     assert len(complete) == len(set(complete))
+
+
+def test_probe_timeouts_follow_measured_probes_and_the_budget(tmp_path: Path) -> None:
+    controller, _, _ = _controller(tmp_path, SCENARIOS[0], budget_s=3600.0)
+    inner, asked, walls = controller.runner, [], []
+
+    def runner(spec: ProbeSpec, probe_dir: Path, **kwargs: object) -> object:
+        asked.append(spec.timeout_s)
+        result = inner(spec, probe_dir, **kwargs)
+        walls.append(result.wall_s)
+        return result
+
+    controller.runner = runner  # type: ignore[assignment]
+    summary = controller.run()
+    assert summary.probes >= 3
+    assert asked[0] == controller.probe_timeout_s  # nothing measured yet: the default guard
+    for n in range(1, len(asked)):
+        guard = min(
+            controller.probe_timeout_s, max(FIRST_PROBE_GUESS_S, HANG_FACTOR * max(walls[:n]))
+        )
+        assert asked[n] == pytest.approx(guard)
+    # Near the end of the budget the budget sets the timeout.
+    late, _, _ = _controller(tmp_path / "late", SCENARIOS[0], budget_s=100.0)
+    assert late._timeout(45.0) == (45.0, True)
+    assert late._timeout(10.0) == (MIN_PROBE_TIMEOUT_S, True)
+    assert late._timeout(5000.0) == (late.probe_timeout_s, False)
