@@ -26,9 +26,9 @@ from autotune.study import store as store_module
 from .test_store import (
     WORK,
     _fingerprint,
-    _probe,
     check_claims_never_overlap,
     check_dead_tuner_trials_fail_at_once,
+    check_probes_become_trials,
 )
 
 ROOT = Path(__file__).parents[2]
@@ -67,21 +67,9 @@ def _best_feasible(store: TrialStore) -> Any:
 
 def test_trial_store_round_trip_on_postgresql(fresh_postgres_url: str, tmp_path: Path) -> None:
     url = fresh_postgres_url
-    store = TrialStore(_fingerprint(), WORK, storage=url)
-    _probe(store, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (1, 2, 4, 8))
-    by_size = {m.micro_batch_size: m for m in store.measurements()}
-    assert [by_size[m].outcome for m in (1, 2, 4, 8)] == ["ok", "ok", "oom", "oom"]
-    assert by_size[8].attrs["inferred"] is True
-    assert by_size[1].feasible and by_size[2].feasible
-    assert not by_size[4].feasible and by_size[4].state == "COMPLETE"
-    assert by_size[4].value == 0.0
-    assert by_size[2].attrs["grad_accum"] == 32
-    assert by_size[2].value == pytest.approx(by_size[2].attrs["objective_tokens_per_second"])
-    assert by_size[2].value > by_size[1].value > 0
+    store = check_probes_become_trials(url, tmp_path)
     best = store.best()
-    assert best is not None and best.micro_batch_size == 2
-    assert best.config == TrainConfig(engine="fsdp", zero_stage=3)
-    assert Path(best.attrs["probe_dir"]).is_dir()
+    assert best is not None
 
     # A trial asked by one worker is visible to another as RUNNING before it is told.
     running = store.ask(TrainConfig(engine="deepspeed", zero_stage=2), 4)

@@ -62,8 +62,8 @@ def test_study_names_are_readable_and_separate_what_differs() -> None:
         _fingerprint(objective="loss")
 
 
-def test_probes_become_trials_and_ooms_are_infeasible(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path}/db/autotune.db"  # the folder is created
+def check_probes_become_trials(url: str, tmp_path: Path) -> TrialStore:
+    """One probe's sizes as trials; OOMs (measured and inferred) are infeasible."""
     store = TrialStore(_fingerprint(), WORK, storage=url)
     _probe(store, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (1, 2, 4, 8))
     by_size = {m.micro_batch_size: m for m in store.measurements()}
@@ -80,6 +80,11 @@ def test_probes_become_trials_and_ooms_are_infeasible(tmp_path: Path) -> None:
     assert best is not None and best.micro_batch_size == 2
     assert best.config == TrainConfig(engine="fsdp", zero_stage=3)
     assert Path(best.attrs["probe_dir"]).is_dir()
+    return store
+
+
+def test_probes_become_trials_and_ooms_are_infeasible(tmp_path: Path) -> None:
+    check_probes_become_trials(f"sqlite:///{tmp_path}/db/autotune.db", tmp_path)  # folder made
 
 
 def test_headroom_makes_a_tight_fit_infeasible(tmp_path: Path) -> None:
