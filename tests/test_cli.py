@@ -207,3 +207,19 @@ def test_run_can_maximize_mfu_in_a_study_of_its_own(tmp_path: Path) -> None:
     refused = autotune("run", "--model", "tiny", "--device", "cpu", "--device-memory", "4MiB",
                        "--objective", "mfu", cwd=tmp_path)  # fmt: skip
     assert refused.returncode == 2 and "--objective tokens" in refused.stderr
+
+
+def test_a_probe_the_budget_cuts_short_is_recorded_as_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank hangs after its build: the budget's end, not a hang guard, stops the probe."""
+    monkeypatch.setenv("AUTOTUNE_TEST_FAULT", "hang")
+    args = ("run", "--model", "tiny", "--device", "cpu", "--device-memory", "4MiB")
+    done = autotune(*args, "--seq-len", "64", "--budget", "35s", "--json", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr  # nothing measured, so no best
+    summary = json.loads(done.stdout)
+    assert summary["probes"] == 1 and summary["stop_reason"].startswith("budget spent")
+    listed = json.loads(autotune("trials", "--json", cwd=tmp_path).stdout)[0]["trials"]
+    assert listed and all(row["state"] == "FAIL" for row in listed)
+    assert {row["outcome"] for row in listed} == {"interrupted"}  # retried by a later run
+    assert {row["message"] for row in listed} == {"the budget ended during the probe"}

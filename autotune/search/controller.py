@@ -74,6 +74,8 @@ class RunSummary:
     stop_reason: str
     interrupted: str | None = None
     """What stopped the run early (``Ctrl-C``, ``SIGTERM``), or None."""
+    stale: int = 0
+    """Trials left running by a tuner that ended, failed at the start (their points retried)."""
     probes: int
     elapsed_s: float
     best: Measurement | None
@@ -84,6 +86,7 @@ class RunSummary:
         return {
             "stop_reason": self.stop_reason,
             "interrupted": self.interrupted,
+            "stale": self.stale,
             "probes": self.probes,
             "elapsed_s": self.elapsed_s,
             "best": None
@@ -212,6 +215,7 @@ class Controller:
         return RunSummary(
             stop_reason=reason,
             interrupted=interrupted,
+            stale=len(stale),
             probes=probes,
             elapsed_s=self.elapsed(),
             best=best,

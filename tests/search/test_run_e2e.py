@@ -9,11 +9,12 @@ aims at does not fit, asserting that precondition first.
 
 - A: a real (emulated) OOM is recorded as an infeasible trial, and the search goes on and ends
   with a feasible best that ``autotune best`` reads back.
-- B: a tuner SIGKILLed mid-probe (its ranks killed too, as in a node crash) is resumed: the
+- B: a tuner SIGKILLed mid-probe (its ranks die with it) is resumed: the
   dead tuner's RUNNING trials are failed at once, their points retried once, nothing COMPLETE
   is probed again, and a second rerun probes nothing.
-- C: Ctrl-C (SIGINT to the tuner's process group, as a terminal sends it) stops the running
-  probe, records its trials as interrupted, prints the best so far; a rerun retries them once.
+- C: Ctrl-C (SIGINT to the tuner's process group, as a terminal sends it) or SIGTERM stops the
+  running probe, records its trials as interrupted, prints the best so far and exits 130 or
+  143; a rerun retries them once.
 """
 
 from __future__ import annotations
@@ -381,9 +382,9 @@ def resume_checks(
     cut: list[dict[str, Any]],
     *,
     second_rerun: bool,
-) -> None:
+) -> dict[str, Any]:
     """Rerun to the end after an interruption; the checks B and C share. ``cut`` are the
-    trials the interruption left (RUNNING or interrupted)."""
+    trials the interruption left (RUNNING or interrupted). Returns the rerun's summary."""
     code, summary, stderr = run_tuner(setup, root)
     assert code == 0, stderr
     assert summary["stop_reason"].startswith("search done"), summary
@@ -401,7 +402,7 @@ def resume_checks(
     assert retries == dict.fromkeys(cut_keys, 1), (retries, cut_keys)
     assert summary["probes"] >= 1
     if not second_rerun:
-        return
+        return summary
     # A second rerun finds everything it needs in the study.
     code, second, stderr = run_tuner(setup, root)
     assert code == 0, stderr
@@ -411,6 +412,7 @@ def resume_checks(
         summary["best"]["config"],
         summary["best"]["micro_batch_size"],
     )
+    return summary
 
 
 # --------------------------------------------------------------------------- the set-up
@@ -525,20 +527,18 @@ def test_b_a_killed_tuner_resumes_without_repeating_a_probe(root: Path, setup: S
     tuner.communicate()
     assert tuner.returncode == -signal.SIGKILL
 
-    # The ranks run in their own process group and outlive the tuner; a node crash ends them.
-    ranks = processes_of(root)
-    assert ranks, f"no probe rank found running in {probe_dir}"
-    for group in {os.getpgid(p.pid) for p in ranks}:
-        os.killpg(group, signal.SIGKILL)
+    # The ranks run in their own process group, yet die with their tuner (PR_SET_PDEATHSIG):
+    # nothing is left holding (device) memory while the rerun probes again.
     left = wait_gone(root)
-    assert not left, f"processes still alive after killing the tuner and its ranks: {left}"
+    assert not left, f"probe ranks in {probe_dir} outlived their SIGKILLed tuner: {left}"
 
     before = trials_of(root)
     killed = [r for r in before if r["state"] == "RUNNING"]
     assert killed, f"no trial was RUNNING when the tuner died: {before}"
     assert any(r["state"] == "COMPLETE" for r in before)
 
-    resume_checks(setup, root, before, killed, second_rerun=True)
+    summary = resume_checks(setup, root, before, killed, second_rerun=True)
+    assert summary["stale"] == len(killed), summary  # the rerun says what it failed
     numbers = {r["number"] for r in killed}
     for row in trials_of(root):
         if row["number"] in numbers:
