@@ -519,7 +519,7 @@ def test_a_real_oom_is_recorded_and_the_search_ends_feasible(root: Path, setup: 
 
 
 def test_b_a_killed_tuner_resumes_without_repeating_a_probe(root: Path, setup: Setup) -> None:
-    """B: SIGKILL the tuner while its second probe runs, kill the orphaned ranks, rerun."""
+    """B: SIGKILL the tuner while its second probe runs (its ranks die with it), rerun."""
     tuner = start_tuner(setup, root)
     probe_dir = wait_for_second_probe(tuner, root, setup)
     os.killpg(tuner.pid, signal.SIGKILL)  # the tuner's own session: only the tuner
