@@ -565,6 +565,8 @@ def _measurement_row(measurement: Any) -> dict[str, Any]:
         "config": measurement.config.to_dict(),
         "label": measurement.config.label(),
         "micro_batch_size": measurement.micro_batch_size,
+        "repeat": measurement.repeat,
+        "repeats": attrs.get("repeats", 1),
         "grad_accum": attrs.get("grad_accum"),
         "state": measurement.state,
         "outcome": measurement.outcome,

@@ -75,7 +75,9 @@ class SimulatedDevice:
         return usable_bytes(self.gpu, reserve=self.reserve)
 
     def _jitter(self, spec: ProbeSpec, mbs: int) -> float:
-        key = json.dumps([self.seed, spec.model, spec.config.to_dict(), mbs, spec.seq_len])
+        point = [self.seed, spec.model, spec.config.to_dict(), mbs, spec.seq_len]
+        # A probe with another seed (a re-measurement) draws its own noise.
+        key = json.dumps([*point, spec.seed] if spec.seed else point)
         rng = random.Random(hashlib.sha256(key.encode()).digest())
         return max(0.5, rng.gauss(1.0, self.noise)) if self.noise else 1.0
 

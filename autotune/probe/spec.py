@@ -41,7 +41,8 @@ class ProbeSpec:
     timeout_s: float = 600.0
     """Wall-clock limit for the whole probe, start-up included; the process group is killed."""
     seed: int = 0
-    """Seed of the synthetic batches and the random weights."""
+    """Seed of the synthetic batches and the random weights (the search gives a point's n-th
+    re-measurement seed n, an independent sample)."""
     lr: float = 1e-4
     """AdamW learning rate (probes only need a finite, falling loss)."""
 

@@ -19,7 +19,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from autotune.search.controller import Event, RunSummary
-from autotune.study.store import Measurement
+from autotune.study.store import Measurement, pooled
 from autotune.units import format_bytes, format_duration
 
 __all__ = ["RunView", "best_table", "outcome_text", "speed_text"]
@@ -140,8 +140,8 @@ class RunView:
 def best_table(summary: RunSummary, capacity_bytes: int, *, top: int = 5) -> Table:
     """The best feasible size of each configuration, fastest first."""
     per_config: dict[Any, Measurement] = {}
-    for m in summary.measurements:
-        if m.feasible and m.value:
+    for m in pooled(summary.measurements):
+        if m.value:
             held = per_config.get(m.config)
             if held is None or (held.value or 0) < m.value:
                 per_config[m.config] = m

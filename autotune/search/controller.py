@@ -244,13 +244,19 @@ class Controller:
             warmup_steps=self.warmup_steps,
             timed_steps=self.timed_steps,
             timeout_s=timeout_s,
+            seed=proposal.repeat,  # a re-measurement: other data, an independent sample
         )
         probe_dir = new_probe_dir(self.trials_dir.resolve(), _folder(self.store.study.study_name))
         trials: list[Trial] = []
         try:
             # An interruption inside the claim leaves RUNNING trials of this process, which
             # the next run fails as stale.
-            trials = self.store.claim(proposal.config, proposal.micro_batch_sizes) or []
+            trials = (
+                self.store.claim(
+                    proposal.config, proposal.micro_batch_sizes, repeat=proposal.repeat
+                )
+                or []
+            )
             if not trials:
                 return None
             result = self.runner(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))

@@ -12,10 +12,12 @@ bound over the configurations of the space, with the estimator as the bound:
    ratio of the measured ones.
 3. Each prediction carries an uncertainty. Memory: ``PRIOR_ERROR`` before a configuration is
    measured, ``ONE_POINT_ERROR`` with one measured point, none with two or more. Throughput
-   of an unmeasured configuration: its own error (``PRIOR_ERROR``, or once ``KNOWN_AFTER``
-   configurations are measured, two standard deviations of their measured/predicted ratios,
-   at least ``MIN_ERROR``) times (1 + 1/sqrt(n)) for the error of a scale learnt from n
-   configurations; a measured configuration's other sizes: ``MIN_ERROR``.
+   of an unmeasured configuration: its own error (two standard deviations of the measured/
+   predicted ratios of n measured configurations, shrunk toward ``PRIOR_ERROR`` with the
+   weight of ``KNOWN_AFTER`` configurations, at least ``MIN_ERROR``) times (1 + 1/sqrt(n)) for
+   the error of a scale learnt from n configurations; a measured configuration's other sizes:
+   ``MIN_ERROR``. A memory prediction may be high or low by its uncertainty: a size fits
+   for sure below the capacity, and may fit up to capacity / (1 - uncertainty).
 4. The next probe goes to the open configuration with the highest expected throughput: the
    calibrated throughput at its calibrated largest fitting size (or, where none fits, its
    smallest size that may), times the chance that the size fits. One probe sweeps, smallest
@@ -23,9 +25,15 @@ bound over the configurations of the space, with the estimator as the bound:
    point for the memory line), and the sizes above it that may still fit within the memory
    uncertainty (an OOM there is cheap: the sizes below it are kept).
 5. A configuration is closed once its largest fitting size is bracketed (measured ok, and the
-   next size measured or inferred OOM, or certainly out of memory). The search ends when no
-   open configuration's optimistic bound (calibrated throughput x (1 + uncertainty) at any
-   size that may fit) beats the best measured.
+   next size measured or inferred OOM, or certainly out of memory). The branch and bound ends
+   when no open configuration's optimistic bound (calibrated throughput x (1 + uncertainty)
+   at any size that may fit) beats the best measured.
+6. Then near-ties are re-measured: one short probe's timing scatters by a few per cent, so
+   of the ``CONFIRM_TOP`` best points, those within ``CONFIRM_MARGIN`` of the best are
+   measured again until each has ``REPEATS`` measurements (at most ``CONFIRM_TOP`` points
+   in all); a point's speed is the mean of its measurements, and the branch and bound
+   resumes if the means reopen it. A point whose re-measurement ran out of memory no longer
+   fits.
 """
 
 from __future__ import annotations
@@ -40,7 +48,15 @@ from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow
 from autotune.study.store import RETRYABLE, Measurement
 
-__all__ = ["MIN_ERROR", "ONE_POINT_ERROR", "PRIOR_ERROR", "Proposal", "propose"]
+__all__ = [
+    "CONFIRM_MARGIN",
+    "MIN_ERROR",
+    "ONE_POINT_ERROR",
+    "PRIOR_ERROR",
+    "REPEATS",
+    "Proposal",
+    "propose",
+]
 
 PRIOR_ERROR = 0.10
 """Relative error assumed of an unmeasured prediction, memory and time alike: the time model's
@@ -53,7 +69,15 @@ MIN_ERROR = 0.03
 """Floor of the throughput uncertainty learnt from measured configurations (timing noise of a
 short probe, and what three configurations cannot show)."""
 KNOWN_AFTER = 3
-"""Measured configurations needed before their spread replaces the prior throughput error."""
+"""Weight of the prior throughput error, in measured configurations, against their spread."""
+CONFIRM_MARGIN = MIN_ERROR
+"""Points measured within this fraction of the best are re-measured: a single short probe
+cannot order them (its timing noise)."""
+CONFIRM_TOP = 3
+"""Near-ties are looked for among this many of the best points, and at most this many points
+are re-measured in all."""
+REPEATS = 2
+"""Measurements of each near-tie before the search ends."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,42 +88,51 @@ class Proposal:
     micro_batch_sizes: tuple[int, ...]
     predicted_tokens_per_second: float
     reason: str
+    repeat: int = 0
+    """0 for a first measurement; n for the n-th re-measurement of a single point."""
 
 
 @dataclass
 class _Seen:
     ok: dict[int, float] = field(default_factory=dict)
-    """Micro-batch size -> measured peak bytes, for sizes that ran."""
+    """Micro-batch size -> measured peak bytes (the largest), for sizes that ran."""
     oom: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
     running: set[int] = field(default_factory=set)
-    speed: dict[int, float] = field(default_factory=dict)
-    """Micro-batch size -> measured objective, for sizes that ran and count as fitting."""
+    samples: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    """Micro-batch size -> measured objectives, for runs that counted as fitting."""
+    unconfirmed: set[int] = field(default_factory=set)
+    """Sizes whose re-measurement failed for good (not re-measured again)."""
+
+    @property
+    def speed(self) -> dict[int, float]:
+        """Micro-batch size -> mean measured objective, for sizes that fit every time."""
+        return {m: statistics.mean(v) for m, v in self.samples.items() if v and m not in self.oom}
 
 
 def _by_config(measurements: Iterable[Measurement]) -> dict[TrainConfig, _Seen]:
     seen: dict[TrainConfig, _Seen] = defaultdict(_Seen)
-    interrupted: dict[tuple[TrainConfig, int], int] = defaultdict(int)
+    interrupted: dict[tuple[TrainConfig, int, int], int] = defaultdict(int)
     for m in measurements:
         entry = seen[m.config]
         mbs = m.micro_batch_size
         if m.state == "RUNNING":
             entry.running.add(mbs)
         elif m.state == "FAIL" and m.outcome in RETRYABLE:
-            interrupted[m.key] += 1  # Ctrl-C or a dead tuner: retried once
-            if interrupted[m.key] > 1:
-                entry.failed.add(mbs)
+            interrupted[(*m.key, m.repeat)] += 1  # Ctrl-C or a dead tuner: retried once
+            if interrupted[(*m.key, m.repeat)] > 1:
+                (entry.unconfirmed if m.repeat else entry.failed).add(mbs)
         elif m.outcome == "ok":
             peak = m.attrs.get("peak_reserved_bytes") or m.attrs.get("peak_allocated_bytes")
-            entry.ok[mbs] = float(peak or 0)
+            entry.ok[mbs] = max(entry.ok.get(mbs, 0.0), float(peak or 0))
             if m.feasible and m.value:
-                entry.speed[mbs] = m.value
+                entry.samples[mbs].append(m.value)
             elif not m.feasible:
                 entry.oom.add(mbs)  # ran, but inside the headroom or thrashing: not fitting
         elif m.outcome == "oom" or (m.state == "COMPLETE" and not m.feasible):
             entry.oom.add(mbs)
         elif m.state == "FAIL":
-            entry.failed.add(mbs)
+            (entry.unconfirmed if m.repeat else entry.failed).add(mbs)
     return seen
 
 
@@ -139,14 +172,19 @@ class _Memory:
             return 1.0
         if not self.may_fit(mbs) or not self.error:
             return 0.0
-        capacity = self.row.capacity_bytes
-        return max(0.0, (capacity * (1 + self.error) - self.peak(mbs)) / (capacity * self.error))
+        capacity, edge = self.row.capacity_bytes, self._edge()
+        return max(0.0, (edge - self.peak(mbs)) / (edge - capacity))
 
     def may_fit(self, mbs: int) -> bool:
         """Fits within the uncertainty of the calibrated line."""
         if mbs in self.seen.ok or mbs >= min(self.seen.oom, default=mbs + 1):
             return self.fits(mbs)
-        return self.peak(mbs) <= self.row.capacity_bytes * (1 + self.error)
+        return self.peak(mbs) <= self._edge()
+
+    def _edge(self) -> float:
+        """The largest predicted peak that may still fit: the prediction may be high by
+        ``error`` of the truth."""
+        return self.row.capacity_bytes / (1 - self.error)
 
 
 def _throughput_scale(rows: list[PlanRow], seen: dict[TrainConfig, _Seen]) -> tuple[float, float]:
@@ -165,8 +203,11 @@ def _throughput_scale(rows: list[PlanRow], seen: dict[TrainConfig, _Seen]) -> tu
     # which shrinks as 1/sqrt(n) of the configurations measured.
     n = len(ratios)
     spread = PRIOR_ERROR
-    if n >= KNOWN_AFTER:
-        spread = max(MIN_ERROR, 2 * statistics.pstdev(r / scale for r in ratios))
+    if n >= 2:
+        # Two standard deviations of the measured ratios, shrunk toward the prior by
+        # KNOWN_AFTER pseudo-observations: a few similar ratios do not prove a small error.
+        observed = 2 * statistics.stdev(r / scale for r in ratios)
+        spread = max(MIN_ERROR, (KNOWN_AFTER * PRIOR_ERROR + n * observed) / (KNOWN_AFTER + n))
     return scale, spread * (1 + 1 / math.sqrt(n))
 
 
@@ -228,5 +269,38 @@ def propose(
             )
         )
     if not candidates:
-        return None
+        return _confirm(seen)
     return max(candidates, key=lambda item: item[0])[1]
+
+
+def _confirm(seen: dict[TrainConfig, _Seen]) -> Proposal | None:
+    """A re-measurement of a near-tie with the best, or None when the best stands."""
+    points = sorted(
+        (
+            (speed, config, mbs, len(s.samples[mbs]))
+            for config, s in seen.items()
+            for mbs, speed in s.speed.items()
+        ),
+        key=lambda p: -p[0],
+    )[:CONFIRM_TOP]
+    if len(points) < 2:
+        return None
+    best = points[0][0]
+    close = [p for p in points if p[0] >= best * (1 - CONFIRM_MARGIN)]
+    if len(close) < 2:
+        return None  # the best is ahead of the rest by more than the noise
+    remeasured = sum(len(v) > 1 for s in seen.values() for v in s.samples.values())
+    if remeasured >= CONFIRM_TOP:
+        return None  # the cost is bounded; the means stand
+    for speed, config, mbs, runs in close:
+        s = seen[config]
+        if runs < REPEATS and not s.running and mbs not in s.unconfirmed:
+            return Proposal(
+                config=config,
+                micro_batch_sizes=(mbs,),
+                predicted_tokens_per_second=speed,
+                reason=f"re-measure: {speed:,.0f} tokens/s is within {CONFIRM_MARGIN:.0%} of "
+                f"the best {best:,.0f} (measurement {runs + 1} of {REPEATS})",
+                repeat=runs,
+            )
+    return None

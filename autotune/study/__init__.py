@@ -8,7 +8,13 @@
 from __future__ import annotations
 
 from autotune.study.fingerprint import OBJECTIVES, Fingerprint, software_versions
-from autotune.study.store import DEFAULT_STORAGE, Measurement, TrialStore, open_storage
+from autotune.study.store import (
+    DEFAULT_STORAGE,
+    Measurement,
+    TrialStore,
+    open_storage,
+    pooled,
+)
 
 __all__ = [
     "DEFAULT_STORAGE",
@@ -17,5 +23,6 @@ __all__ = [
     "Measurement",
     "TrialStore",
     "open_storage",
+    "pooled",
     "software_versions",
 ]

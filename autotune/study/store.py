@@ -18,10 +18,15 @@ the search). A tuner killed mid-probe leaves RUNNING trials: on this host they a
 soon as a tuner finds their owner process gone, elsewhere when the storage's heartbeat goes
 stale. Failed-by-interruption trials (``interrupted``, ``stale``) are retried once by the
 search; a second such failure closes the point.
+
+A point may be measured more than once on purpose: the search re-measures near-ties with the
+best to tell them apart from timing noise. Such a trial carries its ``repeat`` number (1, 2,
+...; absent on the first measurement), and :func:`pooled` averages a point's repeats.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -126,10 +131,42 @@ class Measurement:
     feasible: bool
     value: float | None
     attrs: dict[str, Any]
+    repeat: int = 0
+    """0 for a point's first measurement, n for its n-th re-measurement."""
 
     @property
     def key(self) -> tuple[TrainConfig, int]:
         return self.config, self.micro_batch_size
+
+
+POOLED_ATTRS = ("objective_tokens_per_second", "objective_mfu")
+"""Measured attributes averaged over a point's repeats (with the objective)."""
+
+
+def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
+    """One measurement per feasible point: the mean of its repeats.
+
+    A point counts only if every completed measurement of it was feasible (a repeat that ran
+    out of memory makes the point unreliable). The result is the point's latest measurement
+    with the objective and ``POOLED_ATTRS`` averaged, and ``repeats`` (how many) in its attrs.
+    """
+    groups: dict[tuple[TrainConfig, int], list[Measurement]] = {}
+    for m in measurements:
+        if m.state == "COMPLETE":
+            groups.setdefault(m.key, []).append(m)
+    points = []
+    for group in groups.values():
+        if not all(m.feasible and m.value for m in group):
+            continue
+        last = max(group, key=lambda m: m.number)
+        attrs = dict(last.attrs, repeats=len(group))
+        for name in POOLED_ATTRS:
+            values = [m.attrs[name] for m in group if m.attrs.get(name) is not None]
+            if values:
+                attrs[name] = sum(values) / len(values)
+        value = sum(m.value or 0.0 for m in group) / len(group)
+        points.append(dataclasses.replace(last, value=value, attrs=attrs))
+    return points
 
 
 class TrialStore:
@@ -178,12 +215,12 @@ class TrialStore:
             found.append(cls(fingerprint, workload, storage=opened))
         return found
 
-    def ask(self, config: TrainConfig, micro_batch_size: int) -> Trial:
+    def ask(self, config: TrainConfig, micro_batch_size: int, *, repeat: int = 0) -> Trial:
         """Start a trial for one size of a probe about to run (RUNNING until told).
 
         The point is autotune's choice, not a sampler's: the trial is created with its params
         fixed, its owner (host, process) recorded, and its heartbeat started (call :meth:`beat`
-        while the probe runs).
+        while the probe runs). ``repeat`` numbers a deliberate re-measurement of the point.
         """
         distributions = _distributions()
         params = {**config.to_dict(), "micro_batch_size": micro_batch_size}
@@ -191,14 +228,17 @@ class TrialStore:
             state=TrialState.RUNNING,
             params=params,
             distributions=distributions,
-            user_attrs=_owner(),
+            user_attrs={**_owner(), **({"repeat": repeat} if repeat else {})},
         )
         trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
         self.storage.record_heartbeat(trial_id)
         return Trial(self.study, trial_id)
 
-    def claim(self, config: TrainConfig, micro_batch_sizes: Iterable[int]) -> list[Trial] | None:
-        """Ask a trial per size, unless another worker holds or measured one of them.
+    def claim(
+        self, config: TrainConfig, micro_batch_sizes: Iterable[int], *, repeat: int = 0
+    ) -> list[Trial] | None:
+        """Ask a trial per size, unless another worker holds or measured one of them (at the
+        same ``repeat``: the n-th re-measurement of a point is claimed like a point).
 
         Every worker writes its claim first, then looks, and withdraws on any other trial of
         the same points. Each worker's writes are committed before it looks, so of two
@@ -208,12 +248,17 @@ class TrialStore:
         Returns:
             The trials, or None when another worker got there first (ours are withdrawn).
         """
-        trials = [self.ask(config, m) for m in micro_batch_sizes]
+        trials = [self.ask(config, m, repeat=repeat) for m in micro_batch_sizes]
         mine = {t._trial_id for t in trials}
-        keys = {_key(config.to_dict(), int(t.params["micro_batch_size"])) for t in trials}
+        keys = {_key(config.to_dict(), int(t.params["micro_batch_size"]), repeat) for t in trials}
         taken = any(
             other._trial_id not in mine
-            and _key(other.params, int(other.params.get("micro_batch_size", -1))) in keys
+            and _key(
+                other.params,
+                int(other.params.get("micro_batch_size", -1)),
+                int(other.user_attrs.get("repeat", 0)),
+            )
+            in keys
             for other in self.study.get_trials(
                 deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)
             )
@@ -335,13 +380,9 @@ class TrialStore:
         ]
 
     def best(self) -> Measurement | None:
-        """The feasible measurement with the highest objective, if any."""
-        feasible = [
-            m
-            for m in self.measurements((TrialState.COMPLETE,))
-            if m.feasible and m.value is not None and m.value > 0
-        ]
-        return max(feasible, key=lambda m: m.value or 0.0, default=None)
+        """The feasible point with the highest objective (the mean of its repeats), if any."""
+        points = pooled(self.measurements((TrialState.COMPLETE,)))
+        return max(points, key=lambda m: m.value or 0.0, default=None)
 
 
 def _owner() -> dict[str, Any]:
@@ -365,9 +406,9 @@ def _owner_gone(attrs: dict[str, Any]) -> bool:
         return False  # not ours to inspect: leave it to the heartbeat
 
 
-def _key(params: dict[str, Any], micro_batch_size: int) -> tuple[Any, ...]:
+def _key(params: dict[str, Any], micro_batch_size: int, repeat: int) -> tuple[Any, ...]:
     config = {k: v for k, v in params.items() if k != "micro_batch_size"}
-    return (*sorted(TrainConfig.from_dict(config).to_dict().items()), micro_batch_size)
+    return (*sorted(TrainConfig.from_dict(config).to_dict().items()), micro_batch_size, repeat)
 
 
 def _measured(entry: dict[str, Any]) -> dict[str, Any]:
@@ -408,4 +449,5 @@ def _decode(trial: FrozenTrial) -> Measurement:
         feasible=trial.state is TrialState.COMPLETE and all(c <= 0 for c in constraints),
         value=trial.value if trial.state is TrialState.COMPLETE else None,
         attrs=json.loads(json.dumps(trial.user_attrs)),
+        repeat=int(trial.user_attrs.get("repeat", 0)),
     )

@@ -35,8 +35,16 @@ def _fingerprint(**kwargs: object) -> Fingerprint:
     return Fingerprint(**{**base, **kwargs})  # type: ignore[arg-type]
 
 
-def _probe(store: TrialStore, tmp: Path, config: TrainConfig, sizes: tuple[int, ...]) -> None:
-    trials = [store.ask(config, m) for m in sizes]
+def _probe(
+    store: TrialStore,
+    tmp: Path,
+    config: TrainConfig,
+    sizes: tuple[int, ...],
+    *,
+    repeat: int = 0,
+    device_memory_bytes: int | None = None,
+) -> None:
+    trials = [store.ask(config, m, repeat=repeat) for m in sizes]
     spec = ProbeSpec(
         model="llama-7b",
         config=config,
@@ -44,6 +52,8 @@ def _probe(store: TrialStore, tmp: Path, config: TrainConfig, sizes: tuple[int, 
         seq_len=4096,
         num_processes=8,
         device="cuda",
+        seed=repeat,
+        device_memory_bytes=device_memory_bytes,
     )
     result = GPU.launch_probe(spec, tmp / f"probe-{len(store.measurements())}")
     for trial in trials:
@@ -85,6 +95,27 @@ def check_probes_become_trials(url: str, tmp_path: Path) -> TrialStore:
 
 def test_probes_become_trials_and_ooms_are_infeasible(tmp_path: Path) -> None:
     check_probes_become_trials(f"sqlite:///{tmp_path}/db/autotune.db", tmp_path)  # folder made
+
+
+def test_the_best_point_is_the_mean_of_its_measurements(tmp_path: Path) -> None:
+    store = TrialStore(_fingerprint(), WORK, storage=f"sqlite:///{tmp_path}/r.db")
+    config = TrainConfig(engine="fsdp", zero_stage=3)
+    _probe(store, tmp_path, config, (1, 2))
+    _probe(store, tmp_path, config, (2,), repeat=1)
+    runs = [m for m in store.measurements() if m.micro_batch_size == 2]
+    assert sorted(m.repeat for m in runs) == [0, 1]
+    values = [m.value or 0.0 for m in runs]
+    assert values[0] != values[1]  # another seed: an independent noise draw
+    best = store.best()
+    assert best is not None and best.key == (config, 2)
+    assert best.value == pytest.approx(sum(values) / 2)
+    assert best.attrs["repeats"] == 2
+    assert best.attrs["objective_tokens_per_second"] == pytest.approx(sum(values) / 2)
+    # A re-measurement that runs out of memory: the point no longer counts as fitting.
+    peak = runs[0].attrs["peak_reserved_bytes"]
+    _probe(store, tmp_path, config, (2,), repeat=2, device_memory_bytes=peak - 1)
+    best = store.best()
+    assert best is not None and best.key == (config, 1)
 
 
 def test_headroom_makes_a_tight_fit_infeasible(tmp_path: Path) -> None:
@@ -164,10 +195,15 @@ def check_claims_never_overlap(url: str) -> None:
     assert second.claim(config, [4, 8]) is None  # 4 is in flight: the whole claim withdraws
     assert second.claim(TrainConfig(engine="fsdp", zero_stage=2), [4]) is not None
     assert second.claim(config, [8]) is not None
+    # A numbered re-measurement of a point is claimed like a point of its own.
+    again = second.claim(config, [2], repeat=1)
+    assert again is not None and again[0].user_attrs["repeat"] == 1
+    assert first.claim(config, [2], repeat=1) is None
     keys = sorted((m.config.label(), m.micro_batch_size) for m in first.measurements())
-    assert len(keys) == len(set(keys)) == 4  # withdrawn claims are hidden from the search
+    assert len(keys) == 5 and len(set(keys)) == 4  # withdrawn claims are hidden
+    assert sorted(m.repeat for m in first.measurements()) == [0, 0, 0, 0, 1]
     pruned = first.study.get_trials(states=(optuna.trial.TrialState.PRUNED,))
-    assert len(pruned) == 2 and all(t.user_attrs["withdrawn"] for t in pruned)
+    assert len(pruned) == 3 and all(t.user_attrs["withdrawn"] for t in pruned)
 
 
 def test_running_trials_of_a_dead_tuner_on_this_host_fail_at_once(tmp_path: Path) -> None:
