@@ -338,6 +338,47 @@ def main() -> None:
             f"| {statistics.mean(r['regret_10'] for r in mine):.1%} "
             f"| {statistics.mean(r['regret_25'] for r in mine):.1%} |"
         )
+    _per_scenario(rows, args.strategies.split(","))
+    if "autotune" in args.strategies:
+        for other in ("grid", "tpe"):
+            _against(rows, other)
+
+
+def _per_scenario(rows: list[dict[str, Any]], strategies: list[str]) -> None:
+    """Per scenario and strategy: runs within 2 %, median probes to 2 % / median in all."""
+    print("\nPer scenario: runs within 2 %, median probes to 2 % / median probes in all")
+    print(f"\n| scenario | {' | '.join(strategies)} |")
+    print(f"| --- |{' ---: |' * len(strategies)}")
+    for label in dict.fromkeys(r["scenario"] for r in rows):
+        cells = []
+        for strategy in strategies:
+            mine = [r for r in rows if r["scenario"] == label and r["strategy"] == strategy]
+            hit = [r["probes_to_2pct"] for r in mine if r["probes_to_2pct"] is not None]
+            to_2pct = f"{statistics.median(hit):.0f}" if hit else "–"
+            every = statistics.median(r["probes"] for r in mine)
+            cells.append(f"{len(hit)}/{len(mine)}: {to_2pct} / {every:.0f}")
+        print(f"| {label} | {' | '.join(cells)} |")
+
+
+def _against(rows: list[dict[str, Any]], other: str) -> None:
+    """autotune's probes to 2 % over ``other``'s, on the runs where both get there."""
+
+    def to_2pct(strategy: str) -> dict[tuple[str, int], int | None]:
+        return {
+            (r["scenario"], r["seed"]): r["probes_to_2pct"]
+            for r in rows
+            if r["strategy"] == strategy
+        }
+
+    mine, theirs = to_2pct("autotune"), to_2pct(other)
+    both = [mine[k] / theirs[k] for k in mine if mine[k] and theirs.get(k)]
+    if both:
+        over_half = sum(ratio > 0.5 for ratio in both)
+        print(
+            f"\nautotune / {other}, probes to 2 % on the {len(both)} runs both reach: median "
+            f"{statistics.median(both):.2f}, over 0.25 in {sum(r > 0.25 for r in both)}, "
+            f"over 0.5 in {over_half}"
+        )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ predicted; the offset is measured)."""
 MIN_ERROR = 0.03
 """Floor of the throughput uncertainty learnt from measured configurations (timing noise of a
 short probe, and what three configurations cannot show)."""
-KNOWN_AFTER = 3
+KNOWN_AFTER = 5
 """Weight of the prior throughput error, in measured configurations, against their spread."""
 CONFIRM_MARGIN = MIN_ERROR
 """Points measured within this fraction of the best are re-measured: a single short probe
