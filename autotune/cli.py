@@ -621,7 +621,8 @@ def best(
                 row.get("label", "[red]nothing fits yet[/]"),
                 str(row.get("micro_batch_size", "-")),
                 str(row.get("grad_accum", "-")),
-                _fmt(row.get("tokens_per_second"), ",.0f"),
+                _fmt(row.get("tokens_per_second"), ",.0f")
+                + (f" (mean of {row['repeats']})" if row.get("repeats", 1) > 1 else ""),
                 _fmt(row.get("mfu"), ".1%"),
                 format_bytes(row["peak_bytes"]) if row.get("peak_bytes") else "-",
                 str(entry["trials"]),
@@ -665,6 +666,8 @@ def trials(
             outcome = row["outcome"] or row["state"].lower()
             if row["state"] == "COMPLETE" and not row["feasible"]:
                 outcome = f"[red]{outcome}[/]"
+            if row["repeat"]:
+                outcome += f" (re-measure {row['repeat']})"
             table.add_row(
                 str(row["number"]),
                 row["label"],

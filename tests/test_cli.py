@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,11 +11,14 @@ from pathlib import Path
 import pytest
 
 
-def autotune(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run the real console entry point in a fresh interpreter."""
+def autotune(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the real console entry point in a fresh interpreter (``env`` added to ours)."""
     return subprocess.run(
         [sys.executable, "-c", "from autotune.cli import main; main()", *args],
         cwd=cwd,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,
@@ -191,6 +195,16 @@ def test_run_on_a_simulated_gpu_says_so(tmp_path: Path) -> None:
     assert "simulated" in summary["study"]
     assert summary["best"]["simulated"] is True
     assert summary["stop_reason"].startswith("search done")
+    # Near-ties with the best were re-measured: the tables say which rows are re-measurements
+    # and that the best is a mean.
+    rows = json.loads(autotune("trials", "--json", cwd=tmp_path).stdout)[0]["trials"]
+    again = [row for row in rows if row["repeat"]]
+    assert again and all(row["repeat"] == 1 for row in again)
+    listed = autotune("trials", cwd=tmp_path, env={"COLUMNS": "300"})
+    assert listed.stdout.count("(re-measure 1)") == len(again)
+    repeats = summary["best"]["repeats"]
+    best = autotune("best", cwd=tmp_path, env={"COLUMNS": "300"})
+    assert (f"(mean of {repeats})" in best.stdout) == (repeats > 1)
 
 
 def test_run_can_maximize_mfu_in_a_study_of_its_own(tmp_path: Path) -> None:

@@ -157,7 +157,8 @@ def best_table(summary: RunSummary, capacity_bytes: int, *, top: int = 5) -> Tab
             m.config.label(),
             str(m.micro_batch_size),
             str(m.attrs.get("grad_accum", "")),
-            f"{m.attrs.get('objective_tokens_per_second') or 0:,.0f}",
+            f"{m.attrs.get('objective_tokens_per_second') or 0:,.0f}"
+            + (f" (mean of {m.attrs['repeats']})" if m.attrs.get("repeats", 1) > 1 else ""),
             f"{mfu:.1%}" if mfu else "-",
             f"{format_bytes(peak)} ({peak / capacity_bytes:.0%})" if capacity_bytes else "-",
         )
