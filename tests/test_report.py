@@ -57,6 +57,10 @@ def test_the_view_follows_the_search_and_the_table_ranks_what_fits(tmp_path: Pat
     # The log lines are printed above the live panel, one per probe and one per result.
     log = out.getvalue()
     assert log.count("probe ") >= summary.probes
+    # Re-measurements (one size each) say so.
+    remeasured = [m for m in summary.measurements if m.repeat]
+    assert log.count(": a near-tie with the best") == len(remeasured)
+    assert any("re-measure 1" in frame for frame in frames) == bool(remeasured)
     # The table: each configuration's best feasible size, fastest first, peaks within capacity.
     table = best_table(summary, capacity)
     cells = table.columns[4]._cells

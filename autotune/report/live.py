@@ -87,10 +87,15 @@ class RunView:
             self.console.print(f"[yellow]resumed: {event.message}[/]")
         elif event.kind == "probe" and event.proposal:
             p = event.proposal
+            why = (
+                f"re-measure {p.repeat}: a near-tie with the best, "
+                f"measured {p.predicted_tokens_per_second:,.0f} tokens/s"
+                if p.repeat
+                else f"predicted {p.predicted_tokens_per_second:,.0f} tokens/s"
+            )
             self.console.print(
                 f"[dim]probe {event.probes + 1}: {p.config.label()} at micro-batch "
-                f"{','.join(map(str, p.micro_batch_sizes))} "
-                f"(predicted {p.predicted_tokens_per_second:,.0f} tokens/s)[/]"
+                f"{','.join(map(str, p.micro_batch_sizes))} ({why})[/]"
             )
         elif event.kind == "result" and event.result:
             self._last = outcome_text(event.result.sizes, event.result.outcome.value)
@@ -118,6 +123,7 @@ class RunView:
             status.add_row(
                 "probing",
                 f"{p.config.label()} at micro-batch {','.join(map(str, p.micro_batch_sizes))}"
+                + (f", re-measure {p.repeat}" if p.repeat else "")
                 + ("" if self.simulated else f" ({format_duration(running)})"),
             )
         status.add_row("last", self._last)
