@@ -592,6 +592,8 @@ def best(
     """The best configuration found so far, per study (workload x hardware x software)."""
     import optuna
 
+    from autotune.report.live import pooled_note
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     stores = _stores(storage, model, gpu)
     if not stores:
@@ -621,8 +623,7 @@ def best(
                 row.get("label", "[red]nothing fits yet[/]"),
                 str(row.get("micro_batch_size", "-")),
                 str(row.get("grad_accum", "-")),
-                _fmt(row.get("tokens_per_second"), ",.0f")
-                + (f" (mean of {row['repeats']})" if row.get("repeats", 1) > 1 else ""),
+                _fmt(row.get("tokens_per_second"), ",.0f") + pooled_note(row.get("repeats", 1)),
                 _fmt(row.get("mfu"), ".1%"),
                 format_bytes(row["peak_bytes"]) if row.get("peak_bytes") else "-",
                 str(entry["trials"]),

@@ -22,7 +22,7 @@ from autotune.search.controller import Event, RunSummary
 from autotune.study.store import Measurement, pooled
 from autotune.units import format_bytes, format_duration
 
-__all__ = ["RunView", "best_table", "outcome_text", "speed_text"]
+__all__ = ["RunView", "best_table", "outcome_text", "pooled_note", "speed_text"]
 
 
 def outcome_text(sizes: Iterable[dict[str, Any]], fallback: str) -> str:
@@ -143,6 +143,11 @@ class RunView:
         return Group(status)
 
 
+def pooled_note(repeats: int) -> str:
+    """What follows a speed that is the mean of several measurements of one point."""
+    return f" (mean of {repeats})" if repeats > 1 else ""
+
+
 def best_table(summary: RunSummary, capacity_bytes: int, *, top: int = 5) -> Table:
     """The best feasible size of each configuration, fastest first."""
     per_config: dict[Any, Measurement] = {}
@@ -164,7 +169,7 @@ def best_table(summary: RunSummary, capacity_bytes: int, *, top: int = 5) -> Tab
             str(m.micro_batch_size),
             str(m.attrs.get("grad_accum", "")),
             f"{m.attrs.get('objective_tokens_per_second') or 0:,.0f}"
-            + (f" (mean of {m.attrs['repeats']})" if m.attrs.get("repeats", 1) > 1 else ""),
+            + pooled_note(m.attrs.get("repeats", 1)),
             f"{mfu:.1%}" if mfu else "-",
             f"{format_bytes(peak)} ({peak / capacity_bytes:.0%})" if capacity_bytes else "-",
         )

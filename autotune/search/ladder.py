@@ -46,10 +46,11 @@ from dataclasses import dataclass, field
 
 from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow
-from autotune.study.store import RETRYABLE, Measurement
+from autotune.study.store import RETRYABLE, Measurement, pooled
 
 __all__ = [
     "CONFIRM_MARGIN",
+    "CONFIRM_TOP",
     "MIN_ERROR",
     "ONE_POINT_ERROR",
     "PRIOR_ERROR",
@@ -99,19 +100,20 @@ class _Seen:
     oom: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
     running: set[int] = field(default_factory=set)
-    samples: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
-    """Micro-batch size -> measured objectives, for runs that counted as fitting."""
+    speed: dict[int, float] = field(default_factory=dict)
+    """Micro-batch size -> mean measured objective, for sizes that fit every time (pooled)."""
+    runs: dict[int, int] = field(default_factory=dict)
+    """Micro-batch size -> how many measurements ``speed`` pools."""
     unconfirmed: set[int] = field(default_factory=set)
     """Sizes whose re-measurement failed for good (not re-measured again)."""
 
-    @property
-    def speed(self) -> dict[int, float]:
-        """Micro-batch size -> mean measured objective, for sizes that fit every time."""
-        return {m: statistics.mean(v) for m, v in self.samples.items() if v and m not in self.oom}
 
-
-def _by_config(measurements: Iterable[Measurement]) -> dict[TrainConfig, _Seen]:
+def _by_config(measurements: list[Measurement]) -> dict[TrainConfig, _Seen]:
     seen: dict[TrainConfig, _Seen] = defaultdict(_Seen)
+    for point in pooled(measurements):
+        entry = seen[point.config]
+        entry.speed[point.micro_batch_size] = point.value or 0.0
+        entry.runs[point.micro_batch_size] = point.attrs["repeats"]
     interrupted: dict[tuple[TrainConfig, int, int], int] = defaultdict(int)
     for m in measurements:
         entry = seen[m.config]
@@ -125,9 +127,7 @@ def _by_config(measurements: Iterable[Measurement]) -> dict[TrainConfig, _Seen]:
         elif m.outcome == "ok":
             peak = m.attrs.get("peak_reserved_bytes") or m.attrs.get("peak_allocated_bytes")
             entry.ok[mbs] = max(entry.ok.get(mbs, 0.0), float(peak or 0))
-            if m.feasible and m.value:
-                entry.samples[mbs].append(m.value)
-            elif not m.feasible:
+            if not m.feasible:
                 entry.oom.add(mbs)  # ran, but inside the headroom or thrashing: not fitting
         elif m.outcome == "oom" or (m.state == "COMPLETE" and not m.feasible):
             entry.oom.add(mbs)
@@ -226,7 +226,7 @@ def propose(
     Returns:
         What to probe next; None when no open configuration can beat the best measured.
     """
-    seen = _by_config(measurements)
+    seen = _by_config(list(measurements))
     scale, error = _throughput_scale(rows, seen)
     best = max((max(s.speed.values()) for s in seen.values() if s.speed), default=0.0)
     candidates: list[tuple[float, Proposal]] = []
@@ -277,7 +277,7 @@ def _confirm(seen: dict[TrainConfig, _Seen]) -> Proposal | None:
     """A re-measurement of a near-tie with the best, or None when the best stands."""
     points = sorted(
         (
-            (speed, config, mbs, len(s.samples[mbs]))
+            (speed, config, mbs, s.runs[mbs])
             for config, s in seen.items()
             for mbs, speed in s.speed.items()
         ),
@@ -289,7 +289,7 @@ def _confirm(seen: dict[TrainConfig, _Seen]) -> Proposal | None:
     close = [p for p in points if p[0] >= best * (1 - CONFIRM_MARGIN)]
     if len(close) < 2:
         return None  # the best is ahead of the rest by more than the noise
-    remeasured = sum(len(v) > 1 for s in seen.values() for v in s.samples.values())
+    remeasured = sum(runs > 1 for s in seen.values() for runs in s.runs.values())
     if remeasured >= CONFIRM_TOP:
         return None  # the cost is bounded; the means stand
     for speed, config, mbs, runs in close:
