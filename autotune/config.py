@@ -43,6 +43,12 @@ class Precision(enum.StrEnum):
     FP32 = "fp32"
     """No reduced precision at all."""
 
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the matmuls run in (``bf16``, ``fp16``, ``fp32``): the key of a GPU's
+        peak FLOP/s and of the torch dtype a probe computes in."""
+        return self.value.removesuffix("-mixed")
+
 
 class Offload(enum.StrEnum):
     """Which model states live in host memory instead of device memory."""
@@ -72,6 +78,14 @@ _ENGINE_STAGES: dict[Engine, tuple[int, ...]] = {
     Engine.FSDP: (2, 3),
     Engine.DEEPSPEED: (0, 1, 2, 3),
 }
+
+
+def checkpointed_fraction(num_layers: int, every: int) -> float:
+    """Fraction of decoder blocks recomputed in the backward (for hardware FLOPs): blocks
+    0, k, 2k, ... are checkpointed with ``ac_every=k``."""
+    if every <= 0:
+        return 0.0
+    return len(range(0, num_layers, every)) / num_layers
 
 
 class ConfigError(ValueError):

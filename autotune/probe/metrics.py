@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from autotune.config import checkpointed_fraction
 from autotune.models import ModelSpec
-from autotune.probe.modeling import checkpointed_fraction
 from autotune.probe.spec import ProbeSpec
 
 

@@ -80,13 +80,6 @@ def apply_activation_checkpointing(model: nn.Module, every: int) -> int:
     return wrapped
 
 
-def checkpointed_fraction(num_layers: int, every: int) -> float:
-    """Fraction of decoder blocks recomputed in the backward (for hardware FLOPs)."""
-    if every <= 0:
-        return 0.0
-    return len(range(0, num_layers, every)) / num_layers
-
-
 def materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
     """Give a meta model storage on ``device`` and initialize its weights and buffers there.
 
