@@ -1,7 +1,7 @@
 """Predicted vs traced peak memory for every preset: the memory model's accuracy table.
 
 The reference is one real training step traced under fake tensors
-(``autotune.estimator.trace``), which equals a real CPU step byte for byte and extrapolates
+(``autotune.probe.trace``), which equals a real CPU step byte for byte and extrapolates
 exactly in depth. For every preset, at micro-batch 1 and 4, with and without activation
 checkpointing (single GPU, bf16 mixed precision), and for FSDP2 ZeRO-3 on 8 ranks, it prints
 the analytic prediction, the traced peak and the error; then the median and largest absolute
@@ -20,8 +20,8 @@ from typing import Any
 
 from autotune.config import TrainConfig
 from autotune.estimator.memory import estimate_memory
-from autotune.estimator.trace import trace_peak
 from autotune.models import preset_names, resolve_model
+from autotune.probe.trace import trace_peak
 
 GIB = 1024**3
 

@@ -2,6 +2,7 @@
 
 - ``memory``: analytic peak device memory per rank (model states, activations, temporaries).
 - ``timing``: analytic step time (compute, communication, offload, optimizer).
-- ``trace``: one real training step under fake tensors, the ground truth the memory model is
-  checked against.
+
+The ground truth the memory model is checked against, one real training step under fake
+tensors, lives on the torch side: :mod:`autotune.probe.trace`.
 """

@@ -9,8 +9,8 @@ import pytest
 from autotune.config import TrainConfig
 from autotune.estimator.activations import Regime, regime_of
 from autotune.estimator.memory import CATEGORIES, estimate_memory, state_layout
-from autotune.estimator.trace import trace_peak
 from autotune.models import resolve_model
+from autotune.probe.trace import trace_peak
 
 GIB = 1024**3
 

@@ -1,4 +1,4 @@
-"""Tests for autotune.estimator.trace: one training step traced under fake tensors."""
+"""Tests for autotune.probe.trace: one training step traced under fake tensors."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch.distributed as dist
 from transformers import masking_utils
 
 from autotune.config import Attention, Engine, Precision, TrainConfig
-from autotune.estimator.trace import CATEGORIES, TracedPeak, _with_layers, trace_peak
 from autotune.models import ModelSpec, resolve_model, synthetic_batch
 from autotune.probe import modeling
 from autotune.probe.engines import EngineContext, build_trainee
 from autotune.probe.engines import ddp as ddp_engine
 from autotune.probe.memory import LiveTensorBytes
+from autotune.probe.trace import CATEGORIES, TracedPeak, _with_layers, trace_peak
 
 # The model of bench/model_states.py, whose bytes per parameter docs/estimator.md records: four
 # llama blocks of hidden 256, so at sequence length 4 the activations are negligible.
