@@ -9,12 +9,18 @@ import time
 
 import pytest
 
-from autotune.config import Attention, Engine, Offload, Precision, TrainConfig
+from autotune.config import (
+    Attention,
+    Engine,
+    Offload,
+    Precision,
+    TrainConfig,
+    checkpointed_fraction,
+)
 from autotune.estimator.timing import StepTime, predict_step_time
 from autotune.hardware import GpuSpec, gpu_keys, gpu_spec
 from autotune.models import ModelSpec, preset_names, resolve_model
 from autotune.probe.metrics import throughput
-from autotune.config import checkpointed_fraction
 
 LLAMA_7B = resolve_model("llama-7b")
 H100 = gpu_spec("h100-80gb")
