@@ -1,4 +1,5 @@
-"""Tests for autotune.models: presets, analytic counts, FLOPs and synthetic batches."""
+"""Tests for autotune.models: presets, analytic counts, FLOPs, and the probe side's transformers
+configs and synthetic batches built from them."""
 
 from __future__ import annotations
 
@@ -8,28 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_numbers import meta_counts, spec_numbers, transformers_numbers
 from transformers import AutoModelForCausalLM, Qwen3Config, ViTConfig
 
-from autotune.models import ModelSpec, preset_names, resolve_model, synthetic_batch
-
-
-def _meta_model(spec: ModelSpec) -> torch.nn.Module:
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(spec.hf_config)
-
-
-def _meta_counts(spec: ModelSpec) -> tuple[int, int, int]:
-    """Total, lookup-table and decoder-block parameters of the real model on meta."""
-    model = _meta_model(spec)
-    total = sum(p.numel() for p in model.parameters())
-    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    tables = {id(m.weight): m.weight.numel() for m in embeddings}
-    layers = model.get_decoder().layers if hasattr(model.get_decoder(), "layers") else None
-    if layers is None:
-        layers = model.transformer.h  # gpt2
-    blocks = sum(p.numel() for p in layers.parameters())
-    return total, sum(tables.values()), blocks
-
+from autotune.models import ModelSpec, preset_names, resolve_model
+from autotune.probe.data import synthetic_batch
+from autotune.probe.modeling import hf_config
 
 EXPECTED_PRESETS = {
     "llama-7b", "llama-13b", "llama-70b", "llama3-8b", "mistral-7b", "qwen2.5-1.5b", "qwen2.5-7b",
@@ -45,11 +30,21 @@ def test_preset_names() -> None:
 @pytest.mark.parametrize("name", sorted(EXPECTED_PRESETS))
 def test_analytic_counts_match_meta_build(name: str) -> None:
     spec = resolve_model(name)
-    total, embedding, blocks = _meta_counts(spec)
+    total, embedding, blocks = meta_counts(spec)
     assert spec.num_params == total
     assert spec.num_embedding_params == embedding
     assert spec.num_block_params == blocks
-    assert spec.hf_config.use_cache is False
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PRESETS))
+def test_preset_numbers_equal_the_probe_side_transformers_config(name: str) -> None:
+    spec = resolve_model(name)
+    config = hf_config(spec)
+    assert spec_numbers(spec) == transformers_numbers(config)
+    assert config.use_cache is False
+    assert spec.activation == (
+        config.activation_function if spec.model_type == "gpt2" else config.hidden_act
+    )
 
 
 @pytest.mark.parametrize(
@@ -82,8 +77,9 @@ def test_derived_shape_properties() -> None:
     assert (llama3.num_key_value_heads, llama3.head_dim) == (8, 128)
     assert (llama3.intermediate_size, llama3.vocab_size) == (14336, 128256)
     assert llama3.max_position_embeddings == 8192
-    rope = getattr(llama3.hf_config, "rope_parameters", None) or {}
-    assert rope.get("rope_theta", getattr(llama3.hf_config, "rope_theta", None)) == 500000.0
+    config = hf_config(llama3)
+    rope = getattr(config, "rope_parameters", None) or {}
+    assert rope.get("rope_theta", getattr(config, "rope_theta", None)) == 500000.0
     gpt2 = resolve_model("gpt2")
     assert (gpt2.num_layers, gpt2.hidden_size, gpt2.head_dim) == (12, 768, 64)
     assert gpt2.num_key_value_heads == 12  # no GQA: one kv head per query head
@@ -91,7 +87,8 @@ def test_derived_shape_properties() -> None:
     assert gpt2.max_position_embeddings == 1024
     assert resolve_model("qwen2.5-1.5b").tie_word_embeddings
     assert not resolve_model("qwen2.5-7b").tie_word_embeddings
-    assert resolve_model("mistral-7b").hf_config.sliding_window is None
+    assert hf_config(resolve_model("mistral-7b")).sliding_window is None
+    assert (gpt2.activation, llama3.activation) == ("gelu_new", "silu")
 
 
 def test_embedding_params_include_learned_positions() -> None:
@@ -152,13 +149,14 @@ def test_unknown_model_message() -> None:
 
 def test_resolve_config_json_folder_and_file(tmp_path: Path) -> None:
     folder = tmp_path / "my-llama"
-    config = resolve_model("tiny").hf_config
+    config = hf_config(resolve_model("tiny"))
     config.use_cache = True
     config.save_pretrained(folder)
     for target in (folder, folder / "config.json"):
         spec = resolve_model(str(target))
         assert spec.name == "my-llama"
-        assert spec.hf_config.use_cache is False
+        assert spec.config["use_cache"] is True  # the file's fields, as written
+        assert hf_config(spec).use_cache is False  # but probes never keep a KV cache
         assert spec.num_params == resolve_model("tiny").num_params
 
 
@@ -170,7 +168,7 @@ def test_resolve_other_causal_lm_counts_by_meta_build(tmp_path: Path) -> None:
     ).save_pretrained(tmp_path / "q3")  # fmt: skip
     spec = resolve_model(str(tmp_path / "q3"))
     assert spec.head_dim == 32
-    assert (spec.num_params, spec.num_embedding_params, spec.num_block_params) == _meta_counts(spec)
+    assert (spec.num_params, spec.num_embedding_params, spec.num_block_params) == meta_counts(spec)
 
 
 def test_resolve_rejects_non_causal_and_broken_configs(tmp_path: Path) -> None:
@@ -186,12 +184,56 @@ def test_resolve_rejects_non_causal_and_broken_configs(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "empty-dir-without-config"))
 
 
-def test_spec_is_frozen_and_compares_by_name() -> None:
+def test_spec_is_frozen_and_compares_by_value() -> None:
     spec = resolve_model("tiny")
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.config["hidden_size"] = 128  # type: ignore[index]
     assert spec == resolve_model("tiny")
     assert hash(spec) == hash(resolve_model("tiny"))
+    assert spec.with_layers(3) != spec  # same name, other fields
+    assert spec.with_layers(2) == spec
+
+
+def test_spec_keeps_a_private_copy_of_its_fields() -> None:
+    layer_types = ["full_attention"]
+    fields = {"model_type": "llama", "hidden_size": 64, "layer_types": layer_types}
+    spec = ModelSpec(name="mine", config=fields)
+    fields["hidden_size"] = 128
+    layer_types.append("sliding_attention")
+    assert spec.config["hidden_size"] == 64 and spec.config["layer_types"] == ["full_attention"]
+    copied = spec.config_dict()
+    copied["layer_types"].append("x")
+    assert spec.config["layer_types"] == ["full_attention"]
+    with pytest.raises(ValueError, match="no model_type"):
+        ModelSpec(name="typeless", config={"hidden_size": 64})
+
+
+@pytest.mark.parametrize("name", ["llama-70b", "qwen2.5-1.5b", "gpt2", "tiny-gpt2"])
+def test_with_layers_changes_only_the_depth(name: str) -> None:
+    spec = resolve_model(name)
+    shallow = spec.with_layers(3)
+    assert shallow.name == spec.name and shallow.num_layers == 3
+    assert hf_config(shallow).num_hidden_layers == 3
+    assert spec_numbers(shallow) == {**spec_numbers(spec), "num_layers": 3}
+    assert shallow.num_block_params * spec.num_layers == spec.num_block_params * 3
+    assert shallow.num_params == meta_counts(shallow)[0]
+    with pytest.raises(ValueError, match="layers 0 must be >= 1"):
+        spec.with_layers(0)
+
+
+def test_with_layers_repeats_per_layer_types(tmp_path: Path) -> None:
+    # A saved qwen2 config lists one attention type per layer: the list follows the depth.
+    config = hf_config(resolve_model("tiny-qwen"))
+    config.layer_types = ["full_attention", "sliding_attention"]
+    config.save_pretrained(tmp_path)
+    spec = resolve_model(str(tmp_path))
+    deep = spec.with_layers(5)
+    assert deep.config["layer_types"] == ["full_attention", "sliding_attention"] * 2 + [
+        "full_attention"
+    ]
+    assert hf_config(deep).layer_types == list(deep.config["layer_types"])
 
 
 def test_synthetic_batch_shape_and_determinism() -> None:
@@ -216,7 +258,7 @@ def test_synthetic_batch_rejects_too_long_sequences() -> None:
 def test_tiny_presets_train_on_cpu(name: str) -> None:
     spec = resolve_model(name)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(spec.hf_config)
+    model = AutoModelForCausalLM.from_config(hf_config(spec))
     batch = synthetic_batch(spec, 2, 32)
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()

@@ -79,8 +79,7 @@ def _gelu_saved(model: ModelSpec) -> int:
     ``0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3)))`` is built from elementwise ops, each
     saving an input: x (pow, mul), x**3 (mul), the tanh output, and 0.5·x.
     """
-    activation = str(getattr(model.hf_config, "activation_function", "gelu_new"))
-    return 4 if activation in ("gelu_new", "gelu_pytorch_tanh") else 1
+    return 4 if model.activation in ("gelu_new", "gelu_pytorch_tanh") else 1
 
 
 def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> ActivationProfile:

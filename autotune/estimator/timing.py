@@ -209,14 +209,14 @@ class _Shape:
     """6·N_matmul: model FLOPs per token that do not depend on the sequence length."""
 
 
-_SHAPES: dict[int, tuple[Any, _Shape]] = {}
+_SHAPES: dict[ModelSpec, _Shape] = {}
 
 
 def _shape(model: ModelSpec) -> _Shape:
-    """The model's numbers, cached by config object (reading a transformers config is slow)."""
-    cached = _SHAPES.get(id(model.hf_config))
-    if cached is not None and cached[0] is model.hf_config:
-        return cached[1]
+    """The model's numbers in one object, cached by spec (equal name and config fields)."""
+    cached = _SHAPES.get(model)
+    if cached is not None:
+        return cached
     shape = _Shape(
         layers=model.num_layers,
         hidden=model.hidden_size,
@@ -231,7 +231,7 @@ def _shape(model: ModelSpec) -> _Shape:
     )
     if len(_SHAPES) >= 256:
         _SHAPES.clear()
-    _SHAPES[id(model.hf_config)] = (model.hf_config, shape)
+    _SHAPES[model] = shape
     return shape
 
 

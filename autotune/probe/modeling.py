@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,30 @@ from torch.distributed.tensor import DTensor
 from autotune.config import Attention, TrainConfig
 from autotune.models import ModelSpec
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def hf_config(spec: ModelSpec) -> PretrainedConfig:
+    """The transformers config the probes build ``spec``'s model from.
+
+    The family's config class fills in the fields the spec leaves out, exactly as when it reads
+    a ``config.json`` (``rope_theta``: transformers 5 folds it into ``rope_parameters``).
+    ``use_cache`` is off whatever the fields say: probes train, and a KV cache would only hold
+    memory that the search would then blame on the configuration.
+
+    Args:
+        spec: The model shape.
+
+    Returns:
+        A new config object, free to change.
+    """
+    from transformers import AutoConfig
+
+    fields = spec.config_dict()
+    fields["use_cache"] = False
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
 
 def build_model(
     spec: ModelSpec, config: TrainConfig, *, meta: bool = True, checkpointing: bool = True
@@ -34,7 +59,7 @@ def build_model(
     with context, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(
-            spec.hf_config, attn_implementation=_attn_implementation(config.attention)
+            hf_config(spec), attn_implementation=_attn_implementation(config.attention)
         )
     model.config.use_cache = False
     model.train()

@@ -36,7 +36,6 @@ depth and the largest wins (:func:`trace_peak`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -54,8 +53,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._pytree import tree_flatten
 
 from autotune.config import Engine, Offload, TrainConfig
-from autotune.models import ModelSpec, resolve_model, synthetic_batch
+from autotune.models import ModelSpec, resolve_model
 from autotune.probe import modeling
+from autotune.probe.data import synthetic_batch
 from autotune.probe.engines import EngineContext, build_trainee
 from autotune.probe.engines.base import TorchTrainee
 
@@ -216,7 +216,7 @@ def trace_peak(
     window = max(config.ac_every, 1) + _NEIGHBOR_REACH
     traces = [
         _trace_once(
-            _with_layers(spec, depth),
+            spec.with_layers(depth),
             config,
             micro_batch_size=micro_batch_size,
             seq_len=seq_len,
@@ -297,16 +297,6 @@ def _depths(num_layers: int, ac_every: int, layers: int | None) -> tuple[int, ..
     if second >= num_layers:
         return (num_layers,)
     return (first, second)
-
-
-def _with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
-    """``spec`` with ``layers`` decoder blocks (per-layer type lists cut or repeated to fit)."""
-    hf_config = copy.deepcopy(spec.hf_config)
-    hf_config.num_hidden_layers = layers
-    layer_types = getattr(hf_config, "layer_types", None)
-    if isinstance(layer_types, list | tuple) and layer_types:
-        hf_config.layer_types = [layer_types[i % len(layer_types)] for i in range(layers)]
-    return ModelSpec(name=spec.name, hf_config=hf_config)
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from autotune.config import Precision
 from autotune.hardware import peak_flops_for
-from autotune.models import ModelSpec, resolve_model, synthetic_batch
+from autotune.models import ModelSpec, resolve_model
+from autotune.probe.data import synthetic_batch
 from autotune.probe.engines import EngineContext, Trainee, build_trainee
 from autotune.probe.lifetime import PARENT_ENV, die_with_parent
 from autotune.probe.memory import LiveTensorBytes, MemoryMeter, apply_cuda_limit

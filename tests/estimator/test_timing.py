@@ -309,3 +309,16 @@ def test_matches_published_throughput() -> None:
     print(f"predicted / published: A100 {a100_ratio:.2f}, H100 {h100_ratio:.2f}")
     assert 1 / 1.5 < a100_ratio < 1.5
     assert 1 / 1.5 < h100_ratio < 1.5
+
+
+def test_model_numbers_are_cached_per_spec_value() -> None:
+    """A shallow copy under the same name (as the trace makes) is not served the deep model's."""
+
+    def predict(model: ModelSpec) -> StepTime:
+        return predict_step_time(
+            model, FSDP_Z3, H100, micro_batch_size=1, seq_len=1024, world_size=8
+        )
+
+    deep = predict(LLAMA_7B)
+    assert predict(LLAMA_7B.with_layers(4)).compute_s < deep.compute_s / 4
+    assert predict(resolve_model("llama-7b")) == deep

@@ -13,12 +13,13 @@ import torch.distributed as dist
 from transformers import masking_utils
 
 from autotune.config import Attention, Engine, Precision, TrainConfig
-from autotune.models import ModelSpec, resolve_model, synthetic_batch
+from autotune.models import ModelSpec, resolve_model
 from autotune.probe import modeling
+from autotune.probe.data import synthetic_batch
 from autotune.probe.engines import EngineContext, build_trainee
 from autotune.probe.engines import ddp as ddp_engine
 from autotune.probe.memory import LiveTensorBytes
-from autotune.probe.trace import CATEGORIES, TracedPeak, _with_layers, trace_peak
+from autotune.probe.trace import CATEGORIES, TracedPeak, trace_peak
 
 # The model of bench/model_states.py, whose bytes per parameter docs/estimator.md records: four
 # llama blocks of hidden 256, so at sequence length 4 the activations are negligible.
@@ -185,7 +186,7 @@ def test_patches_are_undone_after_a_trace() -> None:
 @pytest.mark.parametrize("ac_every", [0, 1, 2])
 def test_extrapolation_equals_a_full_depth_trace(ac_every: int) -> None:
     """Two shallow copies extrapolate exactly (peak, breakdown and state) to the full depth."""
-    spec = _with_layers(resolve_model("tiny"), 10)
+    spec = resolve_model("tiny").with_layers(10)
     config = TrainConfig(ac_every=ac_every)
     extrapolated = trace_peak(spec, config, micro_batch_size=2, seq_len=128)
     full = trace_peak(spec, config, micro_batch_size=2, seq_len=128, layers=10)

@@ -388,7 +388,7 @@ def _isolated_dtensor() -> dict[str, int]:
 
 def _isolated_fsdp(zero_stage: int) -> dict[str, Any]:
     from autotune.models import resolve_model
-    from autotune.models.presets import synthetic_batch
+    from autotune.probe.data import synthetic_batch
     from autotune.probe.engines import build_trainee
     from autotune.probe.engines.base import EngineContext
 
