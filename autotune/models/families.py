@@ -35,8 +35,9 @@ ANALYTIC_FAMILIES: frozenset[str] = _LLAMA_STYLE | {"gpt2"}
 """``model_type`` values read and counted without torch or transformers."""
 
 # The defaults of transformers' LlamaConfig, MistralConfig, Qwen2Config and GPT2Config for the
-# fields a shape depends on (identical in transformers 4.51 through 5.x). None: derived from
-# other fields (key/value heads: one per query head; head width: d / heads; gpt2's MLP: 4d).
+# fields a shape depends on, as of transformers 5 (tests/test_model_config_file.py checks them
+# against the installed version). None: derived from other fields (key/value heads: one per
+# query head; head width: d / heads; gpt2's MLP: 4d).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
