@@ -348,3 +348,28 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
 )
 SPECS: Mapping[str, GpuSpec] = MappingProxyType({spec.key: spec for spec in _SPEC_LIST})
 """The catalogue by key, in catalogue order (newest NVIDIA data-centre parts first)."""
+
+
+def cpu_device_spec(device_memory_bytes: int) -> GpuSpec:
+    """A GpuSpec standing for the CPU under an emulated device cap (real CPU probes).
+
+    Its speeds only order the first probes; the search rescales predictions by what the
+    probes measure. Its memory is the emulated cap.
+
+    Args:
+        device_memory_bytes: The emulated device memory per rank (``--device-memory``).
+
+    Returns:
+        The spec, keyed ``cpu``.
+    """
+    return GpuSpec(
+        key="cpu",
+        name="CPU (emulated device memory)",
+        memory_bytes=device_memory_bytes,
+        peak_flops={"bf16": 1e11, "fp16": 1e11, "fp32": 1e11},
+        hbm_bandwidth=20e9,
+        intra_node_bandwidth=5e9,
+        host_link_bandwidth=20e9,
+        inter_node_bandwidth=1e9,
+        form_factor="pcie",
+    )
