@@ -10,16 +10,20 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["format_bytes", "format_duration", "parse_duration", "parse_size"]
+__all__ = ["GIB", "MIB", "format_bytes", "format_duration", "parse_duration", "parse_size"]
 
 _KIB = 1024
+MIB = _KIB**2
+"""Bytes in a mebibyte, the unit ``nvidia-smi`` prints memory in."""
+GIB = _KIB**3
+"""Bytes in a gibibyte."""
 
 # Binary (IEC) multipliers.  A bare "G" is binary on purpose: nvidia-smi, `free -g` and `ulimit`
 # all mean GiB when they print a bare G, and so do people reading them.
 _BINARY: dict[str, int] = {
     "k": _KIB,
-    "m": _KIB**2,
-    "g": _KIB**3,
+    "m": MIB,
+    "g": GIB,
     "t": _KIB**4,
     "p": _KIB**5,
 }

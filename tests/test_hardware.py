@@ -15,6 +15,7 @@ from autotune.hardware import (
     GpuInfo,
     GpuSpec,
     catalogue_markdown,
+    cpu_device_spec,
     detect_gpus,
     gpu_keys,
     gpu_spec,
@@ -354,6 +355,28 @@ def test_catalogue_values_are_sane() -> None:
         # 95 % of it in GB and the same number in GiB.
         for size in re.findall(r"(\d+)gb", spec.key):
             assert 0.95 * int(size) * 1e9 <= spec.memory_bytes <= int(size) * GIB, spec.key
+
+
+def test_cpu_device_spec_stands_for_the_cpu_under_a_cap(tmp_path: Path) -> None:
+    spec = cpu_device_spec(3 * GIB)
+    assert (spec.key, spec.name) == ("cpu", "CPU (emulated device memory)")
+    assert spec.memory_bytes == 3 * GIB  # the emulated cap, nothing taken off
+    assert spec.peak_flops == {"bf16": 1e11, "fp16": 1e11, "fp32": 1e11}
+    assert spec.peak("torch.bfloat16") == 1e11
+    assert spec.peak("tf32") is None
+    rates = (
+        spec.hbm_bandwidth,
+        spec.intra_node_bandwidth,
+        spec.host_link_bandwidth,
+        spec.inter_node_bandwidth,
+    )
+    assert rates == (20e9, 5e9, 20e9, 1e9)
+    assert spec.form_factor == "pcie"
+    assert cpu_device_spec(GIB).memory_bytes == GIB
+    assert "cpu" not in gpu_keys()  # a stand-in, not a catalogue entry
+    path = tmp_path / "cpu.toml"
+    path.write_text(spec.to_toml())
+    assert load_gpu_file(path) == spec
 
 
 _UNLISTED = """\

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from autotune.hardware.specs import _MIB, GpuSpec
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from autotune.hardware.specs import GpuSpec
+from autotune.units import MIB
 
 
 def _flops(bf16: float | None, fp16: float, tf32: float | None, fp32: float) -> dict[str, float]:
@@ -36,6 +40,8 @@ _INFINITY_FABRIC = 448e9
 _NET_400G = 50e9
 _NET_200G = 25e9
 _NET_100G = 12.5e9
+DEFAULT_INTER_NODE_BANDWIDTH = _NET_100G
+"""The network per GPU (bytes/s, one direction) assumed where none is known: 100 Gb/s."""
 
 # Dense peaks from the vendor datasheets.  Datasheets print the 2:4-sparsity figure for tensor
 # cores (marked with an asterisk); those are halved here.  Training kernels accumulate in fp32,
@@ -65,7 +71,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="h100-80gb",
         name="NVIDIA H100 SXM5 80GB",
-        memory_bytes=81559 * _MIB,
+        memory_bytes=81559 * MIB,
         peak_flops=_flops(989.4, 989.4, 494.7, 66.9),
         hbm_bandwidth=3.35e12,
         intra_node_bandwidth=_NVLINK4,
@@ -77,7 +83,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         # The NVLink bridge (600 GB/s) joins pairs of cards only; a node's collectives cross PCIe.
         key="h100-pcie",
         name="NVIDIA H100 PCIe 80GB",
-        memory_bytes=81559 * _MIB,
+        memory_bytes=81559 * MIB,
         peak_flops=_flops(756.5, 756.5, 378, 51.2),
         hbm_bandwidth=2.0e12,
         intra_node_bandwidth=_PCIE5,
@@ -89,7 +95,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         # NVLink bridge (600 GB/s) between pairs only, as on the H100 PCIe.
         key="h100-nvl",
         name="NVIDIA H100 NVL 94GB",
-        memory_bytes=95830 * _MIB,
+        memory_bytes=95830 * MIB,
         peak_flops=_flops(835.5, 835.5, 417.5, 60),
         hbm_bandwidth=3.9e12,
         intra_node_bandwidth=_PCIE5,
@@ -100,7 +106,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="h200",
         name="NVIDIA H200 SXM 141GB",
-        memory_bytes=143771 * _MIB,
+        memory_bytes=143771 * MIB,
         peak_flops=_flops(989.4, 989.4, 494.7, 66.9),
         hbm_bandwidth=4.8e12,
         intra_node_bandwidth=_NVLINK4,
@@ -113,7 +119,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         # collectives still cross PCIe.
         key="h200-nvl",
         name="NVIDIA H200 NVL 141GB",
-        memory_bytes=143771 * _MIB,
+        memory_bytes=143771 * MIB,
         peak_flops=_flops(835.5, 835.5, 417.5, 60),
         hbm_bandwidth=4.8e12,
         intra_node_bandwidth=_PCIE5,
@@ -126,7 +132,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         # per GPU in all.  The host link is NVLink-C2C to the Grace CPU's LPDDR5X.
         key="gh200",
         name="NVIDIA GH200 Grace Hopper Superchip (96GB HBM3)",
-        memory_bytes=97871 * _MIB,
+        memory_bytes=97871 * MIB,
         peak_flops=_flops(989.4, 989.4, 494.7, 66.9),
         hbm_bandwidth=4.0e12,
         intra_node_bandwidth=_NVLINK4,
@@ -137,7 +143,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="a100-80gb",
         name="NVIDIA A100 SXM4 80GB",
-        memory_bytes=81920 * _MIB,
+        memory_bytes=81920 * MIB,
         peak_flops=_flops(312, 312, 156, 19.5),
         hbm_bandwidth=2.039e12,
         intra_node_bandwidth=_NVLINK3,
@@ -149,7 +155,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         # NVLink bridge (600 GB/s) between pairs only.
         key="a100-80gb-pcie",
         name="NVIDIA A100 PCIe 80GB",
-        memory_bytes=81920 * _MIB,
+        memory_bytes=81920 * MIB,
         peak_flops=_flops(312, 312, 156, 19.5),
         hbm_bandwidth=1.935e12,
         intra_node_bandwidth=_PCIE4,
@@ -160,7 +166,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="a100-40gb",
         name="NVIDIA A100 SXM4 40GB",
-        memory_bytes=40960 * _MIB,
+        memory_bytes=40960 * MIB,
         peak_flops=_flops(312, 312, 156, 19.5),
         hbm_bandwidth=1.555e12,
         intra_node_bandwidth=_NVLINK3,
@@ -171,7 +177,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="a100-40gb-pcie",
         name="NVIDIA A100 PCIe 40GB",
-        memory_bytes=40960 * _MIB,
+        memory_bytes=40960 * MIB,
         peak_flops=_flops(312, 312, 156, 19.5),
         hbm_bandwidth=1.555e12,
         intra_node_bandwidth=_PCIE4,
@@ -183,7 +189,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         # No NVLink on the L40S, L40, L4, A10 and RTX 4090: peers talk over PCIe.
         key="l40s",
         name="NVIDIA L40S",
-        memory_bytes=46068 * _MIB,
+        memory_bytes=46068 * MIB,
         peak_flops=_flops(362.05, 362.05, 183, 91.6),
         hbm_bandwidth=864e9,
         intra_node_bandwidth=_PCIE4,
@@ -194,7 +200,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="l40",
         name="NVIDIA L40",
-        memory_bytes=46068 * _MIB,
+        memory_bytes=46068 * MIB,
         peak_flops=_flops(181, 181, 90.5, 90.5),
         hbm_bandwidth=864e9,
         intra_node_bandwidth=_PCIE4,
@@ -205,7 +211,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="l4",
         name="NVIDIA L4",
-        memory_bytes=23034 * _MIB,
+        memory_bytes=23034 * MIB,
         peak_flops=_flops(121, 121, 60, 30.3),
         hbm_bandwidth=300e9,
         intra_node_bandwidth=_PCIE4,
@@ -216,7 +222,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="a10",
         name="NVIDIA A10",
-        memory_bytes=23028 * _MIB,
+        memory_bytes=23028 * MIB,
         peak_flops=_flops(125, 125, 62.5, 31.2),
         hbm_bandwidth=600e9,
         intra_node_bandwidth=_PCIE4,
@@ -227,7 +233,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="a10g",
         name="NVIDIA A10G (AWS)",
-        memory_bytes=23028 * _MIB,
+        memory_bytes=23028 * MIB,
         peak_flops=_flops(125, 125, 62.5, 31.2),
         hbm_bandwidth=600e9,
         intra_node_bandwidth=_PCIE4,
@@ -239,7 +245,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         # NVLink bridge (112.5 GB/s) between pairs only.
         key="a6000",
         name="NVIDIA RTX A6000",
-        memory_bytes=49140 * _MIB,
+        memory_bytes=49140 * MIB,
         peak_flops=_flops(154.8, 154.8, 77.4, 38.7),
         hbm_bandwidth=768e9,
         intra_node_bandwidth=_PCIE4,
@@ -252,7 +258,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         # memory, so real collectives get less than the PCIe figure.
         key="rtx4090",
         name="NVIDIA GeForce RTX 4090",
-        memory_bytes=24564 * _MIB,
+        memory_bytes=24564 * MIB,
         peak_flops=_flops(165.2, 165.2, 82.6, 82.6),
         hbm_bandwidth=1008e9,
         intra_node_bandwidth=_PCIE4,
@@ -264,7 +270,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         # NVLink bridge (112.5 GB/s) between pairs only.
         key="rtx3090",
         name="NVIDIA GeForce RTX 3090",
-        memory_bytes=24576 * _MIB,
+        memory_bytes=24576 * MIB,
         peak_flops=_flops(71, 71, 35.6, 35.6),
         hbm_bandwidth=936e9,
         intra_node_bandwidth=_PCIE4,
@@ -275,7 +281,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="v100-32gb",
         name="NVIDIA Tesla V100 SXM2 32GB",
-        memory_bytes=32768 * _MIB,
+        memory_bytes=32768 * MIB,
         peak_flops=_flops(None, 125, None, 15.7),
         hbm_bandwidth=900e9,
         intra_node_bandwidth=_NVLINK2,
@@ -286,7 +292,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="v100-16gb",
         name="NVIDIA Tesla V100 SXM2 16GB",
-        memory_bytes=16384 * _MIB,
+        memory_bytes=16384 * MIB,
         peak_flops=_flops(None, 125, None, 15.7),
         hbm_bandwidth=900e9,
         intra_node_bandwidth=_NVLINK2,
@@ -297,7 +303,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="v100-32gb-pcie",
         name="NVIDIA Tesla V100 PCIe 32GB",
-        memory_bytes=32768 * _MIB,
+        memory_bytes=32768 * MIB,
         peak_flops=_flops(None, 112, None, 14),
         hbm_bandwidth=900e9,
         intra_node_bandwidth=_PCIE3,
@@ -308,7 +314,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="v100-16gb-pcie",
         name="NVIDIA Tesla V100 PCIe 16GB",
-        memory_bytes=16384 * _MIB,
+        memory_bytes=16384 * MIB,
         peak_flops=_flops(None, 112, None, 14),
         hbm_bandwidth=900e9,
         intra_node_bandwidth=_PCIE3,
@@ -319,7 +325,7 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
     GpuSpec(
         key="v100s",
         name="NVIDIA Tesla V100S PCIe 32GB",
-        memory_bytes=32768 * _MIB,
+        memory_bytes=32768 * MIB,
         peak_flops=_flops(None, 130, None, 16.4),
         hbm_bandwidth=1134e9,
         intra_node_bandwidth=_PCIE3,
@@ -340,4 +346,30 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         form_factor="sxm",
     ),
 )
-_SPECS: dict[str, GpuSpec] = {spec.key: spec for spec in _SPEC_LIST}
+SPECS: Mapping[str, GpuSpec] = MappingProxyType({spec.key: spec for spec in _SPEC_LIST})
+"""The catalogue by key, in catalogue order (newest NVIDIA data-centre parts first)."""
+
+
+def cpu_device_spec(device_memory_bytes: int) -> GpuSpec:
+    """A GpuSpec standing for the CPU under an emulated device cap (real CPU probes).
+
+    Its speeds only order the first probes; the search rescales predictions by what the
+    probes measure. Its memory is the emulated cap.
+
+    Args:
+        device_memory_bytes: The emulated device memory per rank (``--device-memory``).
+
+    Returns:
+        The spec, keyed ``cpu``.
+    """
+    return GpuSpec(
+        key="cpu",
+        name="CPU (emulated device memory)",
+        memory_bytes=device_memory_bytes,
+        peak_flops={"bf16": 1e11, "fp16": 1e11, "fp32": 1e11},
+        hbm_bandwidth=20e9,
+        intra_node_bandwidth=5e9,
+        host_link_bandwidth=20e9,
+        inter_node_bandwidth=1e9,
+        form_factor="pcie",
+    )

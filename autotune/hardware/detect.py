@@ -14,8 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from autotune.hardware.catalogue import _SPECS
-from autotune.hardware.lookup import _driver_key, lookup_gpu
+from autotune.hardware.lookup import driver_spec, lookup_gpu
 from autotune.hardware.specs import GpuSpec
 
 
@@ -41,8 +40,7 @@ class GpuInfo:
         The memory size picks the variant where the name does not (V100 16GB or 32GB).  The
         spec's ``memory_bytes`` is the catalogue's; ``self.memory_bytes`` is what was measured.
         """
-        key = _driver_key(self.name, self.memory_bytes)
-        return None if key is None else _SPECS[key]
+        return driver_spec(self.name, self.memory_bytes)
 
 
 def _visible_entries() -> list[str] | None:
@@ -104,8 +102,8 @@ def detect_gpus() -> GpuInfo | None:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
     key = lookup_gpu(name, memory_bytes=memory)
-    spec_key = _driver_key(name, memory)
-    peaks = dict(_SPECS[spec_key].peak_flops) if spec_key else {}
+    spec = driver_spec(name, memory)
+    peaks = dict(spec.peak_flops) if spec is not None else {}
     return GpuInfo(
         name=name, memory_bytes=memory, count=len(entries), peak_flops=peaks, catalogue_key=key
     )

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from autotune.hardware.catalogue import _NET_100G
-from autotune.hardware.specs import _DTYPES, _FORM_FACTORS, GpuSpec, _canonical_dtype
+from autotune.hardware.catalogue import DEFAULT_INTER_NODE_BANDWIDTH
+from autotune.hardware.specs import DTYPES, FORM_FACTORS, GpuSpec, canonical_dtype
 from autotune.units import parse_size
 
 _T = TypeVar("_T")
@@ -133,9 +133,9 @@ def _parse_peaks(value: object) -> dict[str, float]:
         )
     peaks: dict[str, float] = {}
     for dtype, rate in value.items():
-        canonical = _canonical_dtype(dtype)
+        canonical = canonical_dtype(dtype)
         if canonical is None:
-            raise _FieldError(f"unknown dtype {dtype!r}, expected one of {', '.join(_DTYPES)}")
+            raise _FieldError(f"unknown dtype {dtype!r}, expected one of {', '.join(DTYPES)}")
         try:
             peaks[canonical] = _parse_flops(rate)
         except _FieldError as exc:
@@ -178,7 +178,7 @@ def load_gpu_file(path: str | os.PathLike[str]) -> GpuSpec:
     if "memory" in data and "memory_bytes" in data:
         raise fail("memory", "give either 'memory' or 'memory_bytes', not both")
     data.setdefault("key", Path(path).stem.lower())
-    data.setdefault("inter_node_bandwidth", _NET_100G)
+    data.setdefault("inter_node_bandwidth", DEFAULT_INTER_NODE_BANDWIDTH)
     if "memory_bytes" in data:
         data["memory"] = data.pop("memory_bytes")
 
@@ -191,7 +191,7 @@ def load_gpu_file(path: str | os.PathLike[str]) -> GpuSpec:
         except _FieldError as exc:
             raise fail(name, str(exc)) from None
 
-    form_factor = _FORM_FACTORS.get(get("form_factor", _parse_text).lower())
+    form_factor = FORM_FACTORS.get(get("form_factor", _parse_text).lower())
     if form_factor is None:
         raise fail("form_factor", f"expected 'sxm' or 'pcie', got {data['form_factor']!r}")
     return GpuSpec(

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import re
 
-from autotune.hardware.catalogue import _SPEC_LIST, _SPECS
+from autotune.hardware.catalogue import SPECS
 from autotune.hardware.gpufile import load_gpu_file
-from autotune.hardware.specs import _DTYPES, _GIB, _MIB, GpuSpec
+from autotune.hardware.specs import DTYPES, GpuSpec
+from autotune.units import GIB, MIB
 
 # lookup_gpu's family keys (kept for GpuInfo.catalogue_key and older callers) onto spec keys.
 # A100 and V100 families are refined by _driver_key, which sees the PCIe marker and memory.
@@ -106,7 +107,7 @@ def lookup_gpu(name: str, *, memory_bytes: int | None = None) -> str | None:
         if pattern.search(normalised):
             return key
     if re.search(r"\bA100\b", normalised):
-        large = memory_bytes is not None and memory_bytes > 48 * _GIB
+        large = memory_bytes is not None and memory_bytes > 48 * GIB
         return "A100-80GB" if large else "A100-40GB"
     return None
 
@@ -123,16 +124,31 @@ def _driver_key(name: str, memory_bytes: int | None) -> str | None:
     if family in ("V100-SXM", "V100-PCIE"):
         # Both sizes share a name up to "16GB"/"32GB"; the memory reading is the surer sign.
         if memory_bytes is not None:
-            small = memory_bytes < 24 * _GIB
+            small = memory_bytes < 24 * GIB
         else:
             small = re.search(r"\b16GB\b", normalised) is not None
         return f"v100-{16 if small else 32}gb" + ("-pcie" if family == "V100-PCIE" else "")
     return _FAMILY_KEYS[family]
 
 
+def driver_spec(name: str, memory_bytes: int | None = None) -> GpuSpec | None:
+    """The catalogue entry for a driver-reported name, or None for a GPU it does not know.
+
+    Args:
+        name: The name from NVML / ``nvidia-smi``, e.g. ``NVIDIA A100-SXM4-80GB``.
+        memory_bytes: Total device memory when measured: it picks the variant where the name
+            does not (V100 16GB or 32GB, A100 40GB or 80GB).
+
+    Returns:
+        The spec (shared: copy ``peak_flops`` before changing it), or None.
+    """
+    key = _driver_key(name, memory_bytes)
+    return None if key is None else SPECS[key]
+
+
 def gpu_keys() -> list[str]:
     """The catalogue's keys, in catalogue order (newest NVIDIA data-centre parts first)."""
-    return list(_SPECS)
+    return list(SPECS)
 
 
 _GPU_FILE_HELP = "describe another GPU in a .toml file and pass its path (see docs/gpus.md)"
@@ -160,7 +176,7 @@ def gpu_spec(key_or_name: str | os.PathLike[str]) -> GpuSpec:
     if text.lower().endswith(".toml"):
         return load_gpu_file(text)
     lowered = text.lower()
-    key = lowered if lowered in _SPECS else _ALIASES.get(lowered)
+    key = lowered if lowered in SPECS else _ALIASES.get(lowered)
     # Driver names have spaces ("NVIDIA H100 80GB HBM3"); a one-word name that is no key is a
     # mistyped key, and the driver rules would quietly read "h100-94gb" as the H100 80GB.
     if key is None and " " in text:
@@ -170,7 +186,7 @@ def gpu_spec(key_or_name: str | os.PathLike[str]) -> GpuSpec:
             f"unknown GPU {key_or_name!r}: known keys are {', '.join(gpu_keys())}; "
             + _GPU_FILE_HELP
         )
-    return _SPECS[key]
+    return SPECS[key]
 
 
 def peak_flops_for(name: str, dtype: str) -> float | None:
@@ -185,8 +201,8 @@ def peak_flops_for(name: str, dtype: str) -> float | None:
         FLOP/s, or None when the GPU or the dtype's tensor path is unknown (e.g. bf16 on V100).
     """
     lowered = name.strip().lower()
-    key = lowered if lowered in _SPECS else _ALIASES.get(lowered) or _driver_key(name, None)
-    return None if key is None else _SPECS[key].peak(dtype)
+    key = lowered if lowered in SPECS else _ALIASES.get(lowered) or _driver_key(name, None)
+    return None if key is None else SPECS[key].peak(dtype)
 
 
 def catalogue_markdown() -> str:
@@ -205,7 +221,7 @@ def catalogue_markdown() -> str:
         "| intra-node GB/s | host link GB/s | network GB/s | form |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for spec in _SPEC_LIST:
+    for spec in SPECS.values():
         rates = (
             spec.hbm_bandwidth,
             spec.intra_node_bandwidth,
@@ -215,8 +231,8 @@ def catalogue_markdown() -> str:
         cells = [
             f"`{spec.key}`",
             spec.name,
-            f"{spec.memory_bytes / _MIB:g}",
-            *(tera(spec, dtype) for dtype in _DTYPES),
+            f"{spec.memory_bytes / MIB:g}",
+            *(tera(spec, dtype) for dtype in DTYPES),
             *(f"{rate / 1e9:g}" for rate in rates),
             spec.form_factor,
         ]

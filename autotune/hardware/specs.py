@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal
 
-_GIB = 1024**3
-_MIB = 1024**2
-_T = TypeVar("_T")
+from autotune.units import MIB
 
 FormFactor = Literal["sxm", "pcie"]
 """``sxm``: a module on a baseboard whose GPUs talk over a GPU fabric (NVIDIA SXM, and AMD's OAM,
 which plays the same role); ``pcie``: an add-in card, whose GPU-to-GPU traffic crosses PCIe."""
 
-_FORM_FACTORS: dict[str, FormFactor] = {"sxm": "sxm", "pcie": "pcie"}
+FORM_FACTORS: dict[str, FormFactor] = {"sxm": "sxm", "pcie": "pcie"}
+"""The form factors by their spelling in a GPU file."""
 
-_DTYPES = ("bf16", "fp16", "tf32", "fp32")
+DTYPES = ("bf16", "fp16", "tf32", "fp32")
+"""The dtypes a GPU's peak FLOP/s are given for, in the catalogue's column order."""
 
 _DTYPE_ALIASES: dict[str, str] = {
     "bf16": "bf16",
@@ -31,7 +31,7 @@ _DTYPE_ALIASES: dict[str, str] = {
 }
 
 
-def _canonical_dtype(dtype: str) -> str | None:
+def canonical_dtype(dtype: str) -> str | None:
     """``bf16``/``fp16``/``tf32``/``fp32`` for a dtype spelling (``torch.`` prefix ignored)."""
     return _DTYPE_ALIASES.get(dtype.lower().removeprefix("torch."))
 
@@ -76,7 +76,7 @@ class GpuSpec:
         Returns:
             FLOP/s, or None when the GPU has no fast path for the dtype (bf16 on V100).
         """
-        canonical = _canonical_dtype(dtype)
+        canonical = canonical_dtype(dtype)
         return None if canonical is None else self.peak_flops.get(canonical)
 
     def to_toml(self) -> str:
@@ -98,7 +98,7 @@ class GpuSpec:
             "[peak_flops]",
             *(
                 f"{dtype} = {_rate_value(self.peak_flops[dtype], 1e12, 'TFLOPS')}"
-                for dtype in _DTYPES
+                for dtype in DTYPES
                 if dtype in self.peak_flops
             ),
         ]
@@ -107,7 +107,7 @@ class GpuSpec:
 
 def _size_value(size: int) -> str:
     """A byte count as TOML: ``"81559MiB"`` when whole MiB (as nvidia-smi prints), else bytes."""
-    return json.dumps(f"{size // _MIB}MiB") if size % _MIB == 0 else str(size)
+    return json.dumps(f"{size // MIB}MiB") if size % MIB == 0 else str(size)
 
 
 def _rate_value(value: float, scale: float, unit: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import math
 import os
 import signal
 import statistics
@@ -27,7 +28,6 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from autotune.config import Precision
 from autotune.hardware import peak_flops_for
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.data import synthetic_batch
@@ -137,13 +137,7 @@ def _peak_flops(spec: ProbeSpec, device: torch.device) -> tuple[float | None, st
     if device.type != "cuda":
         return None, None
     name = torch.cuda.get_device_name(device)
-    dtype = {
-        Precision.BF16_MIXED: "bf16",
-        Precision.BF16: "bf16",
-        Precision.FP16_MIXED: "fp16",
-        Precision.FP32: "fp32",
-    }[spec.config.precision]
-    return peak_flops_for(name, dtype), name
+    return peak_flops_for(name, spec.config.precision.compute_dtype), name
 
 
 class _StepLoop:
@@ -223,7 +217,7 @@ def _size_result(
         optimizer_step_s=statistics.median(raw["optimizer_times"]),
         peak_flops=peak_flops,
     )
-    finite = all(map(_isfinite, losses))
+    finite = all(map(math.isfinite, losses))
     result: dict[str, Any] = {
         "micro_batch_size": mbs,
         "outcome": Outcome.OK.value,
@@ -236,10 +230,6 @@ def _size_result(
     if not finite:
         result.update(outcome=Outcome.ERROR.value, message="loss is not finite")
     return result
-
-
-def _isfinite(value: float) -> bool:
-    return value == value and abs(value) != float("inf")
 
 
 def _free_after_failure(trainee: Trainee | None, device: torch.device) -> None:

@@ -59,16 +59,31 @@ class Trainee(abc.ABC):
             param.grad = None
 
 
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+
+
+def torch_dtype(precision: Precision) -> torch.dtype:
+    """The torch dtype the matmuls run in under ``precision`` (its ``compute_dtype``)."""
+    return _TORCH_DTYPES[precision.compute_dtype]
+
+
+def cast_weights(model: nn.Module, precision: Precision) -> None:
+    """Pure bf16 keeps the weights themselves in bf16; the mixed precisions keep fp32 ones."""
+    if precision is Precision.BF16:
+        model.to(torch_dtype(precision))
+
+
 def autocast_context(
     config: TrainConfig, device: torch.device
 ) -> contextlib.AbstractContextManager:
     """Autocast for engines that keep fp32 weights and cast per op (single, ddp)."""
-    dtype = {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}.get(
-        config.precision
-    )
-    if dtype is None:
+    if config.precision not in (Precision.BF16_MIXED, Precision.FP16_MIXED):
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=torch_dtype(config.precision))
 
 
 class TorchTrainee(Trainee):

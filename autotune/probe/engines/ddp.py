@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from autotune.config import Engine, Precision
-from autotune.probe.engines.base import EngineContext, TorchTrainee, Trainee
+from autotune.config import Engine
+from autotune.probe.engines.base import EngineContext, TorchTrainee, Trainee, cast_weights
 from autotune.probe.modeling import build_model, materialize
 
 
@@ -22,8 +21,7 @@ def build_ddp(ctx: EngineContext) -> Trainee:
     """The model on one device, replicated with DDP unless the engine is ``single``."""
     model = build_model(ctx.model, ctx.config)
     materialize(model, ctx.device, seed=ctx.seed)
-    if ctx.config.precision is Precision.BF16:
-        model.to(torch.bfloat16)
+    cast_weights(model, ctx.config.precision)
     params = list(model.parameters())
     if ctx.config.engine is Engine.DDP:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None

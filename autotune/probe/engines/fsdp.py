@@ -17,7 +17,13 @@ from torch.distributed.fsdp import (
 )
 
 from autotune.config import Offload, Precision
-from autotune.probe.engines.base import EngineContext, TorchTrainee, Trainee
+from autotune.probe.engines.base import (
+    EngineContext,
+    TorchTrainee,
+    Trainee,
+    cast_weights,
+    torch_dtype,
+)
 from autotune.probe.modeling import build_model, decoder_blocks, materialize
 
 
@@ -29,12 +35,12 @@ class _FsdpTrainee(TorchTrainee):
 def build_fsdp(ctx: EngineContext) -> Trainee:
     """Shard the meta model block by block, then materialize only each rank's shard."""
     model = build_model(ctx.model, ctx.config)
-    if ctx.config.precision is Precision.BF16:
-        model.to(torch.bfloat16)
+    cast_weights(model, ctx.config.precision)
+    mixed = ctx.config.precision is Precision.BF16_MIXED
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if ctx.config.precision is Precision.BF16_MIXED else None,
+        param_dtype=torch_dtype(ctx.config.precision) if mixed else None,
         # NOTE: gradients are reduced in fp32, as torchtitan does, for accuracy at scale.
-        reduce_dtype=torch.float32 if ctx.config.precision is Precision.BF16_MIXED else None,
+        reduce_dtype=torch.float32 if mixed else None,
     )
     offload: OffloadPolicy = (
         # Pinned host memory needs an accelerator; on the CPU it is plain memory.
