@@ -173,20 +173,21 @@ def _cgroup_memory(root: Path, own: str) -> tuple[int, int] | None:
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def host_memory_bytes(*, cgroup_root: Path = _CGROUP_ROOT, cgroup: str | None = None) -> int:
-    """Host RAM this process may use: physical total, capped by a container memory limit.
+def _capped(host_bytes: int, which: int, cgroup_root: Path, cgroup: str | None) -> int:
+    """``host_bytes`` capped by the container's limit (``which`` 0) or headroom (1), if any.
 
-    Args:
-        cgroup_root: Where the cgroup filesystem is mounted (tests point it elsewhere).
-        cgroup: This process's cgroup path below the root; read from /proc when None.
-
-    Returns:
-        Bytes.
+    ``cgroup_root`` is where the cgroup filesystem is mounted (tests point it elsewhere),
+    ``cgroup`` this process's cgroup path below it, read from /proc when None.
     """
-    total = int(psutil.virtual_memory().total)
-    limits = _cgroup_memory(cgroup_root, _own_cgroup() if cgroup is None else cgroup)
+    found = _cgroup_memory(cgroup_root, _own_cgroup() if cgroup is None else cgroup)
     # cgroup v1 reports "unlimited" as a huge number near 2**63, which min() takes care of.
-    return min(total, limits[0]) if limits else total
+    return min(host_bytes, found[which]) if found else host_bytes
+
+
+def host_memory_bytes(*, cgroup_root: Path = _CGROUP_ROOT, cgroup: str | None = None) -> int:
+    """Host RAM this process may use in bytes: physical total, capped by a container memory
+    limit (``cgroup_root`` and ``cgroup`` as for ``host_available_bytes``)."""
+    return _capped(int(psutil.virtual_memory().total), 0, cgroup_root, cgroup)
 
 
 def host_available_bytes(*, cgroup_root: Path = _CGROUP_ROOT, cgroup: str | None = None) -> int:
@@ -199,6 +200,4 @@ def host_available_bytes(*, cgroup_root: Path = _CGROUP_ROOT, cgroup: str | None
     Returns:
         Bytes.
     """
-    available = int(psutil.virtual_memory().available)
-    limits = _cgroup_memory(cgroup_root, _own_cgroup() if cgroup is None else cgroup)
-    return min(available, limits[1]) if limits else available
+    return _capped(int(psutil.virtual_memory().available), 1, cgroup_root, cgroup)

@@ -64,41 +64,45 @@ def _positive_number(value: object) -> float | None:
     return float(value)
 
 
-def _parse_rate(value: object) -> float:
-    """Bytes/s from a number or a string such as ``"960GB/s"``, ``"3.35 TB/s"``, ``"400Gb/s"``."""
+def _quantity(
+    value: object,
+    pattern: re.Pattern[str],
+    expected: str,
+    unit: Callable[[re.Match[str]], float],
+) -> float:
+    """A positive number as it is, or a string matching ``pattern``: its number times what
+    ``unit`` makes of the match.  ``expected`` says what was wanted when neither fits."""
     number = _positive_number(value)
     if number is not None:
         return number
-    match = _RATE_RE.match(value) if isinstance(value, str) else None
+    match = pattern.match(value) if isinstance(value, str) else None
     if match is None:
-        raise _FieldError(
-            f"expected bytes/s as a number or a string like '960GB/s', '3.35TB/s' or "
-            f"'400Gb/s' (bits), got {value!r}"
-        )
+        raise _FieldError(f"expected {expected}, got {value!r}")
+    quantity = float(match["num"]) * unit(match)
+    if quantity <= 0:
+        raise _FieldError(f"must be positive, got {value!r}")
+    return quantity
+
+
+def _rate_unit(match: re.Match[str]) -> float:
+    """Bytes/s in one unit of a rate: SI or binary prefix, bytes (``B``) or bits (``b``)."""
     prefix = match["prefix"].lower()
     if match["binary"] and prefix not in _BINARY_PREFIX:
-        raise _FieldError(f"unknown unit in {value!r}")
+        raise _FieldError(f"unknown unit in {match.string!r}")
     scale = _BINARY_PREFIX[prefix] if match["binary"] else _SI_PREFIX[prefix]
-    rate = float(match["num"]) * scale / (1 if match["unit"] == "B" else 8)
-    if rate <= 0:
-        raise _FieldError(f"must be positive, got {value!r}")
-    return rate
+    return scale / (1 if match["unit"] == "B" else 8)
+
+
+def _parse_rate(value: object) -> float:
+    """Bytes/s from a number or a string such as ``"960GB/s"``, ``"3.35 TB/s"``, ``"400Gb/s"``."""
+    expected = "bytes/s as a number or a string like '960GB/s', '3.35TB/s' or '400Gb/s' (bits)"
+    return _quantity(value, _RATE_RE, expected, _rate_unit)
 
 
 def _parse_flops(value: object) -> float:
     """FLOP/s from a number or a string such as ``"362 TFLOPS"`` or ``"91.6TFLOP/s"``."""
-    number = _positive_number(value)
-    if number is not None:
-        return number
-    match = _FLOPS_RE.match(value) if isinstance(value, str) else None
-    if match is None:
-        raise _FieldError(
-            f"expected FLOP/s as a number or a string like '362TFLOPS', got {value!r}"
-        )
-    flops = float(match["num"]) * _SI_PREFIX[match["prefix"].lower()]
-    if flops <= 0:
-        raise _FieldError(f"must be positive, got {value!r}")
-    return flops
+    expected = "FLOP/s as a number or a string like '362TFLOPS'"
+    return _quantity(value, _FLOPS_RE, expected, lambda match: _SI_PREFIX[match["prefix"].lower()])
 
 
 def _parse_memory(value: object) -> int:

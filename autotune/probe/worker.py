@@ -9,6 +9,7 @@ MASTER_PORT), so ``torchrun -m autotune.probe.worker DIR`` runs it too.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -241,112 +242,185 @@ def _free_after_failure(trainee: Trainee | None, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run(probe_dir: Path) -> int:
-    """Run this rank's part of the probe in ``probe_dir``; returns the exit code."""
+@dataclass(kw_only=True, slots=True)
+class _Probe:
+    """What the start step sets up: the spec, this rank's place, its report and memory meter."""
+
+    spec: ProbeSpec
+    rank: _Rank
+    report: _Report
+    meter: MemoryMeter
+
+
+@dataclass(kw_only=True, slots=True)
+class _Built:
+    """What the build step makes: the model's description and the engine's trainee."""
+
+    model: ModelSpec
+    trainee: Trainee
+    peak_flops: float | None
+
+
+def _limit_memory(
+    spec: ProbeSpec, rank: _Rank, stack: contextlib.ExitStack
+) -> LiveTensorBytes | None:
+    """Cap device memory: the CUDA allocator's fraction, or on the CPU a tensor byte counter
+    entered on ``stack`` (it also gives the CPU's readings when there is no cap)."""
+    if rank.device.type == "cuda":
+        if spec.device_memory_bytes is not None:
+            apply_cuda_limit(spec.device_memory_bytes, rank.device)
+        return None
+    tracker = stack.enter_context(LiveTensorBytes(spec.device_memory_bytes))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.world_size))
+    return tracker
+
+
+def _start(probe_dir: Path, stack: contextlib.ExitStack) -> _Probe | None:
+    """Read the spec, place this rank and cap its memory; None when that failed (reported)."""
     started = float(os.environ.get("AUTOTUNE_SPAWN_TIME") or psutil.Process().create_time())
     spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
     rank_index = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     report = _Report(probe_dir / f"rank{rank_index}.json", rank_index, world_size)
     report.update(import_s=time.time() - started)
-    tracker = None
     try:
         rank = _place_rank(spec, rank_index, world_size)
         report.update(device=str(rank.device))
-        if rank.device.type == "cuda":
-            if spec.device_memory_bytes is not None:
-                apply_cuda_limit(spec.device_memory_bytes, rank.device)
-        else:
-            tracker = LiveTensorBytes(spec.device_memory_bytes)
-            tracker.__enter__()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.world_size))
+        tracker = _limit_memory(spec, rank, stack)
     except Exception as error:
         report.update(traceback=traceback.format_exc())
         report.fail(_failure(error, Stage.STARTUP))
-        return 1
+        return None
     meter = MemoryMeter(
         device=rank.device, tracker=tracker, emulated_limit_bytes=spec.device_memory_bytes
     )
-    failure: _Failure | None = None
-    trainee: Trainee | None = None
+    return _Probe(spec=spec, rank=rank, report=report, meter=meter)
+
+
+def _join_process_group(spec: ProbeSpec, rank: _Rank) -> None:
+    """Join the ranks' process group (NCCL on GPUs, gloo on the CPU) if the engine needs one."""
+    if not spec.config.is_distributed or dist.is_initialized():
+        return
+    cuda = rank.device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        timeout=timedelta(seconds=max(60.0, spec.timeout_s)),
+        device_id=rank.device if cuda else None,
+    )
+
+
+def _engine_context(spec: ProbeSpec, model: ModelSpec, rank: _Rank) -> EngineContext:
+    return EngineContext(
+        model=model,
+        config=spec.config,
+        device=rank.device,
+        rank=rank.rank,
+        world_size=rank.world_size,
+        micro_batch_size=spec.micro_batch_sizes[0],
+        grad_accum=spec.grad_accum,
+        lr=spec.lr,
+        seed=spec.seed,
+    )
+
+
+def _build(probe: _Probe) -> _Built | None:
+    """Join the process group and build the engine; None when that failed (reported)."""
+    spec, rank, report = probe.spec, probe.rank, probe.report
     try:
         model = resolve_model(spec.model)
-        if spec.config.is_distributed and not dist.is_initialized():
-            dist.init_process_group(
-                "nccl" if rank.device.type == "cuda" else "gloo",
-                timeout=timedelta(seconds=max(60.0, spec.timeout_s)),
-                device_id=rank.device if rank.device.type == "cuda" else None,
-            )
+        _join_process_group(spec, rank)
         began = now()
-        trainee = build_trainee(
-            EngineContext(
-                model=model,
-                config=spec.config,
-                device=rank.device,
-                rank=rank.rank,
-                world_size=rank.world_size,
-                micro_batch_size=spec.micro_batch_sizes[0],
-                grad_accum=spec.grad_accum,
-                lr=spec.lr,
-                seed=spec.seed,
-            )
-        )
+        trainee = build_trainee(_engine_context(spec, model, rank))
         synchronize(rank.device)
         peak_flops, gpu_name = _peak_flops(spec, rank.device)
         report.update(
             build_s=now() - began,
-            build_memory=meter.read(),
+            build_memory=probe.meter.read(),
             gpu_name=gpu_name,
             peak_flops=peak_flops,
             num_params=model.num_params,
         )
+        return _Built(model=model, trainee=trainee, peak_flops=peak_flops)
     except Exception as error:
         failure = _failure(error, Stage.BUILD)
         report.update(traceback=traceback.format_exc())
-    if failure is not None or trainee is None:
-        assert failure is not None
-        report.fail(failure)
-        return 1
+    report.fail(failure)
+    return None
 
-    loop = _StepLoop(spec, model, rank, trainee)
-    sizes: list[dict[str, Any]] = report.data["sizes"]
+
+def _record_size(probe: _Probe, built: _Built, mbs: int, raw: dict[str, Any]) -> None:
+    """Add a measured micro-batch size to the report (and say it on rank 0)."""
+    sizes: list[dict[str, Any]] = probe.report.data["sizes"]
+    result = _size_result(probe.spec, built.model, mbs, raw, built.peak_flops)
+    sizes.append({**result, **probe.meter.read()})
+    probe.report.write()
+    if probe.rank.rank == 0:
+        last = sizes[-1]
+        print(
+            f"micro-batch {mbs}: {last['tokens_per_second']:.1f} tokens/s, "
+            f"loss {last['losses'][0]:.3f} -> {last['losses'][-1]:.3f}",
+            flush=True,
+        )
+
+
+def _record_failure(probe: _Probe, built: _Built, mbs: int, failure: _Failure) -> None:
+    """Free what the failed size held, then add it to the report as failed."""
+    _free_after_failure(built.trainee, probe.rank.device)
+    probe.report.data["sizes"].append(
+        {
+            "micro_batch_size": mbs,
+            "outcome": failure.outcome.value,
+            "stage": failure.stage.value,
+            "message": failure.message,
+            **probe.meter.read(),
+        }
+    )
+    probe.report.fail(failure)
+
+
+def _measure_size(probe: _Probe, built: _Built, loop: _StepLoop, mbs: int) -> _Failure | None:
+    """Measure one micro-batch size into the report; how it failed, or None."""
+    try:
+        raw = loop.run(mbs, probe.meter)
+    except Exception as error:
+        failure = _failure(error, loop.stage)
+        probe.report.update(traceback=traceback.format_exc())
+    else:
+        _record_size(probe, built, mbs, raw)
+        return None
+    # Out of the except block: no traceback frame pins the failed step's memory any more.
+    _record_failure(probe, built, mbs, failure)
+    return failure
+
+
+def _measure(probe: _Probe, built: _Built) -> int:
+    """Measure each micro-batch size; on one rank an OOM skips the sizes above it."""
+    loop = _StepLoop(probe.spec, built.model, probe.rank, built.trainee)
     failed_size: int | None = None
-    for mbs in spec.micro_batch_sizes:
+    for mbs in probe.spec.micro_batch_sizes:
         if failed_size is not None and mbs >= failed_size:
             continue  # memory only grows with the micro-batch: it cannot fit either
-        try:
-            raw = loop.run(mbs, meter)
-        except Exception as error:
-            failure = _failure(error, loop.stage)
-            report.update(traceback=traceback.format_exc())
-        if failure is not None:
-            _free_after_failure(trainee, rank.device)
-            sizes.append(
-                {
-                    "micro_batch_size": mbs,
-                    "outcome": failure.outcome.value,
-                    "stage": failure.stage.value,
-                    "message": failure.message,
-                    **meter.read(),
-                }
-            )
-            report.fail(failure)
-            if failure.outcome is not Outcome.OOM or rank.world_size > 1:
-                return 1
-            failed_size, failure = mbs, None
+        failure = _measure_size(probe, built, loop, mbs)
+        if failure is None:
             continue
-        sizes.append({**_size_result(spec, model, mbs, raw, peak_flops), **meter.read()})
-        report.write()
-        if rank.rank == 0:
-            last = sizes[-1]
-            print(
-                f"micro-batch {mbs}: {last['tokens_per_second']:.1f} tokens/s, "
-                f"loss {last['losses'][0]:.3f} -> {last['losses'][-1]:.3f}",
-                flush=True,
-            )
+        if failure.outcome is not Outcome.OOM or probe.rank.world_size > 1:
+            return 1
+        failed_size = mbs
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def run(probe_dir: Path) -> int:
+    """Run this rank's part of the probe in ``probe_dir``; returns the exit code."""
+    with contextlib.ExitStack() as stack:  # holds the CPU's tensor byte counter
+        probe = _start(probe_dir, stack)
+        if probe is None:
+            return 1
+        built = _build(probe)
+        if built is None:
+            return 1
+        return _measure(probe, built)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,12 +8,14 @@ hang, error) injected with ``AUTOTUNE_TEST_FAULT``. After each probe no process 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import (
     PROBE_DEFAULTS,
     SIZE_FIELDS,
@@ -23,8 +25,10 @@ from conftest import (
     probe_processes,
     read_json,
 )
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autotune.config import Engine, TrainConfig
+from autotune.probe import worker
 from autotune.probe.launcher import launch_probe, rank_environment
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult
@@ -289,6 +293,30 @@ def test_startup_failure_is_reported_with_its_stage(run_probe: RunProbe) -> None
     assert "no GPU is visible" in result.message
     assert result.device == "cuda"
     assert read_json(result.probe_dir / "rank0.json")["status"] == "error"
+
+
+@pytest.mark.parametrize("builds", [True, False], ids=["ok", "build-error"])
+def test_worker_exits_its_tensor_counter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, builds: bool
+) -> None:
+    """A CPU rank run in this process leaves its tensor byte counter exited however it ends:
+    no dispatch mode left on the stack, ``UntypedStorage.resize_`` the original again."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", FAULT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    model = "tiny" if builds else str(tmp_path / "no-such-model")
+    spec = ProbeSpec(**{**PROBE_DEFAULTS, "model": model, "device_memory_bytes": 2**30})
+    (tmp_path / "config.json").write_text(json.dumps(spec.to_dict()))
+    resize = torch.UntypedStorage.resize_
+    threads = torch.get_num_threads()
+    try:
+        code = worker.run(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    report = read_json(tmp_path / "rank0.json")
+    assert (code, report["status"]) == ((0, "ok") if builds else (1, "error")), report
+    assert report["stage"] == (None if builds else Stage.BUILD.value)
+    assert _get_current_dispatch_mode_stack() == []
+    assert torch.UntypedStorage.resize_ is resize
 
 
 def test_each_python_environment_gets_its_own_deepspeed_op_cache(
