@@ -1,0 +1,36 @@
+"""autotune: finds the fastest training configuration that fits your GPUs.
+
+    import autotune
+
+    summary = autotune.tune("llama-7b", budget="30m", seq_len=4096, global_batch=512)
+    print(summary.best.config.label(), summary.best.micro_batch_size)
+
+The library (:mod:`autotune.api`) is loaded on first use, so that ``import autotune.config``
+and the command line's ``--help`` stay instant; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autotune.api import Plan, StudyResult, Tuning, best, plan, prepare, probe, trials, tune
+
+__all__ = [
+    "Plan",
+    "StudyResult",
+    "Tuning",
+    "best",
+    "plan",
+    "prepare",
+    "probe",
+    "trials",
+    "tune",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("autotune.api"), name)
+    raise AttributeError(f"module 'autotune' has no attribute {name!r}")

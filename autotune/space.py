@@ -94,6 +94,7 @@ def configurations(
     engines: Iterable[Engine] | None = None,
     precision: Precision = Precision.BF16_MIXED,
     attention: Attention = Attention.SDPA,
+    offload: bool = True,
 ) -> list[TrainConfig]:
     """Every valid configuration for ``world_size`` GPUs, sorted in ladder order.
 
@@ -104,14 +105,16 @@ def configurations(
             stay in as the no-sharding rung unless excluded by naming others only.
         precision: The user's precision (bf16-mixed unless the GPU lacks bf16).
         attention: The attention kernel.
+        offload: Include the CPU-offload rungs (not where there is no host to offload to,
+            as on a CPU emulating a device).
 
     Returns:
         Configurations, cheapest rung first.
     """
     allowed = set(engines) if engines is not None else set(Engine)
     found: list[TrainConfig] = []
-    for engine, stage, offload in _sharding(world_size):
-        if engine not in allowed:
+    for engine, stage, where in _sharding(world_size):
+        if engine not in allowed or (where is not Offload.NONE and not offload):
             continue
         for ac in ac_options(num_layers):
             try:
@@ -121,7 +124,7 @@ def configurations(
                         zero_stage=stage,
                         precision=precision,
                         ac_every=ac,
-                        offload=offload,
+                        offload=where,
                         attention=attention,
                     )
                 )

@@ -150,6 +150,26 @@ def parse_duration(text: str) -> float:
     return total
 
 
+def parse_fraction(text: str, what: str = "fraction") -> float:
+    """Parse a share of something: ``10%`` or ``0.1``, from 0 (inclusive) to 1 (exclusive).
+
+    Args:
+        text: The fraction as typed by a user.
+        what: What the fraction is of, for the error message (``headroom``).
+
+    Raises:
+        ValueError: If ``text`` is not a fraction in [0, 1); the message quotes the input.
+    """
+    value = text.strip()
+    try:
+        fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise ValueError(f"invalid {what} {text!r}: use a percentage like 10%") from None
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"{what} {text!r} must be between 0% and 100%")
+    return fraction
+
+
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
 

@@ -81,7 +81,7 @@ def measure(root: Path) -> list[dict[str, Any]]:
                 result = launch_probe(spec, root / f"probe{len(rows)}", spawner=server)
                 report = json.loads((result.probe_dir / "rank0.json").read_text())
                 build = report.get("build_memory", {}).get("peak_allocated_bytes")
-                step = result.sizes[0].get("peak_allocated_bytes") if result.sizes else None
+                step = result.sizes[0].peak_allocated_bytes if result.sizes else None
                 rows.append(
                     {
                         "config": config.label(),

@@ -43,12 +43,17 @@ def machine() -> dict[str, Any]:
 def phases(result: ProbeResult) -> dict[str, float]:
     """Seconds per phase of a single-size probe."""
     size = result.sizes[0]
-    known = (result.import_s or 0) + (result.build_s or 0) + size["warmup_s"] + size["timed_s"]
+    known = (
+        (result.import_s or 0)
+        + (result.build_s or 0)
+        + (size.warmup_s or 0.0)
+        + (size.timed_s or 0.0)
+    )
     return {
         "start_s": result.import_s or 0.0,
         "build_s": result.build_s or 0.0,
-        "warmup_s": size["warmup_s"],
-        "timed_s": size["timed_s"],
+        "warmup_s": (size.warmup_s or 0.0),
+        "timed_s": (size.timed_s or 0.0),
         "launcher_and_exit_s": result.wall_s - known,
         "wall_s": result.wall_s,
     }
@@ -101,7 +106,7 @@ def main() -> None:
             for m in sizes
         ]
         per_size = time.monotonic() - started
-        outcomes = [s["outcome"] for s in swept.sizes] + [r.outcome.value for r in separate]
+        outcomes = [s.outcome.value for s in swept.sizes] + [r.outcome.value for r in separate]
         return one_process, per_size, outcomes
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -39,16 +39,16 @@ from typing import Any
 
 import optuna
 
+from autotune.api import prepare
 from autotune.config import Engine, TrainConfig
+from autotune.devices import SimulatedDevice
 from autotune.estimator.memory import estimate_memory
-from autotune.estimator.plan import PlanRow, plan, usable_bytes
-from autotune.estimator.simulate import SimulatedDevice
+from autotune.estimator.plan import usable_bytes
 from autotune.estimator.timing import predict_step_time
 from autotune.models import resolve_model
 from autotune.probe import ProbeSpec
-from autotune.search.controller import Controller, Event
+from autotune.search.controller import Event
 from autotune.space import Workload, configurations, micro_batch_options
-from autotune.study import Fingerprint, TrialStore
 
 SCENARIOS: list[tuple[str, str, int, int, int]] = [
     # model, GPU, GPUs, sequence length, global batch (sequences)
@@ -88,7 +88,6 @@ class Scenario:
     gpu_name: str
     workload: Workload
     device: SimulatedDevice
-    rows: list[PlanRow]
     oracle: float
     capacity: int
 
@@ -103,8 +102,7 @@ class Scenario:
 def _scenario(name: str, gpu: str, world: int, seq: int, gbs: int, seed: int) -> Scenario:
     device = SimulatedDevice.named(gpu, seed=seed, noise=NOISE, model_error=MODEL_ERROR)
     workload = Workload(seq_len=seq, global_batch=gbs, world_size=world)
-    rows = plan(resolve_model(name), device.gpu, workload)
-    s = Scenario(name, gpu, workload, device, rows, 0.0, usable_bytes(device.gpu))
+    s = Scenario(name, gpu, workload, device, 0.0, usable_bytes(device.gpu))
     # The oracle enumerates every configuration and size on the simulated GPU's truth.
     sizes = micro_batch_options(workload)
     s.oracle = max(true_value(s, config, mbs) for config in _space(s) for mbs in sizes)
@@ -152,14 +150,14 @@ class _Prober:
             model=self.s.model_name, config=config, micro_batch_sizes=(mbs,),
             seq_len=w.seq_len, num_processes=w.world_size, device="cuda",
         )  # fmt: skip
-        result = self.s.device.launch_probe(spec, self.tmp / f"p{len(self.trace.seconds)}")
+        result = self.s.device.launch(spec, self.tmp / f"p{len(self.trace.seconds)}")
         self.elapsed += result.wall_s
         value = 0.0
         ok = result.ok_sizes()
         if ok:
             entry = ok[0]
             accum = w.grad_accum(mbs)
-            step = accum * entry["micro_step_s"] + entry["optimizer_step_s"]
+            step = accum * (entry.micro_step_s or 0.0) + (entry.optimizer_step_s or 0.0)
             value = mbs * w.seq_len * accum * w.world_size / step
             if self.best is None or value > self.best[0]:
                 self.best = (value, (config, mbs))
@@ -227,12 +225,12 @@ def run_sampler(s: Scenario, tmp: Path, limit: int, sampler: optuna.samplers.Bas
 
 
 def run_autotune(s: Scenario, tmp: Path, limit: int) -> Trace:
-    name, w = s.model_name, s.workload
-    fingerprint = Fingerprint(
-        model=name, seq_len=w.seq_len, global_batch=w.global_batch, gpu=s.gpu_name,
-        gpu_memory_bytes=s.device.gpu.memory_bytes, gpus=w.world_size, device="simulated",
+    w = s.workload
+    tuning = prepare(
+        s.model_name, budget=1e9, seq_len=w.seq_len, global_batch=w.global_batch,
+        gpus=w.world_size, device=s.device, storage=f"sqlite:///{tmp}/study.db",
+        trials_dir=tmp / "trials",
     )  # fmt: skip
-    store = TrialStore(fingerprint, w, storage=f"sqlite:///{tmp}/study.db")
     trace = Trace([], [])
     elapsed = [0.0]
 
@@ -243,11 +241,7 @@ def run_autotune(s: Scenario, tmp: Path, limit: int) -> Trace:
             trace.choices.append((best.config, best.micro_batch_size) if best else None)
             trace.seconds.append(elapsed[0])
 
-    Controller(
-        model=resolve_model(name), model_ref=name, workload=w, store=store, rows=s.rows,
-        runner=s.device.launch_probe, budget_s=1e9, trials_dir=tmp / "trials", device="cuda",
-        device_memory_bytes=None, capacity_bytes=s.capacity, simulated=True, on_event=on_event,
-    ).run()  # fmt: skip
+    tuning.run(on_event)
     return trace
 
 

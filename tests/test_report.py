@@ -7,28 +7,22 @@ from pathlib import Path
 
 from rich.console import Console
 
-from autotune.estimator.plan import plan
-from autotune.estimator.simulate import SimulatedDevice
-from autotune.models import resolve_model
-from autotune.probe import ProbeSpec
-from autotune.report.live import RunView, best_table
-from autotune.search.controller import Controller
-from autotune.space import Workload
-from autotune.study import Fingerprint, TrialStore
+from autotune.api import prepare
+from autotune.devices import SimulatedDevice
+from autotune.report.live import RunView
+from autotune.report.tables import ranking_table
 
 
 def test_the_view_follows_the_search_and_the_table_ranks_what_fits(tmp_path: Path) -> None:
-    device = SimulatedDevice.named("a100-40gb", seed=2)
-    model, work = resolve_model("llama-13b"), Workload(seq_len=2048, global_batch=256, world_size=8)
-    fingerprint = Fingerprint(
-        model="llama-13b", seq_len=2048, global_batch=256, gpu="a100-40gb",
-        gpu_memory_bytes=device.gpu.memory_bytes, gpus=8, device="simulated",
+    tuning = prepare(
+        "llama-13b", budget="30m", seq_len=2048, global_batch=256, gpus=8,
+        device=SimulatedDevice.named("a100-40gb", seed=2),
+        storage=f"sqlite:///{tmp_path}/t.db", trials_dir=tmp_path / "trials",
     )  # fmt: skip
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120, color_system=None)
     view = RunView(console, budget_s=1800.0, simulated=True, live=True)
     frames: list[str] = []
-    capacity = device.capacity(ProbeSpec(model="llama-13b"))
 
     def watch(event: object) -> None:
         view(event)  # type: ignore[arg-type]
@@ -36,15 +30,8 @@ def test_the_view_follows_the_search_and_the_table_ranks_what_fits(tmp_path: Pat
         frame.print(view)
         frames.append(frame.file.getvalue())  # type: ignore[attr-defined]
 
-    controller = Controller(
-        model=model, model_ref="llama-13b", workload=work,
-        store=TrialStore(fingerprint, work, storage=f"sqlite:///{tmp_path}/t.db"),
-        rows=plan(model, device.gpu, work), runner=device.launch_probe, budget_s=1800.0,
-        trials_dir=tmp_path / "trials", device="cuda", device_memory_bytes=None,
-        capacity_bytes=capacity, simulated=True, on_event=watch,
-    )  # fmt: skip
     with view:
-        summary = controller.run()
+        summary = tuning.run(watch)
     assert summary.best is not None and summary.probes >= 2
     # While probing: what runs, and the budget; after a result: its outcome and the best.
     first_probe = frames[0]
@@ -62,12 +49,12 @@ def test_the_view_follows_the_search_and_the_table_ranks_what_fits(tmp_path: Pat
     assert log.count(": a near-tie with the best") == len(remeasured)
     assert any("re-measure 1" in frame for frame in frames) == bool(remeasured)
     # The table: each configuration's best feasible size, fastest first, peaks within capacity.
-    table = best_table(summary, capacity)
+    table = ranking_table(summary.measurements, tuning.capacity_bytes)
     cells = table.columns[4]._cells
     values = [float(v.split()[0].replace(",", "")) for v in cells]
     assert values == sorted(values, reverse=True)
     assert values[0] == round(summary.best.value or 0)
-    repeats = summary.best.attrs["repeats"] if summary.best else 1
+    repeats = summary.best.repeats if summary.best else 1
     assert ("(mean of" in cells[0]) == (repeats > 1)
     labels = table.columns[1]._cells
     assert len(labels) == len(set(labels))

@@ -67,6 +67,8 @@ class PlanRow:
     speeds: Mapping[int, float] = field(default_factory=dict)
     """Predicted tokens/s at every micro-batch of the workload, fitting or not (the search
     weighs the sizes that may fit where the memory prediction may be off)."""
+    mfus: Mapping[int, float] = field(default_factory=dict)
+    """Predicted MFU at every micro-batch of the workload (empty without a peak FLOP/s)."""
 
     def peak_at(self, micro_batch_size: int) -> float:
         """Predicted peak bytes at a micro-batch (between listed sizes: linear in it)."""
@@ -113,6 +115,7 @@ def plan(
     gpus_per_node: int = 8,
     reserve: int = DEVICE_RESERVE_BYTES,
     headroom: float = 0.0,
+    offload: bool = True,
 ) -> list[PlanRow]:
     """Every configuration of the space, fastest fitting first, then the nearest misses.
 
@@ -126,6 +129,7 @@ def plan(
         gpus_per_node: GPUs sharing a node's fast links.
         reserve: Device bytes kept back (see DEVICE_RESERVE_BYTES).
         headroom: Fraction of memory a fitting configuration must leave free.
+        offload: Include the CPU-offload configurations.
 
     Returns:
         One row per configuration.
@@ -139,6 +143,7 @@ def plan(
         engines=engines,
         precision=precision or default_precision(gpu),
         attention=attention,
+        offload=offload,
     ):
 
         def peak(mbs: int, config: TrainConfig = config) -> MemoryEstimate:
@@ -176,6 +181,7 @@ def plan(
                 time=times[best] if fitting else None,
                 peaks={m: e.peak_bytes for m, e in memories.items()},
                 speeds={m: t.tokens_per_second for m, t in times.items()},
+                mfus={m: t.mfu for m, t in times.items() if t.mfu is not None},
             )
         )
     return sorted(rows, key=lambda r: (not r.fits, -r.tokens_per_second, r.over_bytes))

@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from autotune.config import checkpointed_fraction
 from autotune.models import ModelSpec
 from autotune.probe.spec import ProbeSpec
 
+if TYPE_CHECKING:
+    import torch
+
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so wall-clock time covers it."""
     if device.type == "cuda":
+        # Imported here: the formulas below serve the tuner too, which never loads torch.
+        import torch
+
         torch.cuda.synchronize(device)
 
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import enum
 import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 
 class Outcome(enum.StrEnum):
@@ -84,7 +83,12 @@ def is_oom_message(text: str) -> bool:
 
 def is_oom_error(error: BaseException) -> bool:
     """Whether an exception is an out-of-memory error (type first, message as fallback)."""
-    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+    if isinstance(error, MemoryError):
+        return True
+    # A torch error can only exist once torch is imported; this module never imports it, so
+    # the tuner's side (which classifies, but never trains) stays free of torch.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(error, torch.OutOfMemoryError):
         return True
     if isinstance(error, RuntimeError) and error.args:
         return is_oom_message(str(error.args[0]))

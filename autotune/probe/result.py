@@ -1,14 +1,25 @@
-"""A finished probe, merged over its ranks: what result.json holds."""
+"""A finished probe, merged over its ranks: what result.json holds.
+
+Inside the program a probe's per-size record is a typed :class:`SizeResult`; it becomes JSON
+only at the file edge (``result.json``, the ranks' ``rank<N>.json``), through
+:meth:`SizeResult.to_dict` and :meth:`SizeResult.from_dict`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from autotune.probe.outcome import Classification, Outcome, Stage
 from autotune.probe.spec import ProbeSpec
+
+__all__ = ["ProbeResult", "SizeResult", "merge_sizes"]
 
 # Memory readings are per rank: the probe's figure is the worst rank's.
 _MAX_OVER_RANKS = (
@@ -23,6 +34,90 @@ _MAX_OVER_RANKS = (
 _SEVERITY = {Outcome.OK.value: 0, Outcome.ERROR.value: 1, Outcome.OOM.value: 2}
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SizeResult:
+    """One micro-batch size of a probe: how it ended, its speed and its peak memory.
+
+    Speeds are at the probe's own accumulation count (see ``autotune.probe.metrics``); memory
+    is the worst rank's. Fields a probe did not measure (a size that ran out of memory has no
+    speed; a CPU has no allocator retries) are None.
+    """
+
+    micro_batch_size: int
+    outcome: Outcome
+    stage: Stage | None = None
+    """Where a failed size failed."""
+    message: str = ""
+    tokens_per_second: float | None = None
+    """All ranks together, at the probe's accumulation count."""
+    tokens_per_second_per_rank: float | None = None
+    mfu: float | None = None
+    """Model FLOPs utilization (0..1); None without a known peak FLOP/s (CPU, unknown GPU)."""
+    hfu: float | None = None
+    micro_step_s: float | None = None
+    """Median forward+backward time of one micro-step."""
+    optimizer_step_s: float | None = None
+    step_s: float | None = None
+    losses: tuple[float, ...] = ()
+    loss_finite: bool | None = None
+    warmup_s: float | None = None
+    timed_s: float | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    alloc_retries: int | None = None
+    """Allocator retries (cudaMalloc failed, caches flushed and retried): a sign of thrashing."""
+    ooms: int | None = None
+    nvml_used_bytes: int | None = None
+    host_rss_bytes: int | None = None
+    host_peak_rss_bytes: int | None = None
+    emulated_limit_bytes: int | None = None
+    memory_source: str | None = None
+    simulated: bool = False
+    """Answered by the simulated device (the estimator), not measured."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Keys of a result file this version does not know, kept so nothing read is lost."""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The peak that decides whether a size fits: reserved (what the caching allocator
+        held from the device), or allocated where nothing reports reserved."""
+        return self.peak_reserved_bytes or self.peak_allocated_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form written in result.json (every field; None as null)."""
+        data = dict(self.extra)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extra":
+                continue
+            if isinstance(value, enum.Enum):
+                value = value.value
+            elif isinstance(value, tuple):
+                value = list(value)
+            data[f.name] = value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SizeResult:
+        """Inverse of :meth:`to_dict`; also reads a rank's report entry."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        values: dict[str, Any] = {k: v for k, v in data.items() if k in known}
+        values["outcome"] = Outcome(data["outcome"])
+        values["stage"] = Stage(data["stage"]) if data.get("stage") else None
+        values["losses"] = tuple(data.get("losses") or ())
+        values["message"] = data.get("message") or ""
+        values["simulated"] = bool(data.get("simulated"))
+        for name, value in list(values.items()):
+            if isinstance(value, float) and math.isnan(value):
+                values[name] = None  # JSON's NaN: not a measurement
+        extra = {k: v for k, v in data.items() if k not in known}
+        return cls(**values, extra=extra)
+
+
 @dataclass(kw_only=True)
 class ProbeResult:
     """Outcome and measurements of one probe (all its micro-batch sizes)."""
@@ -34,7 +129,7 @@ class ProbeResult:
     stage: Stage | None = None
     message: str = ""
     failed_rank: int | None = None
-    sizes: list[dict[str, Any]] = field(default_factory=list)
+    sizes: list[SizeResult] = field(default_factory=list)
     """One entry per micro-batch size attempted: outcome, throughput, peak memory."""
     wall_s: float = 0.0
     """Launch to last rank reaped."""
@@ -50,13 +145,13 @@ class ProbeResult:
     def emulated_limit_bytes(self) -> int | None:
         return self.spec.device_memory_bytes
 
-    def ok_sizes(self) -> list[dict[str, Any]]:
+    def ok_sizes(self) -> list[SizeResult]:
         """Sizes that ran to completion with a finite loss."""
-        return [s for s in self.sizes if s["outcome"] == Outcome.OK.value]
+        return [s for s in self.sizes if s.ok]
 
-    def best(self) -> dict[str, Any] | None:
-        """The fastest size that fit."""
-        return max(self.ok_sizes(), key=lambda s: s["tokens_per_second"], default=None)
+    def size(self, micro_batch_size: int) -> SizeResult | None:
+        """The entry of one micro-batch size, if the probe reached it."""
+        return next((s for s in self.sizes if s.micro_batch_size == micro_batch_size), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,7 +167,7 @@ class ProbeResult:
             "wall_s": self.wall_s,
             "import_s": self.import_s,
             "build_s": self.build_s,
-            "sizes": self.sizes,
+            "sizes": [s.to_dict() for s in self.sizes],
             "exits": self.exits,
             "probe_dir": str(self.probe_dir),
             "spec": self.spec.to_dict(),
@@ -93,7 +188,7 @@ class ProbeResult:
             stage=Stage(data["stage"]) if data.get("stage") else None,
             message=data.get("message", ""),
             failed_rank=data.get("failed_rank"),
-            sizes=data.get("sizes", []),
+            sizes=[SizeResult.from_dict(s) for s in data.get("sizes", [])],
             wall_s=data.get("wall_s", 0.0),
             import_s=data.get("import_s"),
             build_s=data.get("build_s"),
@@ -107,7 +202,7 @@ class ProbeResult:
 
 def merge_sizes(
     reports: list[dict[str, Any] | None], world_size: int, probe: Classification
-) -> list[dict[str, Any]]:
+) -> list[SizeResult]:
     """One entry per micro-batch size from every rank's report.
 
     Throughput comes from rank 0 (all ranks advance in lock-step), memory is the maximum over
@@ -133,5 +228,5 @@ def merge_sizes(
         if len(entries) < world_size and base["outcome"] == Outcome.OK.value:
             base["outcome"] = probe.outcome.value
             base["message"] = probe.message
-        merged.append(base)
+        merged.append(SizeResult.from_dict(base))
     return merged

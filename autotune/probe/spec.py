@@ -8,6 +8,8 @@ from typing import Any
 
 from autotune.config import ConfigError, Engine, Precision, TrainConfig
 
+__all__ = ["ProbeSpec", "ProbeTemplate"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeSpec:
@@ -94,3 +96,36 @@ class ProbeSpec:
         """Inverse of :meth:`to_dict`."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProbeTemplate:
+    """What every probe of one tuning run shares: the model, the workload's sequence length and
+    ranks, the device and how to measure. The search fills in the rest per probe."""
+
+    model: str
+    """Preset name or path to a Hugging Face config.json, as the ranks will resolve it."""
+    seq_len: int
+    num_processes: int
+    device: str = "auto"
+    device_memory_bytes: int | None = None
+    warmup_steps: int = 2
+    timed_steps: int = 3
+
+    def spec(
+        self,
+        config: TrainConfig,
+        micro_batch_sizes: tuple[int, ...],
+        *,
+        timeout_s: float,
+        seed: int = 0,
+    ) -> ProbeSpec:
+        """The probe of ``config`` at ``micro_batch_sizes`` (validated as any ProbeSpec)."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return ProbeSpec(
+            **shared,
+            config=config,
+            micro_batch_sizes=micro_batch_sizes,
+            timeout_s=timeout_s,
+            seed=seed,
+        )

@@ -1,4 +1,4 @@
-"""What ``autotune run`` shows while it works, and the table it ends with.
+"""What ``autotune run`` shows while it works.
 
 Every probe leaves one line (a log that reads the same in a terminal, a CI log or a nightly
 job's output file). On a terminal a status panel stays below the lines and refreshes a few
@@ -11,27 +11,28 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from autotune.search.controller import Event, RunSummary
-from autotune.study.store import Measurement, pooled
-from autotune.units import format_bytes, format_duration
+from autotune.probe.result import SizeResult
+from autotune.search.controller import Event
+from autotune.study.fingerprint import Objective
+from autotune.study.store import Measurement
+from autotune.units import format_duration
 
-__all__ = ["RunView", "best_table", "outcome_text", "pooled_note", "speed_text"]
+__all__ = ["RunView", "outcome_text", "speed_text"]
 
 
-def outcome_text(sizes: Iterable[dict[str, Any]], fallback: str) -> str:
+def outcome_text(sizes: Iterable[SizeResult], fallback: str) -> str:
     """One probe's sizes as ``2: ok 10,803 tok/s, 4: oom`` (or the probe's outcome)."""
     parts = []
     for s in sizes:
-        text = f"{s['micro_batch_size']}: {s['outcome']}"
-        if s.get("tokens_per_second"):
-            text += f" {s['tokens_per_second']:,.0f} tok/s"
+        text = f"{s.micro_batch_size}: {s.outcome}"
+        if s.tokens_per_second:
+            text += f" {s.tokens_per_second:,.0f} tok/s"
         parts.append(text)
     return ", ".join(parts) or fallback
 
@@ -40,21 +41,25 @@ def speed_text(m: Measurement | None) -> str:
     """``74,270 tokens/s, MFU 43.2%`` at the user's global batch (``-`` without one)."""
     if m is None or not m.value:
         return "-"
-    mfu = m.attrs.get("objective_mfu")
-    return f"{m.attrs.get('objective_tokens_per_second') or m.value:,.0f} tokens/s" + (
-        f", MFU {mfu:.1%}" if mfu else ""
-    )
+    return f"{m.tokens_per_second or 0:,.0f} tokens/s" + (f", MFU {m.mfu:.1%}" if m.mfu else "")
 
 
 class RunView:
     """Consumes the controller's events; a context manager around the run."""
 
     def __init__(
-        self, console: Console, *, budget_s: float, simulated: bool, live: bool | None = None
+        self,
+        console: Console,
+        *,
+        budget_s: float,
+        simulated: bool,
+        objective: Objective = Objective.TOKENS,
+        live: bool | None = None,
     ) -> None:
         self.console = console
         self.budget_s = budget_s
         self.simulated = simulated
+        self.objective = objective
         self.live = console.is_terminal if live is None else live
         self._event: Event | None = None
         self._event_at = time.monotonic()
@@ -87,11 +92,11 @@ class RunView:
             self.console.print(f"[yellow]resumed: {event.message}[/]")
         elif event.kind == "probe" and event.proposal:
             p = event.proposal
+            predicted = self.objective.text(p.predicted)
             why = (
-                f"re-measure {p.repeat}: a near-tie with the best, "
-                f"measured {p.predicted_tokens_per_second:,.0f} tokens/s"
+                f"re-measure {p.repeat}: a near-tie with the best, measured {predicted}"
                 if p.repeat
-                else f"predicted {p.predicted_tokens_per_second:,.0f} tokens/s"
+                else f"predicted {predicted}"
             )
             self.console.print(
                 f"[dim]probe {event.probes + 1}: {p.config.label()} at micro-batch "
@@ -141,36 +146,3 @@ class RunView:
         budget.add_row(bar, f"{format_duration(left)} of {format_duration(self.budget_s)} left")
         status.add_row("budget", budget)
         return Group(status)
-
-
-def pooled_note(repeats: int) -> str:
-    """What follows a speed that is the mean of several measurements of one point."""
-    return f" (mean of {repeats})" if repeats > 1 else ""
-
-
-def best_table(summary: RunSummary, capacity_bytes: int, *, top: int = 5) -> Table:
-    """The best feasible size of each configuration, fastest first."""
-    per_config: dict[Any, Measurement] = {}
-    for m in pooled(summary.measurements):
-        if m.value:
-            held = per_config.get(m.config)
-            if held is None or (held.value or 0) < m.value:
-                per_config[m.config] = m
-    ranked = sorted(per_config.values(), key=lambda m: -(m.value or 0))[:top]
-    table = Table(title="best configurations", title_justify="left")
-    for name in ("", "configuration", "micro-batch", "accum", "tokens/s", "MFU", "peak"):
-        table.add_column(name, justify="left" if name == "configuration" else "right")
-    for i, m in enumerate(ranked, 1):
-        peak = m.attrs.get("peak_reserved_bytes") or m.attrs.get("peak_allocated_bytes") or 0
-        mfu = m.attrs.get("objective_mfu")
-        table.add_row(
-            str(i),
-            m.config.label(),
-            str(m.micro_batch_size),
-            str(m.attrs.get("grad_accum", "")),
-            f"{m.attrs.get('objective_tokens_per_second') or 0:,.0f}"
-            + pooled_note(m.attrs.get("repeats", 1)),
-            f"{mfu:.1%}" if mfu else "-",
-            f"{format_bytes(peak)} ({peak / capacity_bytes:.0%})" if capacity_bytes else "-",
-        )
-    return table

@@ -1,13 +1,14 @@
 """The tuning loop: propose, record as RUNNING trials, probe, record what happened; repeat.
 
 The controller owns the budget and the interruptions; the ladder (``propose``) owns the
-choices; the runner is the real probe launcher or the simulated device (the same call). A
-probe is started only if the time it is expected to take (the median of the probes so far,
-or the first probe's guess) fits in what is left. Its timeout is the earlier of the budget's
-end and a hang guard (``HANG_FACTOR`` times the longest probe so far); a probe the budget
-cut short is recorded as interrupted, and retried by a later run.
+choices; the store owns every write to the study; a :class:`~autotune.devices.Device` answers
+the probes (real ranks, or the simulated GPU: the controller cannot tell), and its clock
+charges the budget. A probe is started only if the time it is expected to take (the median of
+the probes so far, or the first probe's guess) fits in what is left. Its timeout is the
+earlier of the budget's end and a hang guard (``HANG_FACTOR`` times the longest probe so far);
+a probe the budget cut short is recorded as interrupted, and retried by a later run.
 Ctrl-C (or SIGTERM, which the CLI turns into the same interruption) stops the running probe
-(the launcher kills its process group), records its trials as failed with the reason, and ends
+(the device kills its process group), records its trials as failed with the reason, and ends
 the run with the best found so far.
 """
 
@@ -19,22 +20,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from optuna.trial import Trial, TrialState
+from optuna.trial import Trial
 
 from autotune.config import ConfigError
+from autotune.devices.base import Clock, Device
 from autotune.estimator.plan import PlanRow
-from autotune.models import ModelSpec
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult
-from autotune.probe.spec import ProbeSpec
+from autotune.probe.spec import ProbeTemplate
 from autotune.search.ladder import Proposal, propose
-from autotune.space import Workload, micro_batch_options
+from autotune.space import micro_batch_options
 from autotune.study.store import Measurement, TrialStore
 
-__all__ = ["Controller", "Event", "ProbeRunner", "RunSummary"]
+__all__ = ["Controller", "Event", "RunSummary"]
 
 FIRST_PROBE_GUESS_S = 120.0
 """Expected duration of the first probe, before any was measured (start-up, build, steps)."""
@@ -42,14 +43,6 @@ MIN_PROBE_TIMEOUT_S = 30.0
 HANG_FACTOR = 4.0
 """Once probes were measured, one that runs this many times longer than the longest of them
 (and longer than ``FIRST_PROBE_GUESS_S``) is taken to hang and is stopped as a timeout."""
-
-
-class ProbeRunner(Protocol):
-    """``autotune.probe.launch_probe`` or ``SimulatedDevice.launch_probe``."""
-
-    def __call__(
-        self, spec: ProbeSpec, probe_dir: Path, *, on_poll: Callable[[float], None] | None = ...
-    ) -> ProbeResult: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,63 +85,63 @@ class RunSummary:
             "best": None
             if best is None
             else {
+                **best.attrs,
                 "config": best.config.to_dict(),
                 "label": best.config.label(),
                 "micro_batch_size": best.micro_batch_size,
                 "objective": best.value,
-                **best.attrs,
+                "tokens_per_second": best.tokens_per_second,
+                "mfu": best.mfu,
+                "repeats": best.repeats,
             },
         }
 
 
 class Controller:
-    """Runs the search against one study until it is done, the budget ends, or Ctrl-C."""
+    """Runs the search against one study until it is done, the budget ends, or Ctrl-C.
+
+    Args:
+        store: The study (its fingerprint says the workload, the capacity and the objective).
+        rows: The planner's predictions for every configuration of the space.
+        device: What answers the probes.
+        template: What every probe of the run shares (model, ranks, device, steps); the
+            controller fills in the configuration, sizes, timeout and seed.
+        budget_s: Seconds of the device's clock the run may use.
+        trials_dir: Where probe folders go (one folder per study).
+        clock: Charges the budget; by default the device's own clock.
+        probe_timeout_s: The longest a probe may run before it is taken to hang.
+        on_event: Called at each step of the loop (the live view).
+    """
 
     def __init__(
         self,
         *,
-        model: ModelSpec,
-        model_ref: str,
-        workload: Workload,
         store: TrialStore,
         rows: list[PlanRow],
-        runner: ProbeRunner,
+        device: Device,
+        template: ProbeTemplate,
         budget_s: float,
         trials_dir: Path,
-        device: str,
-        device_memory_bytes: int | None,
-        capacity_bytes: int,
-        simulated: bool = False,
+        clock: Clock | None = None,
         probe_timeout_s: float = 900.0,
-        warmup_steps: int = 2,
-        timed_steps: int = 3,
         on_event: Callable[[Event], None] | None = None,
     ) -> None:
         if budget_s <= 0:
             raise ConfigError("the budget must be positive, like 30m")
-        self.model = model
-        self.model_ref = model_ref
-        self.workload = workload
         self.store = store
         self.rows = rows
-        self.runner = runner
+        self.device = device
+        self.template = template
         self.budget_s = budget_s
         self.trials_dir = trials_dir
-        self.device = device
-        self.device_memory_bytes = device_memory_bytes
-        self.capacity_bytes = capacity_bytes
-        self.simulated = simulated
+        self.clock = clock or device.clock()
         self.probe_timeout_s = probe_timeout_s
-        self.warmup_steps = warmup_steps
-        self.timed_steps = timed_steps
         self.on_event = on_event or (lambda event: None)
-        self._spent = 0.0  # simulated seconds, when the runner is the simulated device
-        self._started = time.monotonic()
         self._durations: list[float] = []
 
     def elapsed(self) -> float:
-        """Budget used: wall-clock, or the simulated probes' time on a simulated device."""
-        return self._spent if self.simulated else time.monotonic() - self._started
+        """Budget used so far, by the clock."""
+        return self.clock.elapsed()
 
     def _expected_probe_s(self) -> float:
         return statistics.median(self._durations) if self._durations else FIRST_PROBE_GUESS_S
@@ -167,7 +160,8 @@ class Controller:
         probes = 0
         reason = "search done: no remaining configuration can beat the best measured"
         interrupted: str | None = None
-        sizes = micro_batch_options(self.workload)
+        sizes = micro_batch_options(self.store.workload)
+        objective = self.store.fingerprint.objective
         try:
             while True:
                 left = self.budget_s - self.elapsed()
@@ -178,7 +172,7 @@ class Controller:
                 if left <= 0:
                     reason = "budget spent"
                     break
-                proposal = propose(self.rows, self.store.measurements(), sizes)
+                proposal = propose(self.rows, self.store.measurements(), sizes, objective)
                 if proposal is None:
                     break
                 self.on_event(
@@ -233,16 +227,9 @@ class Controller:
     def _probe(self, proposal: Proposal, *, left_s: float) -> ProbeResult | None:
         """Probe the proposal; None when another worker claimed one of its points first."""
         timeout_s, budget_bound = self._timeout(left_s)
-        spec = ProbeSpec(
-            model=self.model_ref,
-            config=proposal.config,
-            micro_batch_sizes=proposal.micro_batch_sizes,
-            seq_len=self.workload.seq_len,
-            num_processes=self.workload.world_size,
-            device=self.device,
-            device_memory_bytes=self.device_memory_bytes,
-            warmup_steps=self.warmup_steps,
-            timed_steps=self.timed_steps,
+        spec = self.template.spec(
+            proposal.config,
+            proposal.micro_batch_sizes,
             timeout_s=timeout_s,
             seed=proposal.repeat,  # a re-measurement: other data, an independent sample
         )
@@ -259,28 +246,18 @@ class Controller:
             )
             if not trials:
                 return None
-            result = self.runner(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))
+            result = self.device.launch(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))
         except KeyboardInterrupt:
-            self._interrupted(trials, probe_dir, "interrupted")
+            self.store.interrupt(trials, probe_dir, "interrupted")
             raise
         self._durations.append(result.wall_s)
-        if self.simulated:
-            self._spent += result.wall_s
+        self.clock.charge(result.wall_s)
         if result.outcome is Outcome.TIMEOUT and budget_bound:
             # Cut by the end of the budget, not hung: a later run with time retries it.
-            self._interrupted(trials, probe_dir, "the budget ended during the probe")
+            self.store.interrupt(trials, probe_dir, "the budget ended during the probe")
             return result
-        for trial in trials:
-            self.store.tell(trial, result, capacity_bytes=self.capacity_bytes)
+        self.store.record(trials, result)
         return result
-
-    def _interrupted(self, trials: list[Trial], probe_dir: Path, why: str) -> None:
-        """Record trials cut short through no fault of their point (retried once)."""
-        for trial in trials:
-            trial.set_user_attr("outcome", "interrupted")
-            trial.set_user_attr("message", why)
-            trial.set_user_attr("probe_dir", str(probe_dir))
-            self.store.study.tell(trial, state=TrialState.FAIL)
 
 
 def _folder(study_name: str) -> str:

@@ -41,11 +41,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow
+from autotune.study.fingerprint import Objective
 from autotune.study.store import RETRYABLE, Measurement, pooled
 
 __all__ = [
@@ -87,7 +88,9 @@ class Proposal:
 
     config: TrainConfig
     micro_batch_sizes: tuple[int, ...]
-    predicted_tokens_per_second: float
+    predicted: float
+    """The expected objective (tokens/s or MFU, as the study maximizes): the calibrated
+    prediction times the chance to fit, or for a re-measurement the mean measured so far."""
     reason: str
     repeat: int = 0
     """0 for a first measurement; n for the n-th re-measurement of a single point."""
@@ -113,7 +116,7 @@ def _by_config(measurements: list[Measurement]) -> dict[TrainConfig, _Seen]:
     for point in pooled(measurements):
         entry = seen[point.config]
         entry.speed[point.micro_batch_size] = point.value or 0.0
-        entry.runs[point.micro_batch_size] = point.attrs["repeats"]
+        entry.runs[point.micro_batch_size] = point.repeats
     interrupted: dict[tuple[TrainConfig, int, int], int] = defaultdict(int)
     for m in measurements:
         entry = seen[m.config]
@@ -125,8 +128,7 @@ def _by_config(measurements: list[Measurement]) -> dict[TrainConfig, _Seen]:
             if interrupted[(*m.key, m.repeat)] > 1:
                 (entry.unconfirmed if m.repeat else entry.failed).add(mbs)
         elif m.outcome == "ok":
-            peak = m.attrs.get("peak_reserved_bytes") or m.attrs.get("peak_allocated_bytes")
-            entry.ok[mbs] = max(entry.ok.get(mbs, 0.0), float(peak or 0))
+            entry.ok[mbs] = max(entry.ok.get(mbs, 0.0), float(m.peak_bytes or 0))
             if not m.feasible:
                 entry.oom.add(mbs)  # ran, but inside the headroom or thrashing: not fitting
         elif m.outcome == "oom" or (m.state == "COMPLETE" and not m.feasible):
@@ -187,12 +189,20 @@ class _Memory:
         return self.row.capacity_bytes / (1 - self.error)
 
 
-def _throughput_scale(rows: list[PlanRow], seen: dict[TrainConfig, _Seen]) -> tuple[float, float]:
-    """Median measured/predicted throughput ratio across configurations, and its uncertainty."""
+def predictions(row: PlanRow, objective: Objective) -> Mapping[int, float]:
+    """The planner's predicted objective of a row at every micro-batch size."""
+    return row.speeds if objective is Objective.TOKENS else row.mfus
+
+
+def _throughput_scale(
+    rows: list[PlanRow], seen: dict[TrainConfig, _Seen], objective: Objective
+) -> tuple[float, float]:
+    """Median measured/predicted objective ratio across configurations, and its uncertainty."""
     ratios = []
     for row in rows:
         s = seen.get(row.config)
-        pairs = [(v, row.speeds[m]) for m, v in s.speed.items() if row.speeds.get(m)] if s else []
+        predicted = predictions(row, objective)
+        pairs = [(v, predicted[m]) for m, v in s.speed.items() if predicted.get(m)] if s else []
         if pairs:
             ratios.append(statistics.mean(v / p for v, p in pairs))
     if not ratios:
@@ -215,6 +225,7 @@ def propose(
     rows: list[PlanRow],
     measurements: Iterable[Measurement],
     sizes: list[int],
+    objective: Objective = Objective.TOKENS,
 ) -> Proposal | None:
     """The next probe, or None when the search is done.
 
@@ -222,58 +233,60 @@ def propose(
         rows: The planner's rows for every configuration (predictions at every size).
         measurements: Every trial of the study.
         sizes: Micro-batch sizes that reach the global batch exactly, ascending.
+        objective: What the study maximizes (its trials' values).
 
     Returns:
         What to probe next; None when no open configuration can beat the best measured.
     """
     seen = _by_config(list(measurements))
-    scale, error = _throughput_scale(rows, seen)
+    scale, error = _throughput_scale(rows, seen, objective)
     best = max((max(s.speed.values()) for s in seen.values() if s.speed), default=0.0)
     candidates: list[tuple[float, Proposal]] = []
     for row in rows:
         s = seen.get(row.config) or _Seen()
-        if s.running or s.failed or not row.speeds:
+        predicted = predictions(row, objective)
+        if s.running or s.failed or not predicted:
             continue  # in flight elsewhere, broken, or out of memory by any margin
         memory = _Memory(row, s)
-        own = [v / row.speeds[m] for m, v in s.speed.items() if row.speeds.get(m)]
+        own = [v / predicted[m] for m, v in s.speed.items() if predicted.get(m)]
         ratio, uncertainty = (statistics.mean(own), MIN_ERROR) if own else (scale, error)
-        open_sizes = [m for m in sizes if m in row.speeds and m not in s.ok and memory.may_fit(m)]
+        open_sizes = [m for m in sizes if m in predicted and m not in s.ok and memory.may_fit(m)]
         if not open_sizes:
             continue  # every size that may fit is measured: the limit is bracketed
-        bound = max(row.speeds[m] for m in open_sizes) * ratio * (1 + uncertainty)
+        bound = max(predicted[m] for m in open_sizes) * ratio * (1 + uncertainty)
         if best and bound <= best:
             continue  # cannot beat the best measured, even optimistically
-        fitting = [m for m in sizes if m in row.speeds and memory.fits(m)]
+        fitting = [m for m in sizes if m in predicted and memory.fits(m)]
         target = fitting[-1] if fitting else open_sizes[0]
         probe = {m for m in open_sizes if m >= target}
         if not probe:  # the limit is measured; a smaller size is predicted faster
-            target = max(open_sizes, key=lambda m: row.speeds[m])
+            target = max(open_sizes, key=lambda m: predicted[m])
             probe = {target}
         if not s.ok and target in open_sizes:
-            below = [m for m in sizes if m < target and m in row.speeds]
+            below = [m for m in sizes if m < target and m in predicted]
             if below:
                 probe.add(below[-1])  # a second point for the memory line and the speed
-        # Expected throughput: the speed there times the chance that it fits (the calibrated
-        # peak's error taken as uniform within the memory uncertainty).
-        expected = row.speeds[target] * ratio * memory.chance_to_fit(target)
+        # Expected objective: the prediction there times the chance that it fits (the
+        # calibrated peak's error taken as uniform within the memory uncertainty).
+        expected = predicted[target] * ratio * memory.chance_to_fit(target)
         candidates.append(
             (
                 expected,
                 Proposal(
                     config=row.config,
                     micro_batch_sizes=tuple(sorted(probe)),
-                    predicted_tokens_per_second=expected,
-                    reason=f"calibrated prediction {expected:,.0f} tokens/s at micro-batch "
-                    f"{target} (bound {bound:,.0f})",
+                    predicted=expected,
+                    reason=f"calibrated prediction {objective.text(expected)} at "
+                    f"micro-batch {target} (bound {objective.text(bound)})",
                 ),
             )
         )
     if not candidates:
-        return _confirm(seen)
+        return _confirm(seen, objective)
     return max(candidates, key=lambda item: item[0])[1]
 
 
-def _confirm(seen: dict[TrainConfig, _Seen]) -> Proposal | None:
+def _confirm(seen: dict[TrainConfig, _Seen], objective: Objective) -> Proposal | None:
     """A re-measurement of a near-tie with the best, or None when the best stands."""
     points = sorted(
         (
@@ -298,9 +311,9 @@ def _confirm(seen: dict[TrainConfig, _Seen]) -> Proposal | None:
             return Proposal(
                 config=config,
                 micro_batch_sizes=(mbs,),
-                predicted_tokens_per_second=speed,
-                reason=f"re-measure: {speed:,.0f} tokens/s is within {CONFIRM_MARGIN:.0%} of "
-                f"the best {best:,.0f} (measurement {runs + 1} of {REPEATS})",
+                predicted=speed,
+                reason=f"re-measure: {objective.text(speed)} is within {CONFIRM_MARGIN:.0%} "
+                f"of the best {objective.text(best)} (measurement {runs + 1} of {REPEATS})",
                 repeat=runs,
             )
     return None

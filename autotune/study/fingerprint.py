@@ -9,16 +9,34 @@ in the study's attributes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
 from autotune.config import ConfigError
+from autotune.space import Workload
 
-__all__ = ["OBJECTIVES", "Fingerprint", "software_versions"]
+__all__ = ["DEFAULT_STORAGE", "Fingerprint", "Objective", "software_versions"]
 
-OBJECTIVES = ("tokens", "mfu")
-"""``tokens``: tokens/s at the user's global batch; ``mfu``: model FLOPs utilization."""
+DEFAULT_STORAGE = "sqlite:///trials/autotune.db"
+"""Where studies live unless ``--storage`` says otherwise (relative to the working folder)."""
+
+
+class Objective(enum.StrEnum):
+    """What a study maximizes (one study per objective)."""
+
+    TOKENS = "tokens"
+    """Tokens per second, all ranks together, at the user's global batch."""
+    MFU = "mfu"
+    """Model FLOPs utilization: needs the GPU's peak FLOP/s (none on the CPU)."""
+
+    def text(self, value: float | None) -> str:
+        """``74,270 tokens/s`` or ``MFU 43.2%`` (``-`` without a value)."""
+        if value is None:
+            return "-"
+        return f"{value:,.0f} tokens/s" if self is Objective.TOKENS else f"MFU {value:.1%}"
+
 
 _SOFTWARE = ("torch", "deepspeed", "transformers")
 
@@ -41,7 +59,7 @@ class Fingerprint:
     model: str
     seq_len: int
     global_batch: int
-    objective: str = "tokens"
+    objective: Objective = Objective.TOKENS
     gpu: str
     """Catalogue key (``h100-80gb``), ``cpu``, or the simulated GPU's key."""
     gpu_memory_bytes: int
@@ -53,10 +71,16 @@ class Fingerprint:
     software: dict[str, str] = dataclasses.field(default_factory=software_versions)
 
     def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(
-                f"unknown objective {self.objective!r}: use {' or '.join(OBJECTIVES)}"
-            )
+        try:
+            object.__setattr__(self, "objective", Objective(self.objective))
+        except ValueError:
+            choices = " or ".join(o.value for o in Objective)
+            raise ConfigError(f"unknown objective {self.objective!r}: use {choices}") from None
+
+    @property
+    def workload(self) -> Workload:
+        """The workload this study tunes (sequence length, global batch, GPUs)."""
+        return Workload(seq_len=self.seq_len, global_batch=self.global_batch, world_size=self.gpus)
 
     @property
     def study_name(self) -> str:
@@ -71,7 +95,7 @@ class Fingerprint:
         if self.device != "cuda":
             hardware += f"-{self.device}"
         name = f"{self.model}/seq{self.seq_len}/gbs{self.global_batch}@{hardware}"
-        if self.objective != "tokens":
+        if self.objective is not Objective.TOKENS:
             name += f"/{self.objective}"
         short = {"torch": "torch", "deepspeed": "ds", "transformers": "tf"}
         versions = "+".join(
@@ -81,7 +105,7 @@ class Fingerprint:
         return f"{name}/{versions}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "objective": self.objective.value}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fingerprint:

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
 import socket
 import time
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +48,11 @@ from optuna.trial import FrozenTrial, Trial, TrialState, create_trial
 from autotune.config import Attention, ConfigError, Engine, Offload, Precision, TrainConfig
 from autotune.probe.metrics import throughput
 from autotune.probe.outcome import Outcome
-from autotune.probe.result import ProbeResult
-from autotune.space import Workload
-from autotune.study.fingerprint import Fingerprint
+from autotune.probe.result import ProbeResult, SizeResult
+from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
 
 __all__ = ["DEFAULT_STORAGE", "RETRYABLE", "Measurement", "TrialStore", "open_storage"]
 
-DEFAULT_STORAGE = "sqlite:///trials/autotune.db"
 HEARTBEAT_S = 30
 """A running tuner touches its RUNNING trials this often; after ``GRACE_S`` without a beat
 they are failed (their tuner died, on another host) and their point is retried once."""
@@ -82,22 +79,37 @@ def _distributions() -> dict[str, BaseDistribution]:
     }
 
 
-def open_storage(url: str = DEFAULT_STORAGE) -> RDBStorage:
+def _sqlite_path(url: str) -> Path | None:
+    """The file of a ``sqlite:///`` URL (None for other databases and in-memory ones)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    path = Path(url.removeprefix("sqlite:///"))
+    return None if str(path) in ("", ":memory:") else path.expanduser()
+
+
+def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBStorage:
     """An Optuna RDB storage with heartbeats; SQLite's folder is created.
+
+    Args:
+        url: Any storage URL Optuna accepts.
+        read_only: For reading studies back (``autotune best``): the schema is neither created
+            nor checked, which takes most of the half second an open costs.
 
     Raises:
         ConfigError: When the URL cannot be opened (one line that says what to use).
     """
-    if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///"))
-        if str(path) not in ("", ":memory:"):
-            path.expanduser().parent.mkdir(parents=True, exist_ok=True)
+    path = _sqlite_path(url)
+    if path is not None and not read_only:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    skip: dict[str, Any] = (
+        {"skip_compatibility_check": True, "skip_table_creation": True} if read_only else {}
+    )
     for attempt in range(1, OPEN_ATTEMPTS + 1):
         try:
             with warnings.catch_warnings():
                 # Heartbeats are "experimental" in Optuna 5: the interface is what autotune pins.
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+                return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **skip)
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as error:
             # Workers that start together on an empty database all create its tables; the
             # losers of that race meet duplicate objects, and find the tables on a retry.
@@ -119,28 +131,67 @@ def _cannot_open(url: str, error: Exception) -> ConfigError:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Measurement:
-    """One trial, decoded: a configuration at a micro-batch size, and what became of it."""
+    """One trial, decoded: a configuration at a micro-batch size, and what became of it.
+
+    Speeds are at the user's global batch (the probe's own accumulation count is converted
+    when the trial is recorded). A pooled measurement (:func:`pooled`) holds the mean of a
+    point's ``repeats`` measurements.
+    """
 
     number: int
     config: TrainConfig
     micro_batch_size: int
     state: str
-    """Optuna's trial state: ``COMPLETE``, ``FAIL``, ``RUNNING``."""
+    """Optuna's trial state: ``COMPLETE``, ``FAIL``, ``RUNNING``, ``PRUNED``."""
     outcome: str | None
-    """The probe's outcome for this size (``ok``, ``oom``, ...); None while running."""
+    """The probe's outcome for this size (``ok``, ``oom``, ...), ``interrupted`` or ``stale``
+    for a point cut short through no fault of its own; None while running."""
     feasible: bool
     value: float | None
-    attrs: dict[str, Any]
+    """The study's objective; None unless the trial completed."""
     repeat: int = 0
     """0 for a point's first measurement, n for its n-th re-measurement."""
+    repeats: int = 1
+    """Measurements averaged into this one (see :func:`pooled`)."""
+    tokens_per_second: float | None = None
+    """All ranks together, at the user's global batch."""
+    mfu: float | None = None
+    """Model FLOPs utilization at the user's global batch; None without a peak FLOP/s."""
+    grad_accum: int | None = None
+    """Micro-steps per optimizer step at the user's global batch."""
+    peak_bytes: int | None = None
+    """The measured peak that decided the fit (reserved, else allocated)."""
+    probe_dir: str | None = None
+    message: str | None = None
+    simulated: bool = False
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    """Every user attribute of the trial as stored (what ``--json`` exports)."""
 
     @property
     def key(self) -> tuple[TrainConfig, int]:
         return self.config, self.micro_batch_size
 
-
-POOLED_ATTRS = ("objective_tokens_per_second", "objective_mfu")
-"""Measured attributes averaged over a point's repeats (with the objective)."""
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form ``autotune best`` and ``autotune trials`` print."""
+        return {
+            "number": self.number,
+            "config": self.config.to_dict(),
+            "label": self.config.label(),
+            "micro_batch_size": self.micro_batch_size,
+            "repeat": self.repeat,
+            "repeats": self.repeats,
+            "grad_accum": self.grad_accum,
+            "state": self.state,
+            "outcome": self.outcome,
+            "feasible": self.feasible,
+            "objective": self.value,
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "peak_bytes": self.peak_bytes,
+            "probe_dir": self.probe_dir,
+            "message": self.message,
+            "simulated": self.simulated,
+        }
 
 
 def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
@@ -148,7 +199,7 @@ def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
 
     A point counts only if every completed measurement of it was feasible (a repeat that ran
     out of memory makes the point unreliable). The result is the point's latest measurement
-    with the objective and ``POOLED_ATTRS`` averaged, and ``repeats`` (how many) in its attrs.
+    with the objective, tokens/s and MFU averaged, and ``repeats`` saying how many.
     """
     groups: dict[tuple[TrainConfig, int], list[Measurement]] = {}
     for m in measurements:
@@ -159,32 +210,55 @@ def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
         if not all(m.feasible and m.value for m in group):
             continue
         last = max(group, key=lambda m: m.number)
-        attrs = dict(last.attrs, repeats=len(group))
-        for name in POOLED_ATTRS:
-            values = [m.attrs[name] for m in group if m.attrs.get(name) is not None]
-            if values:
-                attrs[name] = sum(values) / len(values)
-        value = sum(m.value or 0.0 for m in group) / len(group)
-        points.append(dataclasses.replace(last, value=value, attrs=attrs))
+        tokens = _mean([m.tokens_per_second for m in group])
+        mfu = _mean([m.mfu for m in group])
+        points.append(
+            dataclasses.replace(
+                last,
+                value=_mean([m.value for m in group]),
+                tokens_per_second=tokens,
+                mfu=mfu,
+                repeats=len(group),
+                # The stored attributes as the JSON export shows them: pooled too.
+                attrs={
+                    **last.attrs,
+                    "objective_tokens_per_second": tokens,
+                    "objective_mfu": mfu,
+                    "repeats": len(group),
+                },
+            )
+        )
     return points
 
 
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
 class TrialStore:
-    """The study of one fingerprint: ask a trial per probed size, tell what happened."""
+    """The study of one fingerprint: ask a trial per probed size, record what happened.
+
+    The store owns every write to the study: claims, outcomes, interruptions and stale
+    trials. A size fits when its measured peak leaves ``headroom`` of the fingerprint's
+    memory per device (``gpu_memory_bytes``) free.
+    """
 
     def __init__(
         self,
         fingerprint: Fingerprint,
-        workload: Workload,
         *,
         storage: str | RDBStorage = DEFAULT_STORAGE,
         headroom: float = 0.0,
+        study: optuna.Study | None = None,
     ) -> None:
+        """Open (or create) the study of ``fingerprint``; ``study``: the study already
+        loaded (reading a database back)."""
         self.fingerprint = fingerprint
-        self.workload = workload
+        self.workload = fingerprint.workload
         self.headroom = headroom
         self.storage = open_storage(storage) if isinstance(storage, str) else storage
-        self.study = optuna.create_study(
+        self.study = study or optuna.create_study(
             storage=self.storage,
             study_name=fingerprint.study_name,
             direction="maximize",
@@ -195,24 +269,40 @@ class TrialStore:
             self.study.set_user_attr(_FINGERPRINT_ATTR, fingerprint.to_dict())
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                self.study.set_metric_names([fingerprint.objective])
+                self.study.set_metric_names([fingerprint.objective.value])
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Memory per device a probe may use: the feasibility line of every trial."""
+        return self.fingerprint.gpu_memory_bytes
 
     @classmethod
     def existing(cls, storage: str | RDBStorage = DEFAULT_STORAGE) -> list[TrialStore]:
-        """Every autotune study in a storage (studies without a fingerprint are skipped)."""
-        opened = open_storage(storage) if isinstance(storage, str) else storage
+        """Every autotune study in a storage (studies without a fingerprint are skipped).
+
+        Reads only: a SQLite file that does not exist holds no study and is not created.
+        """
+        if isinstance(storage, str):
+            path = _sqlite_path(storage)
+            if path is not None and not path.is_file():
+                return []
+            try:
+                opened = open_storage(storage, read_only=True)
+                summaries = optuna.get_all_study_summaries(opened, include_best_trial=False)
+            except (ConfigError, sqlalchemy.exc.SQLAlchemyError):
+                # An older schema, or none yet: the full open checks, upgrades or says why.
+                opened = open_storage(storage)
+                summaries = optuna.get_all_study_summaries(opened, include_best_trial=False)
+        else:
+            opened = storage
+            summaries = optuna.get_all_study_summaries(opened, include_best_trial=False)
         found = []
-        for summary in optuna.get_all_study_summaries(opened, include_best_trial=False):
+        for summary in summaries:
             data = summary.user_attrs.get(_FINGERPRINT_ATTR)
             if not data:
                 continue
-            fingerprint = Fingerprint.from_dict(data)
-            workload = Workload(
-                seq_len=fingerprint.seq_len,
-                global_batch=fingerprint.global_batch,
-                world_size=fingerprint.gpus,
-            )
-            found.append(cls(fingerprint, workload, storage=opened))
+            study = optuna.load_study(study_name=summary.study_name, storage=opened)
+            found.append(cls(Fingerprint.from_dict(data), storage=opened, study=study))
         return found
 
     def ask(self, config: TrainConfig, micro_batch_size: int, *, repeat: int = 0) -> Trial:
@@ -299,10 +389,27 @@ class TrialStore:
         still = {t._trial_id for t in self.study.get_trials(states=(TrialState.RUNNING,))}
         return [t.number for t in running if t._trial_id not in still]
 
-    def tell(self, trial: Trial, result: ProbeResult, *, capacity_bytes: int) -> FrozenTrial:
+    def record(self, trials: Iterable[Trial], result: ProbeResult) -> None:
+        """Record a finished probe: each trial gets what the probe found at its size."""
+        for trial in trials:
+            self.tell(trial, result)
+
+    def interrupt(self, trials: Iterable[Trial], probe_dir: Path, why: str) -> None:
+        """Record trials cut short through no fault of their point (Ctrl-C, the budget's end):
+        failed as ``interrupted``, so the search retries the point once."""
+        # The interruption may have cut a heartbeat's write short, leaving this thread's
+        # session mid-transaction (Optuna rolls back only on SQLAlchemy's own errors): start
+        # the record from a fresh session.
+        self.storage.scoped_session.remove()
+        for trial in trials:
+            self._fail(
+                trial, {"outcome": "interrupted", "message": why, "probe_dir": str(probe_dir)}
+            )
+
+    def tell(self, trial: Trial, result: ProbeResult) -> FrozenTrial:
         """Record what the probe found at this trial's micro-batch size."""
         mbs = int(trial.params["micro_batch_size"])
-        entry = next((s for s in result.sizes if s["micro_batch_size"] == mbs), None)
+        entry = result.size(mbs)
         attrs: dict[str, Any] = {
             "probe_dir": str(result.probe_dir),
             "device": result.device,
@@ -313,8 +420,7 @@ class TrialStore:
             # Never run at this size: a larger-than-failed size (inferred OOM) or a probe that
             # stopped early.
             smaller_oom = any(
-                s["outcome"] == Outcome.OOM.value and s["micro_batch_size"] <= mbs
-                for s in result.sizes
+                s.outcome is Outcome.OOM and s.micro_batch_size <= mbs for s in result.sizes
             )
             if smaller_oom:
                 attrs.update(outcome=Outcome.OOM.value, inferred=True)
@@ -322,16 +428,16 @@ class TrialStore:
             attrs.update(outcome="not_run", message=result.message or "the probe stopped early")
             return self._fail(trial, attrs)
         attrs.update(_measured(entry))
-        attrs["outcome"] = entry["outcome"]
-        if entry["outcome"] == Outcome.OOM.value:
+        attrs["outcome"] = entry.outcome.value
+        if entry.outcome is Outcome.OOM:
             return self._infeasible(trial, attrs, 1.0)
-        if entry["outcome"] != Outcome.OK.value:
-            attrs["message"] = entry.get("message") or result.message
+        if not entry.ok or entry.micro_step_s is None or entry.optimizer_step_s is None:
+            attrs["message"] = entry.message or result.message
             return self._fail(trial, attrs)
         # The objective is taken at the user's accumulation count, not the probe's.
         speed = throughput(
-            micro_step_s=entry["micro_step_s"],
-            optimizer_step_s=entry["optimizer_step_s"],
+            micro_step_s=entry.micro_step_s,
+            optimizer_step_s=entry.optimizer_step_s,
             micro_batch_size=mbs,
             seq_len=self.workload.seq_len,
             grad_accum=attrs["grad_accum"],
@@ -340,20 +446,21 @@ class TrialStore:
             hardware_flops_per_token=0.0,
             peak_flops=None,
         )
-        scale = speed.tokens_per_second / entry["tokens_per_second"]
-        attrs["objective_mfu"] = entry["mfu"] * scale if entry.get("mfu") else None
+        scale = speed.tokens_per_second / (entry.tokens_per_second or speed.tokens_per_second)
+        attrs["objective_mfu"] = entry.mfu * scale if entry.mfu else None
         attrs["objective_tokens_per_second"] = speed.tokens_per_second
-        peak = entry.get("peak_reserved_bytes") or entry.get("peak_allocated_bytes") or 0
+        peak = entry.peak_bytes or 0
         # Feasible when the peak leaves the headroom free and the allocator did not thrash.
-        violation = peak / capacity_bytes - (1.0 - self.headroom) if capacity_bytes else 0.0
-        if entry.get("alloc_retries"):
+        capacity = self.capacity_bytes
+        violation = peak / capacity - (1.0 - self.headroom) if capacity else 0.0
+        if entry.alloc_retries:
             violation = max(violation, 0.01)
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         trial.set_constraint("memory", violation)
         objective = (
             attrs["objective_tokens_per_second"]
-            if self.fingerprint.objective == "tokens"
+            if self.fingerprint.objective is Objective.TOKENS
             else attrs["objective_mfu"]
         )
         return self.study.tell(trial, float(objective or 0.0))
@@ -411,43 +518,53 @@ def _key(params: dict[str, Any], micro_batch_size: int, repeat: int) -> tuple[An
     return (*sorted(TrainConfig.from_dict(config).to_dict().items()), micro_batch_size, repeat)
 
 
-def _measured(entry: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "tokens_per_second",
-        "tokens_per_second_per_rank",
-        "mfu",
-        "hfu",
-        "micro_step_s",
-        "optimizer_step_s",
-        "step_s",
-        "peak_allocated_bytes",
-        "peak_reserved_bytes",
-        "alloc_retries",
-        "stage",
-        "message",
-    )
-    return {
-        k: entry[k]
-        for k in keys
-        if k in entry and not (isinstance(entry[k], float) and math.isnan(entry[k]))
+_MEASURED = (
+    "tokens_per_second",
+    "tokens_per_second_per_rank",
+    "mfu",
+    "hfu",
+    "micro_step_s",
+    "optimizer_step_s",
+    "step_s",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "alloc_retries",
+)
+"""What a trial keeps of its size's probe result (at the probe's accumulation count)."""
+
+
+def _measured(entry: SizeResult) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        name: getattr(entry, name) for name in _MEASURED if getattr(entry, name) is not None
     }
+    if entry.stage is not None:
+        attrs["stage"] = entry.stage.value
+    if entry.message:
+        attrs["message"] = entry.message
+    return attrs
 
 
 def _decode(trial: FrozenTrial) -> Measurement:
     params = dict(trial.params)
     mbs = int(params.pop("micro_batch_size"))
     constraints = trial.constraints.values()
+    attrs = json.loads(json.dumps(trial.user_attrs))
     return Measurement(
         number=trial.number,
         config=TrainConfig.from_dict(params),
         micro_batch_size=mbs,
         state=trial.state.name,
         # A trial failed by the storage's heartbeat has no outcome: its tuner went stale.
-        outcome=trial.user_attrs.get(
-            "outcome", "stale" if trial.state is TrialState.FAIL else None
-        ),
+        outcome=attrs.get("outcome", "stale" if trial.state is TrialState.FAIL else None),
         feasible=trial.state is TrialState.COMPLETE and all(c <= 0 for c in constraints),
         value=trial.value if trial.state is TrialState.COMPLETE else None,
-        attrs=json.loads(json.dumps(trial.user_attrs)),
-        repeat=int(trial.user_attrs.get("repeat", 0)),
+        repeat=int(attrs.get("repeat", 0)),
+        tokens_per_second=attrs.get("objective_tokens_per_second"),
+        mfu=attrs.get("objective_mfu"),
+        grad_accum=attrs.get("grad_accum"),
+        peak_bytes=attrs.get("peak_reserved_bytes") or attrs.get("peak_allocated_bytes"),
+        probe_dir=attrs.get("probe_dir"),
+        message=attrs.get("message"),
+        simulated=bool(attrs.get("simulated")),
+        attrs=attrs,
     )

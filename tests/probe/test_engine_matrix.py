@@ -79,17 +79,15 @@ def _assert_trains(result: ProbeResult, num_processes: int) -> None:
     for rank in range(num_processes):
         assert read_json(result.probe_dir / f"rank{rank}.json")["status"] == "ok"
     [size] = result.sizes
-    missing = [f for f in SIZE_FIELDS if f not in size]
+    missing = [f for f in SIZE_FIELDS if f not in size.to_dict()]
     assert not missing, f"size fields missing: {missing}"
-    assert size["micro_batch_size"] == 2
-    assert size["outcome"] == "ok"
-    assert size["mfu"] is None and size["hfu"] is None
-    assert size["tokens_per_second"] > 0
-    assert size["tokens_per_second"] == pytest.approx(
-        size["tokens_per_second_per_rank"] * num_processes
-    )
-    assert size["peak_allocated_bytes"] > 0
-    losses = size["losses"]
+    assert size.micro_batch_size == 2
+    assert size.outcome == "ok"
+    assert size.mfu is None and size.hfu is None
+    assert size.tokens_per_second > 0
+    assert size.tokens_per_second == pytest.approx(size.tokens_per_second_per_rank * num_processes)
+    assert size.peak_allocated_bytes > 0
+    losses = size.losses
     assert len(losses) == 3
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], losses

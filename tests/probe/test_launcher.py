@@ -107,7 +107,7 @@ def test_rerun_in_the_same_folder_forgets_stale_reports(run_probe: RunProbe) -> 
     run_probe(micro_batch_sizes=(1,), name="again")
     second = run_probe(micro_batch_sizes=(2,), name="again")
     assert second.outcome is Outcome.OK, probe_failure_text(second)
-    assert [s["micro_batch_size"] for s in second.sizes] == [2]
+    assert [s.micro_batch_size for s in second.sizes] == [2]
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +123,11 @@ def unlimited_ladder(tmp_path_factory: pytest.TempPathFactory) -> ProbeResult:
 
 def test_peak_memory_grows_with_micro_batch_size(unlimited_ladder: ProbeResult) -> None:
     """Each larger micro-batch needs strictly more memory (activations grow with it)."""
-    peaks = [s["peak_allocated_bytes"] for s in unlimited_ladder.sizes]
-    assert [s["micro_batch_size"] for s in unlimited_ladder.sizes] == [1, 2, 4, 8]
+    peaks = [s.peak_allocated_bytes for s in unlimited_ladder.sizes]
+    assert [s.micro_batch_size for s in unlimited_ladder.sizes] == [1, 2, 4, 8]
     assert all(a < b for a, b in itertools.pairwise(peaks)), peaks
     assert unlimited_ladder.emulated_limit_bytes is None
-    assert all(s["emulated_limit_bytes"] is None for s in unlimited_ladder.sizes)
+    assert all(s.emulated_limit_bytes is None for s in unlimited_ladder.sizes)
 
 
 def test_emulated_oom_recovers_in_one_process(
@@ -135,8 +135,8 @@ def test_emulated_oom_recovers_in_one_process(
 ) -> None:
     """Capped a little above what size 1 needs, sizes 8, 4, 2 run out of memory in the forward or
     backward and size 1 then runs fine, all in the same single process."""
-    peak1 = unlimited_ladder.sizes[0]["peak_allocated_bytes"]
-    peak2 = unlimited_ladder.sizes[1]["peak_allocated_bytes"]
+    peak1 = unlimited_ladder.sizes[0].peak_allocated_bytes
+    peak2 = unlimited_ladder.sizes[1].peak_allocated_bytes
     limit = int(peak1 * 1.15)
     assert limit < peak2, "the cap must fall between sizes 1 and 2 for this test to mean much"
 
@@ -144,24 +144,24 @@ def test_emulated_oom_recovers_in_one_process(
         micro_batch_sizes=(8, 4, 2, 1), seq_len=OOM_SEQ_LEN, device_memory_bytes=limit
     )
     _assert_no_leftovers(result)
-    assert [s["micro_batch_size"] for s in result.sizes] == [8, 4, 2, 1]
-    assert [s["outcome"] for s in result.sizes] == ["oom", "oom", "oom", "ok"], result.sizes
+    assert [s.micro_batch_size for s in result.sizes] == [8, 4, 2, 1]
+    assert [s.outcome for s in result.sizes] == ["oom", "oom", "oom", "ok"], result.sizes
     for size in result.sizes[:3]:
-        assert size["stage"] in (Stage.FORWARD.value, Stage.BACKWARD.value)
-        assert "emulated" in size["message"]
-        assert size["emulated_limit_bytes"] == limit
+        assert size.stage in (Stage.FORWARD.value, Stage.BACKWARD.value)
+        assert "emulated" in size.message
+        assert size.emulated_limit_bytes == limit
     ok = result.sizes[3]
-    assert all(f in ok for f in SIZE_FIELDS)
-    assert 0 < ok["peak_allocated_bytes"] <= limit
-    assert all(math.isfinite(x) for x in ok["losses"])
-    assert ok["losses"][-1] < ok["losses"][0]
+    assert all(f in ok.to_dict() for f in SIZE_FIELDS)
+    assert 0 < ok.peak_allocated_bytes <= limit
+    assert all(math.isfinite(x) for x in ok.losses)
+    assert ok.losses[-1] < ok.losses[0]
     # The probe as a whole records that something ran out of memory ...
     assert result.outcome is Outcome.OOM
     assert result.stage in (Stage.FORWARD, Stage.BACKWARD)
     assert result.failed_rank == 0
     # ... yet it was one process that recovered and exited cleanly.
     assert exit_summary(result.exits) == [{"rank": 0, "returncode": 0, "killed_by_launcher": False}]
-    assert result.best() == ok
+    assert result.ok_sizes() == [ok]
     assert read_json(result.probe_dir / "result.json")["emulated_device_memory_bytes"] == limit
 
 
@@ -179,7 +179,7 @@ def test_deepspeed_two_processes_over_the_limit_is_oom(run_probe: RunProbe) -> N
         read_json(free.probe_dir / f"rank{r}.json")["build_memory"]["peak_allocated_bytes"]
         for r in (0, 1)
     )
-    step_peak = free.sizes[0]["peak_allocated_bytes"]
+    step_peak = free.sizes[0].peak_allocated_bytes
     assert build_peak < step_peak
     limit = (build_peak + step_peak) // 2
 
@@ -190,8 +190,8 @@ def test_deepspeed_two_processes_over_the_limit_is_oom(run_probe: RunProbe) -> N
     assert "emulated" in result.message
     assert result.failed_rank in (0, 1)
     [size] = result.sizes
-    assert size["outcome"] == "oom"
-    assert size["stage"] in ("forward", "backward")
+    assert size.outcome == "oom"
+    assert size.stage in ("forward", "backward")
     assert len(result.exits) == 2
     assert all(e["returncode"] != 0 for e in result.exits)
 
@@ -259,7 +259,7 @@ def test_error_is_error_with_message(
     assert rank0["status"] == "error"
     assert "injected failure" in rank0["traceback"]
     [size] = result.sizes
-    assert size["outcome"] == "error"
+    assert size.outcome == "error"
 
 
 def test_fault_in_single_process(run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch) -> None:

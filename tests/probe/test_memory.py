@@ -341,7 +341,7 @@ def test_fsdp2_probe_step_peak(run_probe: Any) -> None:
     report = json.loads((result.probe_dir / "rank0.json").read_text())
     params = report["num_params"]
     assert report["build_memory"]["peak_allocated_bytes"] < 4.1 * params
-    assert result.sizes[0]["peak_allocated_bytes"] < 20 * params
+    assert result.sizes[0].peak_allocated_bytes < 20 * params
 
 
 def _reachable_storages() -> dict[int, int]:

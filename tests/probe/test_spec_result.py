@@ -10,7 +10,7 @@ import pytest
 
 from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
 from autotune.probe.outcome import Classification, Outcome, Stage
-from autotune.probe.result import ProbeResult, merge_sizes
+from autotune.probe.result import ProbeResult, SizeResult, merge_sizes
 from autotune.probe.spec import ProbeSpec
 
 # --- ProbeSpec ---------------------------------------------------------------------------------
@@ -170,14 +170,14 @@ def test_merge_memory_is_max_over_ranks_throughput_from_rank0() -> None:
         ),
     ]
     [merged] = merge_sizes(reports, 2, OK)
-    assert merged["micro_batch_size"] == 4
-    assert merged["outcome"] == "ok"
-    assert merged["tokens_per_second"] == 1000.0
-    assert merged["losses"] == [2.0, 1.0]
-    assert merged["peak_allocated_bytes"] == 200
-    assert merged["peak_reserved_bytes"] == 300
-    assert merged["host_rss_bytes"] == 70
-    assert merged["nvml_used_bytes"] is None
+    assert merged.micro_batch_size == 4
+    assert merged.outcome == "ok"
+    assert merged.tokens_per_second == 1000.0
+    assert merged.losses == (2.0, 1.0)
+    assert merged.peak_allocated_bytes == 200
+    assert merged.peak_reserved_bytes == 300
+    assert merged.host_rss_bytes == 70
+    assert merged.nvml_used_bytes is None
     assert reports[0] is not None
     assert reports[0]["sizes"][0]["peak_allocated_bytes"] == 100  # inputs are not modified
 
@@ -186,8 +186,8 @@ def test_merge_keeps_size_order_and_every_size() -> None:
     """One entry per size, in the order the sizes were run."""
     reports: Reports = [_rank(_size(8, "oom"), _size(4), _size(2))]
     merged = merge_sizes(reports, 1, OK)
-    assert [m["micro_batch_size"] for m in merged] == [8, 4, 2]
-    assert [m["outcome"] for m in merged] == ["oom", "ok", "ok"]
+    assert [m.micro_batch_size for m in merged] == [8, 4, 2]
+    assert [m.outcome for m in merged] == ["oom", "ok", "ok"]
 
 
 def test_merge_worst_outcome_with_its_stage_and_message() -> None:
@@ -198,17 +198,17 @@ def test_merge_worst_outcome_with_its_stage_and_message() -> None:
     ]
     oom = Classification(outcome=Outcome.OOM, stage=Stage.FORWARD, message="x", rank=1)
     [merged] = merge_sizes(reports, 2, oom)
-    assert merged["outcome"] == "oom"
-    assert merged["stage"] == "forward"
-    assert merged["message"] == "OutOfMemoryError: emulated"
+    assert merged.outcome == "oom"
+    assert merged.stage == "forward"
+    assert merged.message == "OutOfMemoryError: emulated"
 
 
 def test_merge_error_beats_ok() -> None:
     """A rank whose loss was not finite makes the size an error."""
     reports: Reports = [_rank(_size(2)), _rank(_size(2, "error", message="loss is not finite"))]
     [merged] = merge_sizes(reports, 2, OK)
-    assert merged["outcome"] == "error"
-    assert merged["message"] == "loss is not finite"
+    assert merged.outcome == "error"
+    assert merged.message == "loss is not finite"
 
 
 def test_merge_missing_rank_takes_the_probe_outcome() -> None:
@@ -216,9 +216,9 @@ def test_merge_missing_rank_takes_the_probe_outcome() -> None:
     crash = Classification(outcome=Outcome.CRASH, message="rank 1 died from SIGSEGV", rank=1)
     reports: Reports = [_rank(_size(2, peak_allocated_bytes=10)), None]
     [merged] = merge_sizes(reports, 2, crash)
-    assert merged["outcome"] == "crash"
-    assert merged["message"] == "rank 1 died from SIGSEGV"
-    assert merged["peak_allocated_bytes"] == 10
+    assert merged.outcome == "crash"
+    assert merged.message == "rank 1 died from SIGSEGV"
+    assert merged.peak_allocated_bytes == 10
 
 
 def test_merge_missing_rank_keeps_a_worse_outcome() -> None:
@@ -226,8 +226,8 @@ def test_merge_missing_rank_keeps_a_worse_outcome() -> None:
     timeout = Classification(outcome=Outcome.TIMEOUT, message="probe exceeded its time limit")
     reports: Reports = [_rank(_size(2, "oom", stage="backward", message="emulated")), _rank()]
     [merged] = merge_sizes(reports, 2, timeout)
-    assert merged["outcome"] == "oom"
-    assert merged["stage"] == "backward"
+    assert merged.outcome == "oom"
+    assert merged.stage == "backward"
 
 
 def test_merge_no_reports() -> None:
@@ -248,9 +248,12 @@ def _result(tmp_path: Path) -> ProbeResult:
         message="OutOfMemoryError: emulated",
         failed_rank=0,
         sizes=[
-            _size(8, "oom", stage="backward"),
-            _size(4, tokens_per_second=900.0),
-            _size(2, tokens_per_second=600.0),
+            SizeResult.from_dict(entry)
+            for entry in (
+                _size(8, "oom", stage="backward"),
+                _size(4, tokens_per_second=900.0),
+                _size(2, tokens_per_second=600.0),
+            )
         ],
         wall_s=5.5,
         import_s=2.0,
@@ -261,20 +264,30 @@ def _result(tmp_path: Path) -> ProbeResult:
     )
 
 
-def test_result_ok_sizes_and_best(tmp_path: Path) -> None:
-    """ok_sizes drops failed sizes; best is the fastest that fit."""
+def test_result_ok_sizes_and_size_lookup(tmp_path: Path) -> None:
+    """ok_sizes drops failed sizes; size() finds one size's entry, or None."""
     result = _result(tmp_path)
-    assert [s["micro_batch_size"] for s in result.ok_sizes()] == [4, 2]
-    best = result.best()
-    assert best is not None
-    assert best["micro_batch_size"] == 4
+    assert [s.micro_batch_size for s in result.ok_sizes()] == [4, 2]
+    four = result.size(4)
+    assert four is not None and four.tokens_per_second == 900.0 and four.ok
+    assert result.size(16) is None
+    eight = result.size(8)
+    assert eight is not None and eight.outcome is Outcome.OOM and eight.stage is Stage.BACKWARD
 
 
-def test_result_best_none_when_nothing_fits(tmp_path: Path) -> None:
-    """No size fit: no best."""
-    result = _result(tmp_path)
-    result.sizes = [_size(1, "oom")]
-    assert result.best() is None
+def test_size_result_json_round_trip_keeps_unknown_keys() -> None:
+    """A size entry survives to_dict/from_dict; NaN reads as None; unknown keys are kept."""
+    data = {
+        "micro_batch_size": 2, "outcome": "ok", "tokens_per_second": 10.0, "mfu": float("nan"),
+        "peak_allocated_bytes": 5, "peak_reserved_bytes": 7, "losses": [1.5, 1.0],
+        "future_field": {"x": 1},
+    }  # fmt: skip
+    size = SizeResult.from_dict(data)
+    assert size.mfu is None and size.peak_bytes == 7 and size.losses == (1.5, 1.0)
+    assert size.extra == {"future_field": {"x": 1}}
+    again = SizeResult.from_dict(json.loads(json.dumps(size.to_dict())))
+    assert again == size
+    assert SizeResult.from_dict({"micro_batch_size": 1, "outcome": "oom"}).peak_bytes is None
 
 
 def test_result_write_read_round_trip(tmp_path: Path) -> None:

@@ -37,7 +37,8 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from autotune.cli import _cpu_device_spec, app
+from autotune.cli import app
+from autotune.hardware import cpu_device_spec
 
 pytestmark = pytest.mark.slow
 
@@ -91,12 +92,12 @@ def cli(*args: str, expect: int | None = 0) -> str:
 def plan_rows(workload: Workload, cap: int, folder: Path) -> list[dict[str, Any]]:
     """``autotune plan --json`` for the emulated CPU device the tuner plans with at ``cap``.
 
-    The tuner plans for ``_cpu_device_spec(cap)`` with no reserve, and drops offload rows on
+    The tuner plans for ``cpu_device_spec(cap)`` with no reserve, and drops offload rows on
     the CPU; the same here, so the rows are the ones the search ranks.
     """
     folder.mkdir(parents=True, exist_ok=True)
     gpu_file = folder / f"cpu-{cap}.toml"
-    gpu_file.write_text(_cpu_device_spec(cap).to_toml())
+    gpu_file.write_text(cpu_device_spec(cap).to_toml())
     data = json.loads(
         cli(
             "plan",

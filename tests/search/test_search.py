@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from autotune.estimator.plan import plan
-from autotune.estimator.simulate import SimulatedDevice
-from autotune.models import resolve_model
-from autotune.probe import ProbeSpec
+from autotune.api import prepare
+from autotune.devices import Clock, Device, SimulatedDevice
+from autotune.probe import ProbeResult, ProbeSpec
 from autotune.search.controller import (
     FIRST_PROBE_GUESS_S,
     HANG_FACTOR,
@@ -19,7 +19,6 @@ from autotune.search.controller import (
 )
 from autotune.search.ladder import CONFIRM_TOP, REPEATS
 from autotune.space import Workload
-from autotune.study import Fingerprint, TrialStore
 
 SCENARIOS = [
     # model, gpu, GPUs, seq, global batch
@@ -32,40 +31,43 @@ SCENARIOS = [
 
 
 def _controller(
-    tmp_path: Path, scenario: tuple, *, budget_s: float = 3600.0, noise: float = 0.0
+    tmp_path: Path,
+    scenario: tuple,
+    *,
+    budget_s: float = 3600.0,
+    noise: float = 0.0,
+    device: SimulatedDevice | None = None,
 ) -> tuple[Controller, list, list[Event]]:
     name, gpu, world, seq, gbs = scenario
-    device = SimulatedDevice.named(gpu, seed=1, noise=noise)
-    model = resolve_model(name)
-    work = Workload(seq_len=seq, global_batch=gbs, world_size=world)
-    fingerprint = Fingerprint(
-        model=name,
+    tuning = prepare(
+        name,
+        budget=budget_s,
         seq_len=seq,
         global_batch=gbs,
-        gpu=gpu,
-        gpu_memory_bytes=device.gpu.memory_bytes,
         gpus=world,
-        device="simulated",
-    )
-    store = TrialStore(fingerprint, work, storage=f"sqlite:///{tmp_path}/t.db")
-    rows = plan(model, device.gpu, work)
-    events: list[Event] = []
-    controller = Controller(
-        model=model,
-        model_ref=name,
-        workload=work,
-        store=store,
-        rows=rows,
-        runner=device.launch_probe,
-        budget_s=budget_s,
+        device=device or SimulatedDevice.named(gpu, seed=1, noise=noise),
+        storage=f"sqlite:///{tmp_path}/t.db",
         trials_dir=tmp_path / "trials",
-        device="cuda",
-        device_memory_bytes=None,
-        capacity_bytes=device.capacity(ProbeSpec(model=name)),
-        simulated=True,
-        on_event=events.append,
     )
-    return controller, rows, events
+    events: list[Event] = []
+    return tuning.controller(events.append), tuning.rows, events
+
+
+class _Hooked:
+    """A device that calls ``hook`` with each spec before its inner device answers, and keeps
+    the results."""
+
+    def __init__(self, inner: Device, hook: Callable[[ProbeSpec], None]) -> None:
+        self.inner, self.hook, self.kind = inner, hook, inner.kind
+        self.results: list[ProbeResult] = []
+
+    def launch(self, spec: ProbeSpec, probe_dir: Path, **kwargs: object) -> ProbeResult:
+        self.hook(spec)
+        self.results.append(self.inner.launch(spec, probe_dir, **kwargs))  # type: ignore[arg-type]
+        return self.results[-1]
+
+    def clock(self) -> Clock:
+        return self.inner.clock()
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: f"{s[0]}@{s[2]}x{s[1]}")
@@ -81,7 +83,8 @@ def test_search_reaches_the_oracle_in_few_probes(tmp_path: Path, scenario: tuple
     assert summary.stop_reason.startswith("search done")
     # Micro-batch x ranks x accumulation = global batch, exactly.
     best = summary.best
-    assert best.micro_batch_size * scenario[2] * best.attrs["grad_accum"] == scenario[4]
+    assert best.grad_accum is not None
+    assert best.micro_batch_size * scenario[2] * best.grad_accum == scenario[4]
 
 
 def test_no_configuration_is_probed_twice_and_a_rerun_resumes(tmp_path: Path) -> None:
@@ -113,16 +116,16 @@ def test_the_budget_stops_the_search_and_keeps_the_best(tmp_path: Path) -> None:
 
 def _interrupt_at(controller: Controller, call: int) -> list[tuple]:
     """Ctrl-C during the controller's ``call``-th probe; returns the points it was probing."""
-    inner, calls, points = controller.runner, [], []
+    calls: list[ProbeSpec] = []
+    points: list[tuple] = []
 
-    def runner(spec: ProbeSpec, probe_dir: Path, **kwargs: object) -> object:
+    def hook(spec: ProbeSpec) -> None:
         calls.append(spec)
         if len(calls) == call:
             points.extend((spec.config, m) for m in spec.micro_batch_sizes)
             raise KeyboardInterrupt
-        return inner(spec, probe_dir, **kwargs)
 
-    controller.runner = runner  # type: ignore[assignment]
+    controller.device = _Hooked(controller.device, hook)
     return points
 
 
@@ -152,16 +155,11 @@ def test_an_interrupted_probe_is_retried_once_on_resume(tmp_path: Path) -> None:
 
 def test_probe_timeouts_follow_measured_probes_and_the_budget(tmp_path: Path) -> None:
     controller, _, _ = _controller(tmp_path, SCENARIOS[0], budget_s=3600.0)
-    inner, asked, walls = controller.runner, [], []
-
-    def runner(spec: ProbeSpec, probe_dir: Path, **kwargs: object) -> object:
-        asked.append(spec.timeout_s)
-        result = inner(spec, probe_dir, **kwargs)
-        walls.append(result.wall_s)
-        return result
-
-    controller.runner = runner  # type: ignore[assignment]
+    asked: list[float] = []
+    device = _Hooked(controller.device, lambda spec: asked.append(spec.timeout_s))
+    controller.device = device
     summary = controller.run()
+    walls = [r.wall_s for r in device.results]
     assert summary.probes >= 3
     assert asked[0] == controller.probe_timeout_s  # nothing measured yet: the default guard
     for n in range(1, len(asked)):
@@ -196,19 +194,18 @@ def test_search_lands_within_2_percent_when_the_estimator_is_off_by_10(
     truth = SimulatedDevice.named(gpu, seed=7, model_error=0.1, noise=0.0)
     measured = SimulatedDevice.named(gpu, seed=7, model_error=0.1, noise=0.02)
     work = Workload(seq_len=seq, global_batch=gbs, world_size=world)
-    controller, rows, _ = _controller(tmp_path, scenario)
-    controller.runner = measured.launch_probe
+    controller, rows, _ = _controller(tmp_path, scenario, device=measured)
 
     def value(config: object, mbs: int) -> float:
         spec = ProbeSpec(
             model=name, config=config, micro_batch_sizes=(mbs,), seq_len=seq,  # type: ignore[arg-type]
             num_processes=world, device="cuda",
         )  # fmt: skip
-        ok = truth.launch_probe(spec, tmp_path / "truth").ok_sizes()
-        if not ok:
+        ok = truth.launch(spec, tmp_path / "truth").ok_sizes()
+        if not ok or ok[0].micro_step_s is None or ok[0].optimizer_step_s is None:
             return 0.0
         accum = work.grad_accum(mbs)
-        step = accum * ok[0]["micro_step_s"] + ok[0]["optimizer_step_s"]
+        step = accum * ok[0].micro_step_s + ok[0].optimizer_step_s
         return mbs * seq * accum * world / step
 
     oracle = max(value(r.config, m) for r in rows for m in r.speeds)

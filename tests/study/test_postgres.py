@@ -83,7 +83,7 @@ def test_trial_store_round_trip_on_postgresql(fresh_postgres_url: str, tmp_path:
 
     # A trial asked by one worker is visible to another as RUNNING before it is told.
     running = store.ask(TrainConfig(engine="deepspeed", zero_stage=2), 4)
-    other = TrialStore(_fingerprint(), WORK, storage=url)
+    other = TrialStore(_fingerprint(), storage=url)
     seen = {m.key: m for m in other.measurements()}
     in_flight = seen[(TrainConfig(engine="deepspeed", zero_stage=2), 4)]
     assert in_flight.state == "RUNNING" and in_flight.outcome is None
@@ -91,7 +91,7 @@ def test_trial_store_round_trip_on_postgresql(fresh_postgres_url: str, tmp_path:
     store.study.tell(running, state=TrialState.FAIL)
 
     # A second study in the same database; existing() finds both, fingerprints intact.
-    TrialStore(_fingerprint(gpus=16), WORK, storage=url)
+    TrialStore(_fingerprint(gpus=16), storage=url)
     found = {s.fingerprint.study_name: s for s in TrialStore.existing(url)}
     assert sorted(found) == sorted([_fingerprint().study_name, _fingerprint(gpus=16).study_name])
     reread = found[_fingerprint().study_name]
@@ -113,12 +113,12 @@ def test_running_trials_without_a_heartbeat_fail_as_stale_on_postgresql(
 ) -> None:
     monkeypatch.setattr(store_module, "HEARTBEAT_S", 1)
     monkeypatch.setattr(store_module, "GRACE_S", 1)
-    other = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    other = TrialStore(_fingerprint(), storage=fresh_postgres_url)
     other.ask(TrainConfig(engine="fsdp", zero_stage=2), 4)  # alive, but it stops beating
-    fresh = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    fresh = TrialStore(_fingerprint(), storage=fresh_postgres_url)
     assert fresh.fail_stale() == []  # within the grace period: still running
     time.sleep(2.5)
-    resumed = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    resumed = TrialStore(_fingerprint(), storage=fresh_postgres_url)
     assert resumed.fail_stale() == [0]
     (m,) = resumed.measurements()
     assert (m.state, m.outcome) == ("FAIL", "stale")
@@ -140,8 +140,8 @@ def test_interleaved_claims_never_both_hold_a_point(fresh_postgres_url: str) -> 
     Two workers' claims interleave like this whenever both run at once: whatever the order,
     at most one of them may come away holding the point they share (micro-batch 4).
     """
-    a = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
-    b = TrialStore(_fingerprint(), WORK, storage=fresh_postgres_url)
+    a = TrialStore(_fingerprint(), storage=fresh_postgres_url)
+    b = TrialStore(_fingerprint(), storage=fresh_postgres_url)
     config = TrainConfig(engine="fsdp", zero_stage=3)
     claimed_by_b: list[list[int] | None] = []
     ask = a.ask

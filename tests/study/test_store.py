@@ -11,7 +11,7 @@ import optuna
 import pytest
 
 from autotune.config import ConfigError, TrainConfig
-from autotune.estimator.simulate import SimulatedDevice
+from autotune.devices import SimulatedDevice
 from autotune.probe import ProbeSpec
 from autotune.space import Workload
 from autotune.study import Fingerprint, TrialStore, open_storage
@@ -27,7 +27,7 @@ def _fingerprint(**kwargs: object) -> Fingerprint:
         "seq_len": 4096,
         "global_batch": 512,
         "gpu": "h100-80gb",
-        "gpu_memory_bytes": GPU.gpu.memory_bytes,
+        "gpu_memory_bytes": GPU.capacity(ProbeSpec(model="llama-7b")),
         "gpus": 8,
         "device": "simulated",
         "software": {"torch": "2.13.0", "deepspeed": "0.19.8", "transformers": "5.23.0"},
@@ -55,9 +55,8 @@ def _probe(
         seed=repeat,
         device_memory_bytes=device_memory_bytes,
     )
-    result = GPU.launch_probe(spec, tmp / f"probe-{len(store.measurements())}")
-    for trial in trials:
-        store.tell(trial, result, capacity_bytes=GPU.capacity(spec))
+    result = GPU.launch(spec, tmp / f"probe-{len(store.measurements())}")
+    store.record(trials, result)
 
 
 def test_study_names_are_readable_and_separate_what_differs() -> None:
@@ -74,7 +73,7 @@ def test_study_names_are_readable_and_separate_what_differs() -> None:
 
 def check_probes_become_trials(url: str, tmp_path: Path) -> TrialStore:
     """One probe's sizes as trials; OOMs (measured and inferred) are infeasible."""
-    store = TrialStore(_fingerprint(), WORK, storage=url)
+    store = TrialStore(_fingerprint(), storage=url)
     _probe(store, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (1, 2, 4, 8))
     by_size = {m.micro_batch_size: m for m in store.measurements()}
     assert [by_size[m].outcome for m in (1, 2, 4, 8)] == ["ok", "ok", "oom", "oom"]
@@ -83,13 +82,13 @@ def check_probes_become_trials(url: str, tmp_path: Path) -> TrialStore:
     assert not by_size[4].feasible and by_size[4].state == "COMPLETE"  # samplers see it
     assert by_size[4].value == 0.0
     # The value is tokens/s at the user's global batch: accumulation 512 / (2 x 8) = 32.
-    assert by_size[2].attrs["grad_accum"] == 32
-    assert by_size[2].value == pytest.approx(by_size[2].attrs["objective_tokens_per_second"])
+    assert by_size[2].grad_accum == 32
+    assert by_size[2].value == pytest.approx(by_size[2].tokens_per_second)
     assert by_size[2].value > by_size[1].value > 0
     best = store.best()
     assert best is not None and best.micro_batch_size == 2
     assert best.config == TrainConfig(engine="fsdp", zero_stage=3)
-    assert Path(best.attrs["probe_dir"]).is_dir()
+    assert Path(best.probe_dir or "").is_dir()
     return store
 
 
@@ -98,7 +97,7 @@ def test_probes_become_trials_and_ooms_are_infeasible(tmp_path: Path) -> None:
 
 
 def test_the_best_point_is_the_mean_of_its_measurements(tmp_path: Path) -> None:
-    store = TrialStore(_fingerprint(), WORK, storage=f"sqlite:///{tmp_path}/r.db")
+    store = TrialStore(_fingerprint(), storage=f"sqlite:///{tmp_path}/r.db")
     config = TrainConfig(engine="fsdp", zero_stage=3)
     _probe(store, tmp_path, config, (1, 2))
     _probe(store, tmp_path, config, (2,), repeat=1)
@@ -109,10 +108,10 @@ def test_the_best_point_is_the_mean_of_its_measurements(tmp_path: Path) -> None:
     best = store.best()
     assert best is not None and best.key == (config, 2)
     assert best.value == pytest.approx(sum(values) / 2)
-    assert best.attrs["repeats"] == 2
-    assert best.attrs["objective_tokens_per_second"] == pytest.approx(sum(values) / 2)
+    assert best.repeats == 2
+    assert best.tokens_per_second == pytest.approx(sum(values) / 2)
     # A re-measurement that runs out of memory: the point no longer counts as fitting.
-    peak = runs[0].attrs["peak_reserved_bytes"]
+    peak = runs[0].peak_bytes
     _probe(store, tmp_path, config, (2,), repeat=2, device_memory_bytes=peak - 1)
     best = store.best()
     assert best is not None and best.key == (config, 1)
@@ -120,11 +119,11 @@ def test_the_best_point_is_the_mean_of_its_measurements(tmp_path: Path) -> None:
 
 def test_headroom_makes_a_tight_fit_infeasible(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/a.db"
-    loose = TrialStore(_fingerprint(), WORK, storage=url)
+    loose = TrialStore(_fingerprint(), storage=url)
     _probe(loose, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (2,))
-    peak = loose.measurements()[0].attrs["peak_reserved_bytes"]
+    peak = loose.measurements()[0].peak_bytes
     fraction = peak / GPU.capacity(ProbeSpec(model="llama-7b"))
-    tight = TrialStore(_fingerprint(gpus=9), WORK, storage=url, headroom=1 - fraction + 0.01)
+    tight = TrialStore(_fingerprint(nodes=2), storage=url, headroom=1 - fraction + 0.01)
     _probe(tight, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (2,))
     assert loose.measurements()[0].feasible
     assert not tight.measurements()[0].feasible
@@ -132,14 +131,14 @@ def test_headroom_makes_a_tight_fit_infeasible(tmp_path: Path) -> None:
 
 def test_a_second_process_reads_the_same_study(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/shared.db"
-    store = TrialStore(_fingerprint(), WORK, storage=url)
+    store = TrialStore(_fingerprint(), storage=url)
     _probe(store, tmp_path, TrainConfig(engine="deepspeed", zero_stage=2), (1, 2))
     code = (
         "import sys, json\n"
         "sys.path.insert(0, 'tests/study')\n"
-        "from test_store import _fingerprint, WORK\n"
+        "from test_store import _fingerprint\n"
         "from autotune.study import TrialStore\n"
-        f"s = TrialStore(_fingerprint(), WORK, storage={url!r})\n"
+        f"s = TrialStore(_fingerprint(), storage={url!r})\n"
         "print(json.dumps([[m.micro_batch_size, m.outcome] for m in s.measurements()]))\n"
     )
     done = subprocess.run(
@@ -155,10 +154,10 @@ def test_running_trials_without_a_heartbeat_fail_as_stale(
     monkeypatch.setattr(store_module, "HEARTBEAT_S", 1)
     monkeypatch.setattr(store_module, "GRACE_S", 1)
     url = f"sqlite:///{tmp_path}/stale.db"
-    other = TrialStore(_fingerprint(), WORK, storage=url)
+    other = TrialStore(_fingerprint(), storage=url)
     other.ask(TrainConfig(engine="fsdp", zero_stage=2), 4)  # alive, but it stops beating
     time.sleep(2.5)
-    resumed = TrialStore(_fingerprint(), WORK, storage=url)
+    resumed = TrialStore(_fingerprint(), storage=url)
     assert resumed.fail_stale() == [0]
     (m,) = resumed.measurements()
     assert (m.state, m.outcome) == ("FAIL", "stale")
@@ -169,16 +168,16 @@ def check_dead_tuner_trials_fail_at_once(url: str) -> None:
     code = (
         "import sys\n"
         "sys.path.insert(0, 'tests/study')\n"
-        "from test_store import _fingerprint, WORK\n"
+        "from test_store import _fingerprint\n"
         "from autotune.config import TrainConfig\n"
         "from autotune.study import TrialStore\n"
-        f"s = TrialStore(_fingerprint(), WORK, storage={url!r})\n"
+        f"s = TrialStore(_fingerprint(), storage={url!r})\n"
         "s.ask(TrainConfig(engine='fsdp', zero_stage=2), 4)\n"  # then the process ends
     )
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2], timeout=300
     )  # fmt: skip
-    resumed = TrialStore(_fingerprint(), WORK, storage=url)
+    resumed = TrialStore(_fingerprint(), storage=url)
     alive = resumed.ask(TrainConfig(), 2)  # ours, running: left alone
     assert resumed.fail_stale() == [0]  # no heartbeat grace period to wait for
     states = {m.number: (m.state, m.outcome) for m in resumed.measurements()}
@@ -187,8 +186,8 @@ def check_dead_tuner_trials_fail_at_once(url: str) -> None:
 
 def check_claims_never_overlap(url: str) -> None:
     """Two workers' claims on the same points: the later one withdraws, and is hidden."""
-    first = TrialStore(_fingerprint(), WORK, storage=url)
-    second = TrialStore(_fingerprint(), WORK, storage=url)
+    first = TrialStore(_fingerprint(), storage=url)
+    second = TrialStore(_fingerprint(), storage=url)
     config = TrainConfig(engine="fsdp", zero_stage=3)
     held = first.claim(config, [2, 4])
     assert held is not None and len(held) == 2

@@ -1,14 +1,14 @@
-"""A simulated GPU: probes answered by the estimator, behind the real probe runner's interface.
+"""A simulated GPU: probes answered by the estimator, behind the :class:`Device` interface.
 
-:meth:`SimulatedDevice.launch_probe` takes a :class:`~autotune.probe.ProbeSpec` and a probe
-folder and returns a :class:`~autotune.probe.ProbeResult`, exactly as
-:func:`autotune.probe.launch_probe` does, so the search, the tests and the benchmarks run the
-whole tuning loop on machines without a GPU. Peak memory comes from the memory model, step
-times from the time model, with seeded multiplicative noise (a real probe's timings scatter
-by a few percent); a micro-batch whose predicted peak exceeds the GPU's usable memory (or the
-spec's ``device_memory_bytes``) ends in an out-of-memory outcome, as on the device. The
-result's ``device`` reads ``simulated:<gpu>``, every size entry carries ``"simulated": true``,
-and ``wall_s`` is the time the probe would have taken on the GPU, not the microseconds it did.
+:meth:`SimulatedDevice.launch` takes a :class:`~autotune.probe.ProbeSpec` and a probe folder
+and returns a :class:`~autotune.probe.ProbeResult`, as the local device does, so the search,
+the tests and the benchmarks run the whole tuning loop on machines without a GPU. Peak memory
+comes from the memory model, step times from the time model, with seeded multiplicative noise
+(a real probe's timings scatter by a few percent); a micro-batch whose predicted peak exceeds
+the GPU's usable memory (or the spec's ``device_memory_bytes``) ends in an out-of-memory
+outcome, as on the device. The result's ``device`` reads ``simulated:<gpu>``, every size is
+marked ``simulated``, and ``wall_s`` is the time the probe would have taken on the GPU, not
+the microseconds it did (the budget is charged that: :class:`~autotune.devices.ProbeClock`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.config import Engine
+from autotune.config import Engine, TrainConfig
+from autotune.devices.base import Clock, ProbeClock
 from autotune.estimator.memory import estimate_memory
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, usable_bytes
 from autotune.estimator.timing import predict_step_time
@@ -28,7 +30,7 @@ from autotune.hardware import GpuSpec, gpu_spec
 from autotune.models import resolve_model
 from autotune.probe.metrics import probe_throughput
 from autotune.probe.outcome import Outcome, Stage
-from autotune.probe.result import ProbeResult
+from autotune.probe.result import ProbeResult, SizeResult
 from autotune.probe.spec import ProbeSpec
 from autotune.units import format_bytes
 
@@ -65,6 +67,10 @@ class SimulatedDevice:
         return cls(gpu=gpu_spec(gpu), **kwargs)
 
     @property
+    def kind(self) -> str:
+        return "simulated"
+
+    @property
     def label(self) -> str:
         return f"simulated:{self.gpu.key}"
 
@@ -81,7 +87,7 @@ class SimulatedDevice:
         rng = random.Random(hashlib.sha256(key.encode()).digest())
         return max(0.5, rng.gauss(1.0, self.noise)) if self.noise else 1.0
 
-    def bias(self, model: str, config: Any) -> tuple[float, float]:
+    def bias(self, model: str, config: TrainConfig) -> tuple[float, float]:
         """The (peak memory, step time) factors this device applies to ``config``'s estimate."""
         if not self.model_error:
             return 1.0, 1.0
@@ -90,19 +96,28 @@ class SimulatedDevice:
         error = self.model_error
         return 1.0 + rng.uniform(-error, error), 1.0 + rng.uniform(-error, error)
 
-    def launch_probe(self, spec: ProbeSpec, probe_dir: Path, **_ignored: Any) -> ProbeResult:
-        """Answer one probe from the estimator; same contract as ``autotune.probe.launch_probe``.
+    def clock(self) -> Clock:
+        """Budgets are charged the time each probe would have taken on the GPU."""
+        return ProbeClock()
 
-        Keyword arguments the real runner takes (``spawner``, ``poll_s``, ``on_poll``) are
-        accepted and ignored.
-        """
+    def launch(
+        self,
+        spec: ProbeSpec,
+        probe_dir: Path,
+        *,
+        on_poll: Callable[[float], None] | None = None,
+    ) -> ProbeResult:
+        """Answer one probe from the estimator (the :class:`Device` contract); it returns at
+        once, so ``on_poll`` is called once."""
+        if on_poll is not None:
+            on_poll(0.0)
         probe_dir.mkdir(parents=True, exist_ok=True)
         (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
         model = resolve_model(spec.model)
         capacity = self.capacity(spec)
         memory_factor, time_factor = self.bias(spec.model, spec.config)
-        peak_flops = self.gpu.peak(spec.config.precision.value.split("-")[0])
-        sizes: list[dict[str, Any]] = []
+        peak_flops = self.gpu.peak(spec.config.precision.compute_dtype)
+        sizes: list[SizeResult] = []
         wall = _START_S
         failed: int | None = None
         outcome, stage, message = Outcome.OK, None, ""
@@ -117,11 +132,10 @@ class SimulatedDevice:
                 world_size=spec.num_processes,
             )
             peak = int(memory.peak_bytes * memory_factor)
-            reading = {
+            reading: dict[str, Any] = {
                 "peak_allocated_bytes": peak,
                 "peak_reserved_bytes": peak,
                 "alloc_retries": 0,
-                "ooms": 0,
                 "memory_source": "simulated",
                 "emulated_limit_bytes": spec.device_memory_bytes,
                 "simulated": True,
@@ -135,14 +149,14 @@ class SimulatedDevice:
                     f"{memory.phase} exceeds {format_bytes(capacity)} usable"
                 )
                 sizes.append(
-                    {
-                        "micro_batch_size": mbs,
-                        "outcome": Outcome.OOM.value,
-                        "stage": stage.value,
-                        "message": message,
+                    SizeResult(
+                        micro_batch_size=mbs,
+                        outcome=Outcome.OOM,
+                        stage=stage,
+                        message=message,
+                        ooms=1,
                         **reading,
-                        "ooms": 1,
-                    }
+                    )
                 )
                 wall += 5.0
                 if spec.num_processes > 1:
@@ -171,16 +185,16 @@ class SimulatedDevice:
             timed = speed.step_s * spec.timed_steps
             wall += speed.step_s * steps
             sizes.append(
-                {
-                    "micro_batch_size": mbs,
-                    "outcome": Outcome.OK.value,
-                    "losses": [],
-                    "loss_finite": True,
-                    "warmup_s": speed.step_s * spec.warmup_steps,
-                    "timed_s": timed,
+                SizeResult(
+                    micro_batch_size=mbs,
+                    outcome=Outcome.OK,
+                    loss_finite=True,
+                    warmup_s=speed.step_s * spec.warmup_steps,
+                    timed_s=timed,
+                    ooms=0,
                     **speed.to_dict(),
                     **reading,
-                }
+                )
             )
         build_s = _states_bytes(model.num_params, spec) / _BUILD_BYTES_PER_S
         wall += build_s

@@ -1,0 +1,479 @@
+"""autotune as a library: what the command line, the tests and the benchmarks call.
+
+- :func:`tune` (or :func:`prepare` and :meth:`Tuning.run`): search for the fastest
+  configuration that fits, recording every probe in the study;
+- :func:`plan`: every configuration ranked by the estimator, without a GPU;
+- :func:`best` and :func:`trials`: read a trial database back;
+- :func:`probe`: run one configuration for real.
+
+Sizes and durations take units as text (``"20GiB"``, ``"1h30m"``) or plain numbers (bytes,
+seconds). Bad input raises :class:`~autotune.config.ConfigError` (a ``ValueError``) whose
+message says what to do. Nothing here imports torch: only the ranks of a real probe do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotune.config import Attention, ConfigError, Engine, Precision, TrainConfig
+from autotune.devices import Device, LocalDevice, SimulatedDevice
+from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, usable_bytes
+from autotune.estimator.plan import plan as plan_rows
+from autotune.hardware import GpuSpec, cpu_device_spec, detect_gpus, gpu_spec
+from autotune.models import ModelSpec, resolve_model
+from autotune.probe.launcher import new_probe_dir
+from autotune.probe.result import ProbeResult
+from autotune.probe.spec import ProbeSpec, ProbeTemplate
+from autotune.space import Workload
+from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
+from autotune.units import parse_duration, parse_fraction, parse_size
+
+if TYPE_CHECKING:
+    from autotune.search.controller import Controller, Event, RunSummary
+    from autotune.study.store import Measurement, TrialStore
+
+# NOTE: the study (Optuna, SQLAlchemy) and the search are imported inside the functions that
+# use them: `autotune plan` and `--help` never open a study, and answer faster without them.
+
+__all__ = [
+    "Plan",
+    "StudyResult",
+    "Tuning",
+    "best",
+    "plan",
+    "prepare",
+    "probe",
+    "trials",
+    "tune",
+]
+
+PER_GPU_BATCH = 8
+"""Global batch per GPU when none is given (sequences)."""
+
+
+def _seconds(value: str | float, what: str) -> float:
+    seconds = parse_duration(value) if isinstance(value, str) else float(value)
+    if seconds <= 0:
+        raise ConfigError(f"{what} must be positive, like 30m")
+    return seconds
+
+
+def _bytes(value: str | int | None, what: str, *, zero: bool = False) -> int | None:
+    if value is None:
+        return None
+    size = parse_size(value) if isinstance(value, str) else int(value)
+    if size < 0 or (size == 0 and not zero):
+        raise ConfigError(f"{what} must be a positive size, like 20GiB")
+    return size
+
+
+def _fraction(value: str | float, what: str) -> float:
+    if isinstance(value, str):
+        return parse_fraction(value, what)
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{what} {value!r} must be between 0 and 1")
+    return float(value)
+
+
+def _gpu(gpu: str | GpuSpec | None) -> tuple[GpuSpec, int]:
+    """The GPU named (a catalogue key or a .toml file) or detected here, and the count here."""
+    detected = detect_gpus()
+    here = detected.count if detected else 1
+    if isinstance(gpu, GpuSpec):
+        return gpu, here
+    if gpu is not None:
+        return gpu_spec(gpu), here
+    if detected is None:
+        raise ConfigError("no GPU detected: name the target with --gpu h100-80gb (or a .toml file)")
+    if detected.spec is None:
+        raise ConfigError(
+            f"{detected.name} is not in the GPU catalogue: describe it in a .toml file and pass "
+            "--gpu that-file.toml (see docs/gpus.md)"
+        )
+    return detected.spec, detected.count
+
+
+def _workload(seq_len: int, global_batch: int | None, world_size: int) -> Workload:
+    batch = global_batch if global_batch is not None else PER_GPU_BATCH * world_size
+    return Workload(seq_len=seq_len, global_batch=batch, world_size=world_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Every configuration of a workload on a GPU, ranked by predicted throughput."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+    workload: Workload
+    rows: list[PlanRow]
+    seconds: float
+    """How long the prediction took."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.name,
+            "gpu": self.gpu.key,
+            "gpus": self.workload.world_size,
+            "seq_len": self.workload.seq_len,
+            "global_batch": self.workload.global_batch,
+            "predicted": True,
+            "seconds": self.seconds,
+            "rows": [row.to_dict() for row in self.rows],
+        }
+
+
+def plan(
+    model: str | ModelSpec,
+    *,
+    gpu: str | GpuSpec | None = None,
+    gpus: int | None = None,
+    gpus_per_node: int = 8,
+    seq_len: int = 2048,
+    global_batch: int | None = None,
+    engines: Iterable[Engine] | None = None,
+    precision: Precision | None = None,
+    attention: Attention = Attention.SDPA,
+    headroom: str | float = 0.0,
+    reserve: str | int = DEVICE_RESERVE_BYTES,
+) -> Plan:
+    """Predict peak memory and throughput of every configuration (no GPU needed).
+
+    Args:
+        model: A preset name, a path to a Hugging Face config.json, or a spec.
+        gpu: The GPU (catalogue key or .toml file); default: the one detected here.
+        gpus: GPUs in all; default: those here.
+        gpus_per_node: GPUs sharing a node's fast links.
+        seq_len: Tokens per sequence.
+        global_batch: Sequences per optimizer step; default 8 per GPU.
+        engines: Only these engines.
+        precision: Default: bf16-mixed, fp16-mixed on GPUs without bf16.
+        attention: The attention kernel.
+        headroom: Memory a fitting configuration leaves free (``"10%"`` or 0.1).
+        reserve: Device memory kept for the CUDA context and the allocator.
+    """
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    target, here = _gpu(gpu)
+    workload = _workload(seq_len, global_batch, gpus if gpus is not None else here)
+    started = time.perf_counter()
+    rows = plan_rows(
+        spec,
+        target,
+        workload,
+        engines=engines,
+        precision=precision,
+        attention=attention,
+        gpus_per_node=gpus_per_node,
+        reserve=_bytes(reserve, "--reserve", zero=True) or 0,
+        headroom=_fraction(headroom, "headroom"),
+    )
+    return Plan(
+        model=spec,
+        gpu=target,
+        workload=workload,
+        rows=rows,
+        seconds=time.perf_counter() - started,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tuning:
+    """A tuning run, assembled: the study, the predictions, the device and the budget."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+    """The GPU the estimator plans for (on the CPU: a stand-in with the emulated cap)."""
+    device: Device
+    store: TrialStore
+    rows: list[PlanRow]
+    template: ProbeTemplate
+    budget_s: float
+    trials_dir: Path
+    storage: str
+    """The storage URL, as given."""
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self.store.fingerprint
+
+    @property
+    def workload(self) -> Workload:
+        return self.store.workload
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.store.capacity_bytes
+
+    def controller(self, on_event: Callable[[Event], None] | None = None) -> Controller:
+        """The search loop of this run (a fresh budget clock)."""
+        # Imported here: reading a study back (`best`, `trials`) needs no search.
+        from autotune.search.controller import Controller
+
+        return Controller(
+            store=self.store,
+            rows=self.rows,
+            device=self.device,
+            template=self.template,
+            budget_s=self.budget_s,
+            trials_dir=self.trials_dir,
+            on_event=on_event,
+        )
+
+    def run(self, on_event: Callable[[Event], None] | None = None) -> RunSummary:
+        """Search until done, the budget is spent, or Ctrl-C (then: the best so far)."""
+        return self.controller(on_event).run()
+
+
+def _device(
+    device: str | Device, simulate: str | None, seed: int, cap: int | None
+) -> tuple[Device, GpuSpec, int]:
+    """The device that answers probes, the GPU to plan for and the GPUs here."""
+    if simulate is not None:
+        simulated = SimulatedDevice.named(simulate, seed=seed)
+        return simulated, simulated.gpu, 8
+    if isinstance(device, SimulatedDevice):
+        return device, device.gpu, 8
+    if isinstance(device, str):
+        if device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
+        if device == "auto":
+            if detect_gpus() is None:
+                raise ConfigError(
+                    "no GPU found: use --device cpu --device-memory 64MiB (real CPU probes) "
+                    "or --simulate h100-80gb (the estimator's simulated GPU)"
+                )
+            device = "cuda"
+        device = LocalDevice(device)
+    if device.kind == "cpu":
+        if cap is None:
+            raise ConfigError("--device cpu needs --device-memory, e.g. 64MiB, to emulate a GPU")
+        return device, cpu_device_spec(cap), 1
+    gpu, here = _gpu(None)
+    return device, gpu, here
+
+
+def prepare(
+    model: str,
+    *,
+    budget: str | float = "30m",
+    seq_len: int = 2048,
+    global_batch: int | None = None,
+    gpus: int | None = None,
+    engines: Iterable[Engine] | None = None,
+    device: str | Device = "auto",
+    simulate: str | None = None,
+    device_memory: str | int | None = None,
+    headroom: str | float = 0.0,
+    objective: Objective | str = Objective.TOKENS,
+    storage: str = DEFAULT_STORAGE,
+    trials_dir: str | Path = "trials",
+    seed: int = 0,
+    warmup_steps: int = 2,
+    timed_steps: int = 3,
+) -> Tuning:
+    """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
+
+    Opens (or creates) the study, so a bad storage URL fails here.
+    """
+    spec = resolve_model(model)
+    budget_s = _seconds(budget, "the budget")
+    cap = _bytes(device_memory, "--device-memory")
+    chosen, gpu, here = _device(device, simulate, seed, cap)
+    world = gpus if gpus is not None else here
+    workload = _workload(seq_len, global_batch, world)
+    goal = Objective(objective) if objective in set(Objective) else None
+    if goal is None:
+        choices = " or ".join(o.value for o in Objective)
+        raise ConfigError(f"unknown objective {objective!r}: use {choices}")
+    if goal is Objective.MFU and chosen.kind == "cpu":
+        raise ConfigError(
+            "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
+        )
+    on_cpu = chosen.kind == "cpu"
+    capacity = cap if cap is not None else usable_bytes(gpu)
+    fingerprint = Fingerprint(
+        model=spec.name,
+        seq_len=workload.seq_len,
+        global_batch=workload.global_batch,
+        gpu=gpu.key,
+        gpu_memory_bytes=capacity,
+        gpus=world,
+        device=chosen.kind,
+        objective=goal,
+    )
+    from autotune.study.store import TrialStore
+
+    store = TrialStore(fingerprint, storage=storage, headroom=_fraction(headroom, "headroom"))
+    rows = plan_rows(
+        spec,
+        gpu,
+        workload,
+        engines=engines,
+        reserve=0 if on_cpu else DEVICE_RESERVE_BYTES,
+        offload=not on_cpu,  # a CPU emulating a device has no host to offload to
+    )
+    template = ProbeTemplate(
+        model=model,
+        seq_len=workload.seq_len,
+        num_processes=world,
+        device="cpu" if on_cpu else "cuda",
+        device_memory_bytes=cap,
+        warmup_steps=warmup_steps,
+        timed_steps=timed_steps,
+    )
+    return Tuning(
+        model=spec,
+        gpu=gpu,
+        device=chosen,
+        store=store,
+        rows=rows,
+        template=template,
+        budget_s=budget_s,
+        trials_dir=Path(trials_dir),
+        storage=storage,
+    )
+
+
+def tune(
+    model: str,
+    *,
+    on_event: Callable[[Event], None] | None = None,
+    **options: Any,
+) -> RunSummary:
+    """Find the fastest configuration that fits: probe, escalate, record every trial.
+
+    Args:
+        model: A preset name or a path to a Hugging Face config.json.
+        on_event: Called at each step of the search (a live view, a log).
+        **options: As :func:`prepare`: ``budget`` ("30m"), ``seq_len``, ``global_batch``
+            (default 8 per GPU), ``gpus``, ``engines``, ``device`` ("auto", "cuda", "cpu" or
+            a :class:`~autotune.devices.Device`), ``simulate`` (a GPU key: the estimator's
+            simulated GPU), ``device_memory`` (emulated cap per device, needed on the CPU),
+            ``headroom``, ``objective`` ("tokens" or "mfu"), ``storage`` (an Optuna storage
+            URL), ``trials_dir``, ``seed`` (of the simulated device's noise).
+
+    Returns:
+        Why the search stopped, the best measurement and every measurement of the study.
+    """
+    return prepare(model, **options).run(on_event)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudyResult:
+    """One study of a trial database: its fingerprint and what it holds."""
+
+    fingerprint: Fingerprint
+    measurements: list[Measurement]
+    best: Measurement | None
+
+    @property
+    def study_name(self) -> str:
+        return self.fingerprint.study_name
+
+
+def _studies(storage: str, model: str | None, gpu: str | None) -> list[TrialStore]:
+    from autotune.study.store import TrialStore
+
+    stores = TrialStore.existing(storage)
+    if model:
+        # A path names its study by the folder that holds the config, as `run` does.
+        name = model if model in {s.fingerprint.model for s in stores} else None
+        if name is None:
+            try:
+                name = resolve_model(model).name
+            except ValueError:
+                name = model
+        stores = [s for s in stores if s.fingerprint.model == name]
+    if gpu:
+        stores = [s for s in stores if s.fingerprint.gpu == gpu.lower()]
+    if not stores:
+        raise ConfigError(f"no autotune study in {storage} matches: run autotune run first")
+    return stores
+
+
+def best(
+    *, model: str | None = None, gpu: str | None = None, storage: str = DEFAULT_STORAGE
+) -> list[StudyResult]:
+    """The best configuration of each matching study (what a training launcher reads).
+
+    Raises:
+        ConfigError: When no study matches.
+    """
+    return [
+        StudyResult(fingerprint=s.fingerprint, measurements=s.measurements(), best=s.best())
+        for s in _studies(storage, model, gpu)
+    ]
+
+
+def trials(
+    *, model: str | None = None, gpu: str | None = None, storage: str = DEFAULT_STORAGE
+) -> list[StudyResult]:
+    """Every trial of each matching study (``best`` is filled in too)."""
+    return best(model=model, gpu=gpu, storage=storage)
+
+
+def probe(
+    model: str,
+    config: TrainConfig | None = None,
+    *,
+    micro_batch_sizes: Iterable[int] = (1,),
+    seq_len: int = 2048,
+    grad_accum: int = 1,
+    gpus: int | None = None,
+    device: str | Device = "auto",
+    device_memory: str | int | None = None,
+    warmup_steps: int = 2,
+    timed_steps: int = 3,
+    timeout: str | float = "10m",
+    trials_dir: str | Path = "trials",
+    folder: str = "probes",
+    on_start: Callable[[ProbeSpec, Path], None] | None = None,
+) -> ProbeResult:
+    """Run a few real training steps of one configuration at each micro-batch size.
+
+    Args:
+        model: A preset name or a path to a Hugging Face config.json.
+        config: The configuration (default: one process, bf16 mixed precision).
+        micro_batch_sizes: Sizes to measure in one process, in this order.
+        gpus: Ranks; default all GPUs here for a distributed engine, else 1.
+        device: ``auto``, ``cuda``, ``cpu`` or a :class:`~autotune.devices.Device`.
+        device_memory: Emulated device-memory cap per rank (``"20GiB"``).
+        timeout: Wall-clock limit of the whole probe.
+        trials_dir: Where the probe folder goes: a new ``trials_dir/folder/N``, made once
+            the probe is known to be valid.
+        on_start: Called with the spec and the folder just before the probe starts.
+    """
+    resolve_model(model)  # fail fast on an unknown name
+    config = config or TrainConfig()
+    if isinstance(device, str):
+        detected = detect_gpus()
+        if device == "cuda" and detected is None:
+            raise ConfigError("--device cuda, but no GPU is visible: use --device cpu")
+        if device == "auto":
+            device = "cuda" if detected else "cpu"
+        if device not in ("cuda", "cpu"):
+            raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
+        chosen: Device = LocalDevice(device)
+        here = detected.count if detected and device == "cuda" else 1
+    else:
+        chosen, here = device, 1
+    spec = ProbeSpec(
+        model=model,
+        config=config,
+        micro_batch_sizes=tuple(micro_batch_sizes),
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        num_processes=gpus if gpus is not None else (1 if config.engine is Engine.SINGLE else here),
+        device=chosen.kind if chosen.kind in ("cuda", "cpu") else "cuda",
+        device_memory_bytes=_bytes(device_memory, "--device-memory"),
+        warmup_steps=warmup_steps,
+        timed_steps=timed_steps,
+        timeout_s=_seconds(timeout, "the probe timeout"),
+    )
+    probe_dir = new_probe_dir(Path(trials_dir), folder)
+    if on_start is not None:
+        on_start(spec, probe_dir)
+    return chosen.launch(spec, probe_dir)

@@ -1,0 +1,89 @@
+"""What answers a probe: one interface for real ranks, the simulated GPU and recorded grids.
+
+A :class:`Device` takes a :class:`~autotune.probe.ProbeSpec` and a probe folder and returns a
+:class:`~autotune.probe.ProbeResult`; the search never knows which device answers. Each device
+also says how a tuning budget is charged (:meth:`Device.clock`): by the wall clock where probes
+really run, by the probes' own reported durations where they are simulated or replayed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from autotune.probe.result import ProbeResult
+from autotune.probe.spec import ProbeSpec
+
+__all__ = ["Clock", "Device", "ProbeClock", "WallClock"]
+
+
+class Clock(Protocol):
+    """The budget's clock: how much of it a tuning run has used."""
+
+    def elapsed(self) -> float:
+        """Seconds used so far."""
+        ...
+
+    def charge(self, seconds: float) -> None:
+        """A probe that reports it took ``seconds`` has finished."""
+        ...
+
+
+class WallClock:
+    """Real elapsed time, from the clock's creation (probes cost what they took)."""
+
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def charge(self, seconds: float) -> None:
+        pass  # the wall clock has moved on by itself
+
+
+class ProbeClock:
+    """The sum of the probes' reported durations: a simulated probe answers in microseconds,
+    yet charges the budget the time it would have taken on the GPU."""
+
+    def __init__(self) -> None:
+        self._spent = 0.0
+
+    def elapsed(self) -> float:
+        return self._spent
+
+    def charge(self, seconds: float) -> None:
+        self._spent += seconds
+
+
+class Device(Protocol):
+    """Runs probes. Implementations: :class:`~autotune.devices.local.LocalDevice` (real ranks on
+    this node's GPUs or CPU) and :class:`~autotune.devices.simulated.SimulatedDevice` (the
+    estimator, with seeded error and noise; every result says ``simulated``).
+
+    Contract: :meth:`launch` blocks until the probe is over, writes ``result.json`` (and
+    whatever else the device keeps) into ``probe_dir``, and returns the result; it never
+    raises for what happened inside the probe (an OOM, a crash, a timeout are outcomes). A
+    KeyboardInterrupt stops the probe before it propagates.
+    """
+
+    @property
+    def kind(self) -> str:
+        """``cuda``, ``cpu`` or ``simulated``: a study's measurements never mix kinds."""
+        ...
+
+    def launch(
+        self,
+        spec: ProbeSpec,
+        probe_dir: Path,
+        *,
+        on_poll: Callable[[float], None] | None = None,
+    ) -> ProbeResult:
+        """Run one probe; ``on_poll`` is called with the elapsed seconds while it runs."""
+        ...
+
+    def clock(self) -> Clock:
+        """A fresh clock that charges this device's probes to a budget."""
+        ...

@@ -1,0 +1,230 @@
+"""The terminal tables of every command: a probe's sizes, a plan, the best configurations of a
+run or of a trial database, its trials, and the model presets.
+
+Each function takes the typed result the library returns and gives a rich renderable; the
+command line only prints it. ``--json`` output comes from the results' own ``to_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from autotune.estimator.plan import PlanRow
+from autotune.models import ModelSpec
+from autotune.probe.result import ProbeResult
+from autotune.study.store import Measurement, pooled
+from autotune.units import format_bytes, format_duration
+
+__all__ = [
+    "best_table",
+    "models_table",
+    "plan_table",
+    "pooled_note",
+    "probe_report",
+    "ranking_table",
+    "trials_table",
+]
+
+
+def _fmt(value: float | None, spec: str, empty: str = "-") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def _bytes(value: int | None) -> str:
+    return format_bytes(value) if value else "-"
+
+
+def pooled_note(repeats: int) -> str:
+    """What follows a speed that is the mean of several measurements of one point."""
+    return f" (mean of {repeats})" if repeats > 1 else ""
+
+
+def probe_report(result: ProbeResult) -> RenderableType:
+    """One probe: a header line, a row per micro-batch size, the outcome and where it lies."""
+    spec = result.spec
+    device = result.device + (f" ({result.gpu_name})" if result.gpu_name else "")
+    limit = spec.device_memory_bytes
+    header = (
+        f"[bold]{spec.model}[/] seq {spec.seq_len} · {spec.config.label()} · "
+        f"{spec.num_processes} x {device}"
+        + (f" · [magenta]emulated device memory {format_bytes(limit)}[/]" if limit else "")
+    )
+    table = Table(show_header=True, header_style="bold")
+    for column in (
+        "micro-batch", "outcome", "tokens/s", "tokens/s/rank", "MFU", "step", "peak alloc",
+        "peak reserved", "loss",
+    ):  # fmt: skip
+        table.add_column(column, justify="right")
+    for size in result.sizes:
+        outcome = (
+            "[green]ok[/]"
+            if size.ok
+            else f"[red]{size.outcome}[/]" + (f" ({size.stage})" if size.stage else "")
+        )
+        losses = size.losses
+        table.add_row(
+            str(size.micro_batch_size),
+            outcome,
+            _fmt(size.tokens_per_second, ",.0f"),
+            _fmt(size.tokens_per_second_per_rank, ",.0f"),
+            _fmt(size.mfu, ".1%"),
+            format_duration(size.step_s) if size.step_s else "-",
+            _bytes(size.peak_allocated_bytes),
+            _bytes(size.peak_reserved_bytes),
+            f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else "-",
+        )
+    colour = "green" if result.outcome == "ok" else "red"
+    timing = ", ".join(
+        f"{name} {format_duration(value)}"
+        for name, value in (
+            ("import", result.import_s),
+            ("build", result.build_s),
+            ("wall", result.wall_s),
+        )
+        if value is not None
+    )
+    footer = (
+        f"outcome [{colour}]{result.outcome}[/]"
+        + (f" at {result.stage}" if result.stage else "")
+        + (f": {result.message}" if result.message else "")
+        + f" · {timing}"
+    )
+    parts: list[RenderableType] = [header, table, footer]
+    if result.device == "cpu" and not result.gpu_name:
+        parts.append("[dim]CPU probe: no MFU; memory is live tensor bytes on the host[/]")
+    parts.append(f"[dim]probe folder {result.probe_dir}[/]")
+    return Group(*parts)
+
+
+def plan_table(
+    rows: list[PlanRow], *, title: str, top: int = 0, seconds: float | None = None
+) -> RenderableType:
+    """The planner's rows, fastest fitting first; a footer with how many fit."""
+    shown = rows if top <= 0 else rows[:top]
+    table = Table(
+        "#", "configuration", "mbs", "accum", "peak memory", "fits", "tokens/s", "MFU",
+        "peak at", header_style="bold", title=title,
+    )  # fmt: skip
+    for index, row in enumerate(shown, 1):
+        fits = "yes" if row.fits else f"[red]no, {format_bytes(row.over_bytes)} over[/]"
+        table.add_row(
+            str(index),
+            row.config.label(),
+            str(row.micro_batch_size),
+            str(row.grad_accum),
+            format_bytes(row.memory.peak_bytes),
+            fits,
+            _fmt(row.time.tokens_per_second if row.time else None, ",.0f"),
+            _fmt(row.time.mfu if row.time else None, ".1%"),
+            row.memory.phase,
+        )
+    fitting = sum(row.fits for row in rows)
+    usable = format_bytes(rows[0].capacity_bytes) if rows else "-"
+    took = f" in {seconds * 1000:.0f} ms" if seconds is not None else ""
+    footer = f"[dim]{len(rows)} configurations ({fitting} fit in {usable} usable per GPU){took}[/]"
+    return Group(table, footer)
+
+
+def ranking_table(
+    measurements: Iterable[Measurement], capacity_bytes: int, *, top: int = 5
+) -> Table:
+    """The best feasible size of each configuration of a run, fastest first."""
+    per_config: dict[object, Measurement] = {}
+    for m in pooled(measurements):
+        if m.value:
+            held = per_config.get(m.config)
+            if held is None or (held.value or 0) < m.value:
+                per_config[m.config] = m
+    ranked = sorted(per_config.values(), key=lambda m: -(m.value or 0))[:top]
+    table = Table(title="best configurations", title_justify="left")
+    for name in ("", "configuration", "micro-batch", "accum", "tokens/s", "MFU", "peak"):
+        table.add_column(name, justify="left" if name == "configuration" else "right")
+    for i, m in enumerate(ranked, 1):
+        peak = m.peak_bytes or 0
+        table.add_row(
+            str(i),
+            m.config.label(),
+            str(m.micro_batch_size),
+            str(m.grad_accum or ""),
+            f"{m.tokens_per_second or 0:,.0f}" + pooled_note(m.repeats),
+            _fmt(m.mfu, ".1%"),
+            f"{format_bytes(peak)} ({peak / capacity_bytes:.0%})" if capacity_bytes else "-",
+        )
+    return table
+
+
+def best_table(studies: Iterable[tuple[str, Measurement | None, int]]) -> Table:
+    """The best configuration of each study: (study name, best measurement, trials)."""
+    table = Table(
+        "study", "configuration", "mbs", "accum", "tokens/s", "MFU", "peak", "trials",
+        header_style="bold",
+    )  # fmt: skip
+    for name, m, count in studies:
+        if m is None:
+            table.add_row(name, "[red]nothing fits yet[/]", "-", "-", "-", "-", "-", str(count))
+            continue
+        table.add_row(
+            name,
+            m.config.label(),
+            str(m.micro_batch_size),
+            str(m.grad_accum or "-"),
+            _fmt(m.tokens_per_second, ",.0f") + pooled_note(m.repeats),
+            _fmt(m.mfu, ".1%"),
+            _bytes(m.peak_bytes),
+            str(count),
+        )
+    return table
+
+
+def trials_table(study_name: str, measurements: Iterable[Measurement]) -> Table:
+    """Every trial of one study: configuration, size, outcome, speed, memory, folder."""
+    table = Table(
+        "#", "configuration", "mbs", "outcome", "tokens/s", "MFU", "peak", "probe folder",
+        header_style="bold", title=study_name,
+    )  # fmt: skip
+    for m in measurements:
+        outcome = m.outcome or m.state.lower()
+        if m.state == "COMPLETE" and not m.feasible:
+            outcome = f"[red]{outcome}[/]"
+        if m.repeat:
+            outcome += f" (re-measure {m.repeat})"
+        table.add_row(
+            str(m.number),
+            m.config.label(),
+            str(m.micro_batch_size),
+            outcome,
+            _fmt(m.tokens_per_second, ",.0f"),
+            _fmt(m.mfu, ".1%"),
+            _bytes(m.peak_bytes),
+            Text(m.probe_dir or "-"),
+        )
+    return table
+
+
+def _count(n: int) -> str:
+    """6.74 B, 124.4 M, 0.2 M: parameter counts the way papers write them."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def models_table(specs: Iterable[ModelSpec], seq_len: int = 2048) -> Table:
+    """The model presets with their shapes, parameter counts and FLOPs per token."""
+    table = Table(
+        "model", "params", "layers", "hidden", "heads", "kv heads", "vocab",
+        f"GFLOP/token @{seq_len // 1024}k", header_style="bold",
+    )  # fmt: skip
+    for spec in specs:
+        table.add_row(
+            spec.name,
+            _count(spec.num_params),
+            str(spec.num_layers),
+            str(spec.hidden_size),
+            str(spec.num_attention_heads),
+            str(spec.num_key_value_heads),
+            str(spec.vocab_size),
+            f"{spec.flops_per_token(seq_len) / 1e9:.2f}",
+        )
+    return table

@@ -1,0 +1,85 @@
+"""Every device keeps the same contract: a spec in, a result out, the files a probe leaves,
+and a clock that charges the budget. One test body, parametrized over the devices."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from autotune.config import TrainConfig
+from autotune.devices import Device, LocalDevice, ProbeClock, SimulatedDevice, WallClock
+from autotune.probe import Outcome, ProbeResult, ProbeSpec
+from autotune.probe.forkserver import ForkServer
+
+# device factory, and the spec it is asked: the tiny model on the CPU for real ranks (emulated
+# cap), qwen2.5-1.5b on an H100 for the estimator.
+CASES: dict[str, tuple[Callable[[ForkServer], Device], ProbeSpec]] = {
+    "local-cpu": (
+        lambda server: LocalDevice("cpu", spawner=server),
+        ProbeSpec(
+            model="tiny", micro_batch_sizes=(1, 2), seq_len=32, device="cpu",
+            warmup_steps=1, timed_steps=2, timeout_s=120,
+        ),
+    ),
+    "simulated": (
+        lambda server: SimulatedDevice.named("h100-80gb", seed=1),
+        ProbeSpec(model="qwen2.5-1.5b", micro_batch_sizes=(1, 2), seq_len=1024, device="cuda"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_device_answers_a_probe_and_leaves_its_files(
+    name: str, tmp_path: Path, fork_server: ForkServer
+) -> None:
+    make, spec = CASES[name]
+    device = make(fork_server)
+    polled: list[float] = []
+    result = device.launch(spec, tmp_path / "probe", on_poll=polled.append)
+    assert result.outcome is Outcome.OK, result.message
+    assert [s.micro_batch_size for s in result.sizes] == [1, 2]
+    assert all(s.ok and (s.tokens_per_second or 0) > 0 for s in result.sizes)
+    assert all((s.peak_bytes or 0) > 0 for s in result.sizes)
+    assert polled, "on_poll is called while the probe runs"
+    assert result.wall_s > 0
+    # What it returned is what it wrote, and the spec it was asked.
+    assert (tmp_path / "probe" / "config.json").is_file()
+    again = ProbeResult.read(tmp_path / "probe")
+    assert again.to_dict() == result.to_dict()
+    assert again.spec == spec
+    assert all(s.simulated for s in result.sizes) == (device.kind == "simulated")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_device_clock_charges_what_its_probes_cost(name: str, fork_server: ForkServer) -> None:
+    make, _ = CASES[name]
+    clock = make(fork_server).clock()
+    if isinstance(clock, ProbeClock):
+        clock.charge(30.0)
+        clock.charge(12.5)
+        assert clock.elapsed() == 42.5  # the probes' own durations, not the wall clock
+    else:
+        assert isinstance(clock, WallClock)
+        before = clock.elapsed()
+        time.sleep(0.05)
+        clock.charge(1000.0)  # the wall clock has moved on by itself: charging adds nothing
+        assert 0.05 <= clock.elapsed() - before < 1000.0
+
+
+def test_a_local_device_refuses_an_unknown_kind() -> None:
+    with pytest.raises(ValueError, match="cuda or cpu"):
+        LocalDevice("tpu")
+
+
+def test_a_probe_template_fills_in_what_varies() -> None:
+    from autotune.probe import ProbeTemplate
+
+    template = ProbeTemplate(model="tiny", seq_len=64, num_processes=2, device="cpu")
+    spec = template.spec(TrainConfig(engine="ddp"), (2, 4), timeout_s=60.0, seed=1)
+    assert (spec.model, spec.seq_len, spec.num_processes, spec.device) == ("tiny", 64, 2, "cpu")
+    assert spec.micro_batch_sizes == (2, 4) and spec.timeout_s == 60.0 and spec.seed == 1
+    with pytest.raises(ValueError, match="engine single runs one process"):
+        template.spec(TrainConfig(), (1,), timeout_s=60.0)  # validated as any spec

@@ -1,0 +1,102 @@
+"""The core (everything but the ranks of a real probe) imports no torch, transformers or
+DeepSpeed: `autotune plan`, `best`, `trials` and a simulated search answer without them."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "autotune"
+HEAVY = ("torch", "transformers", "deepspeed")
+# Where torch may be imported at module level: the ranks' side of the probe, and the devices
+# that start ranks.
+RANK_SIDE = {"probe", "devices"}
+# Modules of those folders that the tuner imports: they must stay free of torch too.
+TUNER_SIDE_OF_PROBE = (
+    "autotune.probe",
+    "autotune.probe.spec",
+    "autotune.probe.result",
+    "autotune.probe.outcome",
+    "autotune.probe.metrics",
+    "autotune.probe.launcher",
+    "autotune.devices",
+)
+CORE = (
+    "autotune",
+    "autotune.api",
+    "autotune.cli",
+    "autotune.config",
+    "autotune.units",
+    "autotune.space",
+    "autotune.models",
+    "autotune.hardware",
+    "autotune.estimator.memory",
+    "autotune.estimator.timing",
+    "autotune.estimator.plan",
+    "autotune.study",
+    "autotune.search.ladder",
+    "autotune.search.controller",
+    "autotune.report.live",
+    "autotune.report.tables",
+    *TUNER_SIDE_OF_PROBE,
+)
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """Top-level package names imported at module level (outside functions and
+    ``if TYPE_CHECKING:`` blocks)."""
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try | ast.With):
+                visit(node.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def test_no_module_outside_the_rank_side_imports_torch_at_module_level() -> None:
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(_module_level_imports(path) & set(HEAVY))
+        for path in PACKAGE.rglob("*.py")
+        if path.relative_to(PACKAGE).parts[0] not in RANK_SIDE
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_core_and_a_simulated_search_load_no_torch(tmp_path: Path) -> None:
+    """In a fresh interpreter: import the core, plan a model, tune it on the simulated GPU,
+    read the study back; torch, transformers and DeepSpeed stay unloaded throughout."""
+    code = f"""
+import importlib, json, sys
+for name in {CORE!r}:
+    importlib.import_module(name)
+import autotune
+found = autotune.plan("llama-7b", gpu="h100-80gb", gpus=8, seq_len=4096)
+assert found.rows and found.model.num_params > 6e9
+summary = autotune.tune(
+    "qwen2.5-1.5b", simulate="h100-80gb", gpus=1, budget="20m", global_batch=64,
+    storage="sqlite:///{tmp_path}/t.db", trials_dir="{tmp_path}/trials",
+)
+assert summary.best is not None and summary.probes >= 1
+[study] = autotune.best(model="qwen2.5-1.5b", storage="sqlite:///{tmp_path}/t.db")
+assert study.best == summary.best
+print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
