@@ -53,6 +53,7 @@ bench: install
 	$(BIN)/python bench/model_states.py
 	$(BIN)/python bench/estimator_accuracy.py
 	$(BIN)/python bench/search_efficiency.py
+	$(BIN)/python bench/cli_startup.py
 
 wheelhouse: install
 	rm -rf wheelhouse && mkdir -p wheelhouse
