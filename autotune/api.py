@@ -402,10 +402,17 @@ def best(
     Raises:
         ConfigError: When no study matches.
     """
-    return [
-        StudyResult(fingerprint=s.fingerprint, measurements=s.measurements(), best=s.best())
-        for s in _studies(storage, model, gpu)
-    ]
+    found = []
+    for store in _studies(storage, model, gpu):
+        measurements = store.measurements()
+        found.append(
+            StudyResult(
+                fingerprint=store.fingerprint,
+                measurements=measurements,
+                best=store.best(measurements),
+            )
+        )
+    return found
 
 
 def trials(

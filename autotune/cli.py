@@ -123,11 +123,11 @@ def probe(
         attention=attention,
     )
     sizes = _parse_sizes(micro_batch)
-    if device == "auto" and not _gpu_visible():
-        errors.print("[yellow]no GPU found: probing on the CPU (--device cuda to insist)[/]")
     running = contextlib.ExitStack()
 
     def started(spec: Any, probe_dir: Path) -> None:
+        if device == "auto" and spec.device == "cpu":
+            errors.print("[yellow]no GPU found: probing on the CPU (--device cuda to insist)[/]")
         if not json_output:
             console.print(
                 f"[dim]probing {spec.config.label()} at micro-batch {micro_batch} in "
@@ -159,12 +159,6 @@ def probe(
     else:
         console.print(probe_report(result))
     raise typer.Exit(0 if result.ok_sizes() else 1)
-
-
-def _gpu_visible() -> bool:
-    from autotune.hardware import detect_gpus
-
-    return detect_gpus() is not None
 
 
 def _parse_engines(text: str | None) -> list[Engine] | None:

@@ -172,14 +172,15 @@ class Controller:
                 if left <= 0:
                     reason = "budget spent"
                     break
-                proposal = propose(self.rows, self.store.measurements(), sizes, objective)
+                measurements = self.store.measurements()
+                proposal = propose(self.rows, measurements, sizes, objective)
                 if proposal is None:
                     break
                 self.on_event(
                     Event(
                         kind="probe",
                         proposal=proposal,
-                        best=self.store.best(),
+                        best=self.store.best(measurements),
                         probes=probes,
                         budget_left_s=left,
                     )

@@ -486,9 +486,16 @@ class TrialStore:
             if "micro_batch_size" in t.params and not t.user_attrs.get("withdrawn")
         ]
 
-    def best(self) -> Measurement | None:
-        """The feasible point with the highest objective (the mean of its repeats), if any."""
-        points = pooled(self.measurements((TrialState.COMPLETE,)))
+    def best(self, measurements: Iterable[Measurement] | None = None) -> Measurement | None:
+        """The feasible point with the highest objective (the mean of its repeats), if any.
+
+        Args:
+            measurements: The study's measurements when the caller has read them already
+                (else they are read here).
+        """
+        if measurements is None:
+            measurements = self.measurements((TrialState.COMPLETE,))
+        points = pooled(measurements)
         return max(points, key=lambda m: m.value or 0.0, default=None)
 
 
