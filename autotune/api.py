@@ -30,11 +30,12 @@ from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.space import Workload
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
+from autotune.study.measurement import StudyResult
 from autotune.units import parse_duration, parse_fraction, parse_size
 
 if TYPE_CHECKING:
     from autotune.search.controller import Controller, Event, RunSummary
-    from autotune.study.store import Measurement, TrialStore
+    from autotune.study.store import TrialStore
 
 # NOTE: the study (Optuna, SQLAlchemy) and the search are imported inside the functions that
 # use them: `autotune plan` and `--help` never open a study, and answer faster without them.
@@ -361,23 +362,10 @@ def tune(
     return prepare(model, **options).run(on_event)
 
 
-@dataclass(frozen=True, kw_only=True)
-class StudyResult:
-    """One study of a trial database: its fingerprint and what it holds."""
+def _studies(storage: str, model: str | None, gpu: str | None) -> list[StudyResult]:
+    from autotune.study.reader import read_studies
 
-    fingerprint: Fingerprint
-    measurements: list[Measurement]
-    best: Measurement | None
-
-    @property
-    def study_name(self) -> str:
-        return self.fingerprint.study_name
-
-
-def _studies(storage: str, model: str | None, gpu: str | None) -> list[TrialStore]:
-    from autotune.study.store import TrialStore
-
-    stores = TrialStore.existing(storage)
+    stores = read_studies(storage)
     if model:
         # A path names its study by the folder that holds the config, as `run` does.
         name = model if model in {s.fingerprint.model for s in stores} else None
@@ -402,17 +390,7 @@ def best(
     Raises:
         ConfigError: When no study matches.
     """
-    found = []
-    for store in _studies(storage, model, gpu):
-        measurements = store.measurements()
-        found.append(
-            StudyResult(
-                fingerprint=store.fingerprint,
-                measurements=measurements,
-                best=store.best(measurements),
-            )
-        )
-    return found
+    return _studies(storage, model, gpu)
 
 
 def trials(

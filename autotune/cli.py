@@ -329,7 +329,6 @@ def best(
     from autotune import api
     from autotune.report.tables import best_table
 
-    _quiet_optuna()
     studies = api.best(model=model, gpu=gpu, storage=storage)
     if json_output:
         _print_json(
@@ -359,7 +358,6 @@ def trials(
     from autotune import api
     from autotune.report.tables import trials_table
 
-    _quiet_optuna()
     studies = api.trials(model=model, gpu=gpu, storage=storage)
     if json_output:
         _print_json(

@@ -37,6 +37,8 @@ CORE = (
     "autotune.estimator.timing",
     "autotune.estimator.plan",
     "autotune.study",
+    "autotune.study.measurement",
+    "autotune.study.reader",
     "autotune.search.ladder",
     "autotune.search.controller",
     "autotune.report.live",

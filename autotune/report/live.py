@@ -20,7 +20,7 @@ from rich.table import Table
 from autotune.probe.result import SizeResult
 from autotune.search.controller import Event
 from autotune.study.fingerprint import Objective
-from autotune.study.store import Measurement
+from autotune.study.measurement import Measurement
 from autotune.units import format_duration
 
 __all__ = ["RunView", "outcome_text", "speed_text"]

@@ -16,7 +16,7 @@ from rich.text import Text
 from autotune.estimator.plan import PlanRow
 from autotune.models import ModelSpec
 from autotune.probe.result import ProbeResult
-from autotune.study.store import Measurement, pooled
+from autotune.study.measurement import Measurement, pooled
 from autotune.units import format_bytes, format_duration
 
 __all__ = [

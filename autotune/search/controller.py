@@ -33,7 +33,8 @@ from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeTemplate
 from autotune.search.ladder import Proposal, propose
 from autotune.space import micro_batch_options
-from autotune.study.store import Measurement, TrialStore
+from autotune.study.measurement import Measurement
+from autotune.study.store import TrialStore
 
 __all__ = ["Controller", "Event", "RunSummary"]
 

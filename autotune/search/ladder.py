@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow
 from autotune.study.fingerprint import Objective
-from autotune.study.store import RETRYABLE, Measurement, pooled
+from autotune.study.measurement import RETRYABLE, Measurement, pooled
 
 __all__ = [
     "CONFIRM_MARGIN",

@@ -1,6 +1,8 @@
 """The trial database: one Optuna study per workload × hardware × software fingerprint.
 
 - ``fingerprint``: what a study is about, and its readable name (no Optuna: light to import).
+- ``measurement``: a trial decoded (:class:`Measurement`), repeats pooled (no Optuna either).
+- ``reader``: every study of a database read back without Optuna (``autotune best``).
 - ``store``: each probed micro-batch size as a trial (params: the configuration; attributes:
   the measurements; OOMs as infeasible trials), in SQLite or PostgreSQL.
 
@@ -14,11 +16,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective, software_versions
+from autotune.study.measurement import Measurement, pooled
 
 if TYPE_CHECKING:
-    from autotune.study.store import Measurement, TrialStore, open_storage, pooled
+    from autotune.study.store import TrialStore, open_storage
 
-_STORE_NAMES = ("Measurement", "TrialStore", "open_storage", "pooled")
+_STORE_NAMES = ("TrialStore", "open_storage")
 
 __all__ = [
     "DEFAULT_STORAGE",

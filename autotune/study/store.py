@@ -26,15 +26,12 @@ best to tell them apart from timing noise. Such a trial carries its ``repeat`` n
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import random
 import socket
 import time
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +47,10 @@ from autotune.probe.metrics import throughput
 from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
+from autotune.study.measurement import Measurement, best_point, decode
+from autotune.study.reader import FINGERPRINT_ATTR, cannot_open, sqlite_path
 
-__all__ = ["DEFAULT_STORAGE", "RETRYABLE", "Measurement", "TrialStore", "open_storage"]
+__all__ = ["TrialStore", "open_storage"]
 
 HEARTBEAT_S = 30
 """A running tuner touches its RUNNING trials this often; after ``GRACE_S`` without a beat
@@ -59,11 +58,6 @@ they are failed (their tuner died, on another host) and their point is retried o
 GRACE_S = 180
 OPEN_ATTEMPTS = 5
 """Tries to open a storage whose tables another worker is creating at the same moment."""
-RETRYABLE = ("interrupted", "stale")
-"""Outcomes of trials that failed through no fault of their configuration (Ctrl-C, a tuner
-that died): the search retries such a point once."""
-
-_FINGERPRINT_ATTR = "autotune_fingerprint"
 
 
 def _distributions() -> dict[str, BaseDistribution]:
@@ -79,14 +73,6 @@ def _distributions() -> dict[str, BaseDistribution]:
     }
 
 
-def _sqlite_path(url: str) -> Path | None:
-    """The file of a ``sqlite:///`` URL (None for other databases and in-memory ones)."""
-    if not url.startswith("sqlite:///"):
-        return None
-    path = Path(url.removeprefix("sqlite:///"))
-    return None if str(path) in ("", ":memory:") else path.expanduser()
-
-
 def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBStorage:
     """An Optuna RDB storage with heartbeats; SQLite's folder is created.
 
@@ -98,7 +84,7 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
     Raises:
         ConfigError: When the URL cannot be opened (one line that says what to use).
     """
-    path = _sqlite_path(url)
+    path = sqlite_path(url)
     if path is not None and not read_only:
         path.parent.mkdir(parents=True, exist_ok=True)
     skip: dict[str, Any] = (
@@ -114,126 +100,11 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
             # Workers that start together on an empty database all create its tables; the
             # losers of that race meet duplicate objects, and find the tables on a retry.
             if attempt == OPEN_ATTEMPTS:
-                raise _cannot_open(url, error) from None
+                raise cannot_open(url, error) from None
             time.sleep(random.uniform(0.2, 1.0))
         except Exception as error:  # SQLAlchemy raises many kinds; all mean "cannot open"
-            raise _cannot_open(url, error) from None
+            raise cannot_open(url, error) from None
     raise AssertionError("unreachable")
-
-
-def _cannot_open(url: str, error: Exception) -> ConfigError:
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return ConfigError(
-        f"cannot open trial storage {url!r}: {reason}; use sqlite:///path/to.db or "
-        "postgresql://user:password@host/database"
-    )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Measurement:
-    """One trial, decoded: a configuration at a micro-batch size, and what became of it.
-
-    Speeds are at the user's global batch (the probe's own accumulation count is converted
-    when the trial is recorded). A pooled measurement (:func:`pooled`) holds the mean of a
-    point's ``repeats`` measurements.
-    """
-
-    number: int
-    config: TrainConfig
-    micro_batch_size: int
-    state: str
-    """Optuna's trial state: ``COMPLETE``, ``FAIL``, ``RUNNING``, ``PRUNED``."""
-    outcome: str | None
-    """The probe's outcome for this size (``ok``, ``oom``, ...), ``interrupted`` or ``stale``
-    for a point cut short through no fault of its own; None while running."""
-    feasible: bool
-    value: float | None
-    """The study's objective; None unless the trial completed."""
-    repeat: int = 0
-    """0 for a point's first measurement, n for its n-th re-measurement."""
-    repeats: int = 1
-    """Measurements averaged into this one (see :func:`pooled`)."""
-    tokens_per_second: float | None = None
-    """All ranks together, at the user's global batch."""
-    mfu: float | None = None
-    """Model FLOPs utilization at the user's global batch; None without a peak FLOP/s."""
-    grad_accum: int | None = None
-    """Micro-steps per optimizer step at the user's global batch."""
-    peak_bytes: int | None = None
-    """The measured peak that decided the fit (reserved, else allocated)."""
-    probe_dir: str | None = None
-    message: str | None = None
-    simulated: bool = False
-    attrs: Mapping[str, Any] = field(default_factory=dict)
-    """Every user attribute of the trial as stored (what ``--json`` exports)."""
-
-    @property
-    def key(self) -> tuple[TrainConfig, int]:
-        return self.config, self.micro_batch_size
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON form ``autotune best`` and ``autotune trials`` print."""
-        return {
-            "number": self.number,
-            "config": self.config.to_dict(),
-            "label": self.config.label(),
-            "micro_batch_size": self.micro_batch_size,
-            "repeat": self.repeat,
-            "repeats": self.repeats,
-            "grad_accum": self.grad_accum,
-            "state": self.state,
-            "outcome": self.outcome,
-            "feasible": self.feasible,
-            "objective": self.value,
-            "tokens_per_second": self.tokens_per_second,
-            "mfu": self.mfu,
-            "peak_bytes": self.peak_bytes,
-            "probe_dir": self.probe_dir,
-            "message": self.message,
-            "simulated": self.simulated,
-        }
-
-
-def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
-    """One measurement per feasible point: the mean of its repeats.
-
-    A point counts only if every completed measurement of it was feasible (a repeat that ran
-    out of memory makes the point unreliable). The result is the point's latest measurement
-    with the objective, tokens/s and MFU averaged, and ``repeats`` saying how many.
-    """
-    groups: dict[tuple[TrainConfig, int], list[Measurement]] = {}
-    for m in measurements:
-        if m.state == "COMPLETE":
-            groups.setdefault(m.key, []).append(m)
-    points = []
-    for group in groups.values():
-        if not all(m.feasible and m.value for m in group):
-            continue
-        last = max(group, key=lambda m: m.number)
-        tokens = _mean([m.tokens_per_second for m in group])
-        mfu = _mean([m.mfu for m in group])
-        points.append(
-            dataclasses.replace(
-                last,
-                value=_mean([m.value for m in group]),
-                tokens_per_second=tokens,
-                mfu=mfu,
-                repeats=len(group),
-                # The stored attributes as the JSON export shows them: pooled too.
-                attrs={
-                    **last.attrs,
-                    "objective_tokens_per_second": tokens,
-                    "objective_mfu": mfu,
-                    "repeats": len(group),
-                },
-            )
-        )
-    return points
-
-
-def _mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
 
 
 class TrialStore:
@@ -264,9 +135,9 @@ class TrialStore:
             direction="maximize",
             load_if_exists=True,
         )
-        stored = self.study.user_attrs.get(_FINGERPRINT_ATTR)
+        stored = self.study.user_attrs.get(FINGERPRINT_ATTR)
         if stored is None:
-            self.study.set_user_attr(_FINGERPRINT_ATTR, fingerprint.to_dict())
+            self.study.set_user_attr(FINGERPRINT_ATTR, fingerprint.to_dict())
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 self.study.set_metric_names([fingerprint.objective.value])
@@ -283,7 +154,7 @@ class TrialStore:
         Reads only: a SQLite file that does not exist holds no study and is not created.
         """
         if isinstance(storage, str):
-            path = _sqlite_path(storage)
+            path = sqlite_path(storage)
             if path is not None and not path.is_file():
                 return []
             try:
@@ -298,7 +169,7 @@ class TrialStore:
             summaries = optuna.get_all_study_summaries(opened, include_best_trial=False)
         found = []
         for summary in summaries:
-            data = summary.user_attrs.get(_FINGERPRINT_ATTR)
+            data = summary.user_attrs.get(FINGERPRINT_ATTR)
             if not data:
                 continue
             study = optuna.load_study(study_name=summary.study_name, storage=opened)
@@ -495,8 +366,7 @@ class TrialStore:
         """
         if measurements is None:
             measurements = self.measurements((TrialState.COMPLETE,))
-        points = pooled(measurements)
-        return max(points, key=lambda m: m.value or 0.0, default=None)
+        return best_point(measurements)
 
 
 def _owner() -> dict[str, Any]:
@@ -552,26 +422,11 @@ def _measured(entry: SizeResult) -> dict[str, Any]:
 
 
 def _decode(trial: FrozenTrial) -> Measurement:
-    params = dict(trial.params)
-    mbs = int(params.pop("micro_batch_size"))
-    constraints = trial.constraints.values()
-    attrs = json.loads(json.dumps(trial.user_attrs))
-    return Measurement(
+    return decode(
         number=trial.number,
-        config=TrainConfig.from_dict(params),
-        micro_batch_size=mbs,
         state=trial.state.name,
-        # A trial failed by the storage's heartbeat has no outcome: its tuner went stale.
-        outcome=attrs.get("outcome", "stale" if trial.state is TrialState.FAIL else None),
-        feasible=trial.state is TrialState.COMPLETE and all(c <= 0 for c in constraints),
-        value=trial.value if trial.state is TrialState.COMPLETE else None,
-        repeat=int(attrs.get("repeat", 0)),
-        tokens_per_second=attrs.get("objective_tokens_per_second"),
-        mfu=attrs.get("objective_mfu"),
-        grad_accum=attrs.get("grad_accum"),
-        peak_bytes=attrs.get("peak_reserved_bytes") or attrs.get("peak_allocated_bytes"),
-        probe_dir=attrs.get("probe_dir"),
-        message=attrs.get("message"),
-        simulated=bool(attrs.get("simulated")),
-        attrs=attrs,
+        params=trial.params,
+        user_attrs=trial.user_attrs,
+        constraints=trial.constraints.values(),
+        value=trial.value,
     )

@@ -23,6 +23,7 @@ from autotune.config import ConfigError, TrainConfig
 from autotune.study import TrialStore, open_storage
 from autotune.study import store as store_module
 
+from .test_reader import check_reader_matches_optuna
 from .test_store import (
     WORK,
     _fingerprint,
@@ -106,6 +107,10 @@ def test_trial_store_round_trip_on_postgresql(fresh_postgres_url: str, tmp_path:
     assert (reread_best.number, reread_best.key) == (best.number, best.key)
     assert reread_best.attrs == best.attrs  # JSON user attributes survive the round trip
     assert found[_fingerprint(gpus=16).study_name].measurements() == []
+
+
+def test_the_reader_matches_optuna_on_postgresql(fresh_postgres_url: str, tmp_path: Path) -> None:
+    check_reader_matches_optuna(fresh_postgres_url, tmp_path)
 
 
 def test_running_trials_without_a_heartbeat_fail_as_stale_on_postgresql(

@@ -1,0 +1,193 @@
+"""A trial of the study, decoded: the typed record every reader of the study works with.
+
+Pure and light (no Optuna, no SQLAlchemy): the store decodes Optuna's trials into
+:class:`Measurement`, the read-only reader (:mod:`autotune.study.reader`) decodes the same
+rows straight from the database, and the search, the reports and ``autotune best`` consume
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.config import TrainConfig
+from autotune.study.fingerprint import Fingerprint
+
+__all__ = ["RETRYABLE", "Measurement", "StudyResult", "best_point", "decode", "pooled"]
+
+RETRYABLE = ("interrupted", "stale")
+"""Outcomes of trials that failed through no fault of their configuration (Ctrl-C, a tuner
+that died): the search retries such a point once."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """One trial, decoded: a configuration at a micro-batch size, and what became of it.
+
+    Speeds are at the user's global batch (the probe's own accumulation count is converted
+    when the trial is recorded). A pooled measurement (:func:`pooled`) holds the mean of a
+    point's ``repeats`` measurements.
+    """
+
+    number: int
+    config: TrainConfig
+    micro_batch_size: int
+    state: str
+    """Optuna's trial state: ``COMPLETE``, ``FAIL``, ``RUNNING``, ``PRUNED``."""
+    outcome: str | None
+    """The probe's outcome for this size (``ok``, ``oom``, ...), ``interrupted`` or ``stale``
+    for a point cut short through no fault of its own; None while running."""
+    feasible: bool
+    value: float | None
+    """The study's objective; None unless the trial completed."""
+    repeat: int = 0
+    """0 for a point's first measurement, n for its n-th re-measurement."""
+    repeats: int = 1
+    """Measurements averaged into this one (see :func:`pooled`)."""
+    tokens_per_second: float | None = None
+    """All ranks together, at the user's global batch."""
+    mfu: float | None = None
+    """Model FLOPs utilization at the user's global batch; None without a peak FLOP/s."""
+    grad_accum: int | None = None
+    """Micro-steps per optimizer step at the user's global batch."""
+    peak_bytes: int | None = None
+    """The measured peak that decided the fit (reserved, else allocated)."""
+    probe_dir: str | None = None
+    message: str | None = None
+    simulated: bool = False
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    """Every user attribute of the trial as stored (what ``--json`` exports)."""
+
+    @property
+    def key(self) -> tuple[TrainConfig, int]:
+        return self.config, self.micro_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form ``autotune best`` and ``autotune trials`` print."""
+        return {
+            "number": self.number,
+            "config": self.config.to_dict(),
+            "label": self.config.label(),
+            "micro_batch_size": self.micro_batch_size,
+            "repeat": self.repeat,
+            "repeats": self.repeats,
+            "grad_accum": self.grad_accum,
+            "state": self.state,
+            "outcome": self.outcome,
+            "feasible": self.feasible,
+            "objective": self.value,
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "peak_bytes": self.peak_bytes,
+            "probe_dir": self.probe_dir,
+            "message": self.message,
+            "simulated": self.simulated,
+        }
+
+
+def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
+    """One measurement per feasible point: the mean of its repeats.
+
+    A point counts only if every completed measurement of it was feasible (a repeat that ran
+    out of memory makes the point unreliable). The result is the point's latest measurement
+    with the objective, tokens/s and MFU averaged, and ``repeats`` saying how many.
+    """
+    groups: dict[tuple[TrainConfig, int], list[Measurement]] = {}
+    for m in measurements:
+        if m.state == "COMPLETE":
+            groups.setdefault(m.key, []).append(m)
+    points = []
+    for group in groups.values():
+        if not all(m.feasible and m.value for m in group):
+            continue
+        last = max(group, key=lambda m: m.number)
+        tokens = _mean([m.tokens_per_second for m in group])
+        mfu = _mean([m.mfu for m in group])
+        points.append(
+            dataclasses.replace(
+                last,
+                value=_mean([m.value for m in group]),
+                tokens_per_second=tokens,
+                mfu=mfu,
+                repeats=len(group),
+                # The stored attributes as the JSON export shows them: pooled too.
+                attrs={
+                    **last.attrs,
+                    "objective_tokens_per_second": tokens,
+                    "objective_mfu": mfu,
+                    "repeats": len(group),
+                },
+            )
+        )
+    return points
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def best_point(measurements: Iterable[Measurement]) -> Measurement | None:
+    """The feasible point with the highest objective (the mean of its repeats), if any."""
+    return max(pooled(measurements), key=lambda m: m.value or 0.0, default=None)
+
+
+def decode(
+    *,
+    number: int,
+    state: str,
+    params: Mapping[str, Any],
+    user_attrs: Mapping[str, Any],
+    constraints: Iterable[float],
+    value: float | None,
+) -> Measurement:
+    """A trial from its stored fields (params in their external form: choices, not indices).
+
+    Args:
+        state: Optuna's state name (``COMPLETE``, ``FAIL``, ...).
+        constraints: The trial's constraint values (feasible when all are at most 0).
+        value: The trial's objective as stored (used only when it completed).
+    """
+    config = {k: v for k, v in params.items() if k != "micro_batch_size"}
+    attrs = json.loads(json.dumps(dict(user_attrs)))
+    complete = state == "COMPLETE"
+    return Measurement(
+        number=number,
+        config=TrainConfig.from_dict(config),
+        micro_batch_size=int(params["micro_batch_size"]),
+        state=state,
+        # A trial failed by the storage's heartbeat has no outcome: its tuner went stale.
+        outcome=attrs.get("outcome", "stale" if state == "FAIL" else None),
+        feasible=complete and all(c <= 0 for c in constraints),
+        value=value if complete else None,
+        repeat=int(attrs.get("repeat", 0)),
+        tokens_per_second=attrs.get("objective_tokens_per_second"),
+        mfu=attrs.get("objective_mfu"),
+        grad_accum=attrs.get("grad_accum"),
+        peak_bytes=attrs.get("peak_reserved_bytes") or attrs.get("peak_allocated_bytes"),
+        probe_dir=attrs.get("probe_dir"),
+        message=attrs.get("message"),
+        simulated=bool(attrs.get("simulated")),
+        attrs=attrs,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudyResult:
+    """One study of a trial database: its fingerprint, every trial decoded, and the best."""
+
+    fingerprint: Fingerprint
+    measurements: list[Measurement]
+
+    @property
+    def study_name(self) -> str:
+        return self.fingerprint.study_name
+
+    @property
+    def best(self) -> Measurement | None:
+        """The feasible point with the highest objective (the mean of its repeats)."""
+        return best_point(self.measurements)
