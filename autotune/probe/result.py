@@ -180,7 +180,13 @@ class ProbeResult:
 
     @classmethod
     def read(cls, probe_dir: Path) -> ProbeResult:
-        data = json.loads((probe_dir / "result.json").read_text())
+        """The result a probe wrote in its folder."""
+        return cls.from_dict(json.loads((probe_dir / "result.json").read_text()), probe_dir)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], probe_dir: Path | None = None) -> ProbeResult:
+        """A result from its JSON form (``probe_dir``: where it lies now, else as written)."""
+        probe_dir = probe_dir if probe_dir is not None else Path(data.get("probe_dir", "."))
         return cls(
             spec=ProbeSpec.from_dict(data["spec"]),
             probe_dir=probe_dir,
