@@ -23,7 +23,13 @@ from autotune.config import Attention, ConfigError, Engine, Precision, TrainConf
 from autotune.devices import Device, LocalDevice, SimulatedDevice
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, usable_bytes
 from autotune.estimator.plan import plan as plan_rows
-from autotune.hardware import GpuSpec, cpu_device_spec, detect_gpus, gpu_spec
+from autotune.hardware import (
+    GpuSpec,
+    cpu_device_spec,
+    detect_gpus,
+    gpu_spec,
+    host_memory_bytes,
+)
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.result import ProbeResult
@@ -140,6 +146,7 @@ def plan(
     attention: Attention = Attention.SDPA,
     headroom: str | float = 0.0,
     reserve: str | int = DEVICE_RESERVE_BYTES,
+    host_memory: str | int | None = None,
 ) -> Plan:
     """Predict peak memory and throughput of every configuration (no GPU needed).
 
@@ -155,8 +162,11 @@ def plan(
         attention: The attention kernel.
         headroom: Memory a fitting configuration leaves free (``"10%"`` or 0.1).
         reserve: Device memory kept for the CUDA context and the allocator.
+        host_memory: Host memory of a node for the job (``"125GiB"``); default: what this
+            node gives it (its RAM, or its container's limit).
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    host = _bytes(host_memory, "--host-memory")
     target, here = _gpu(gpu)
     workload = _workload(seq_len, global_batch, gpus if gpus is not None else here)
     started = time.perf_counter()
@@ -170,6 +180,7 @@ def plan(
         gpus_per_node=gpus_per_node,
         reserve=_bytes(reserve, "--reserve", zero=True) or 0,
         headroom=_fraction(headroom, "headroom"),
+        host_memory_bytes=host if host is not None else host_memory_bytes(),
     )
     return Plan(
         model=spec,
@@ -229,11 +240,11 @@ class Tuning:
 
 
 def _device(
-    device: str | Device, simulate: str | None, seed: int, cap: int | None
+    device: str | Device, simulate: str | None, seed: int, cap: int | None, host: int | None
 ) -> tuple[Device, GpuSpec, int]:
     """The device that answers probes, the GPU to plan for and the GPUs here."""
     if simulate is not None:
-        simulated = SimulatedDevice.named(simulate, seed=seed)
+        simulated = SimulatedDevice.named(simulate, seed=seed, host_memory_bytes=host)
         return simulated, simulated.gpu, 8
     if isinstance(device, SimulatedDevice):
         return device, device.gpu, 8
@@ -256,6 +267,15 @@ def _device(
     return device, gpu, here
 
 
+def _host_for(device: Device, given: int | None) -> int | None:
+    """The host memory a run plans for: as given, the simulated node's, or this node's."""
+    if isinstance(device, SimulatedDevice) and device.host_memory_bytes is not None:
+        return device.host_memory_bytes
+    if isinstance(device, SimulatedDevice):
+        return given
+    return given if given is not None else host_memory_bytes()
+
+
 def prepare(
     model: str,
     *,
@@ -268,6 +288,7 @@ def prepare(
     simulate: str | None = None,
     device_memory: str | int | None = None,
     headroom: str | float = 0.0,
+    host_memory: str | int | None = None,
     objective: Objective | str = Objective.TOKENS,
     storage: str = DEFAULT_STORAGE,
     trials_dir: str | Path = "trials",
@@ -282,7 +303,8 @@ def prepare(
     spec = resolve_model(model)
     budget_s = _seconds(budget, "the budget")
     cap = _bytes(device_memory, "--device-memory")
-    chosen, gpu, here = _device(device, simulate, seed, cap)
+    host = _bytes(host_memory, "--host-memory")
+    chosen, gpu, here = _device(device, simulate, seed, cap, host)
     world = gpus if gpus is not None else here
     workload = _workload(seq_len, global_batch, world)
     goal = Objective(objective) if objective in set(Objective) else None
@@ -315,6 +337,8 @@ def prepare(
         engines=engines,
         reserve=0 if on_cpu else DEVICE_RESERVE_BYTES,
         offload=not on_cpu,  # a CPU emulating a device has no host to offload to
+        host_memory_bytes=_host_for(chosen, host),
+        device="cpu" if on_cpu else "cuda",
     )
     template = ProbeTemplate(
         model=model,
@@ -353,8 +377,10 @@ def tune(
             (default 8 per GPU), ``gpus``, ``engines``, ``device`` ("auto", "cuda", "cpu" or
             a :class:`~autotune.devices.Device`), ``simulate`` (a GPU key: the estimator's
             simulated GPU), ``device_memory`` (emulated cap per device, needed on the CPU),
-            ``headroom``, ``objective`` ("tokens" or "mfu"), ``storage`` (an Optuna storage
-            URL), ``trials_dir``, ``seed`` (of the simulated device's noise).
+            ``headroom``, ``host_memory`` (a node's host memory for the job: default this
+            node's; a simulated node's is not limited unless given), ``objective``
+            ("tokens" or "mfu"), ``storage`` (an Optuna storage URL), ``trials_dir``,
+            ``seed`` (of the simulated device's noise).
 
     Returns:
         Why the search stopped, the best measurement and every measurement of the study.

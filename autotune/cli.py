@@ -73,6 +73,13 @@ GlobalBatchOption = Annotated[
     int | None, typer.Option(help="Sequences per optimizer step (default: 8 per GPU).")
 ]
 HeadroomOption = Annotated[str, typer.Option(help="Memory to leave free, e.g. 10%.")]
+HostMemoryOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Host memory of a node for the job, e.g. 125GiB (default: what this node gives "
+        "it; with --simulate: not limited)."
+    ),
+]
 
 
 def _quiet_optuna() -> None:
@@ -190,6 +197,7 @@ def plan(
     reserve: Annotated[
         str, typer.Option(help="Device memory kept for CUDA context and allocator.")
     ] = "1GiB",
+    host_memory: HostMemoryOption = None,
     top: Annotated[int, typer.Option(help="Rows to show (0: all).")] = 15,
     json_output: JsonOption = False,
 ) -> None:
@@ -209,6 +217,7 @@ def plan(
         attention=attention,
         headroom=headroom,
         reserve=reserve,
+        host_memory=host_memory,
     )
     if json_output:
         _print_json(found.to_dict())
@@ -239,6 +248,7 @@ def run(
         str | None, typer.Option(help="Memory cap per device, e.g. 20GiB (needed on the CPU).")
     ] = None,
     headroom: HeadroomOption = "0%",
+    host_memory: HostMemoryOption = None,
     objective: Annotated[
         str, typer.Option(help="What to maximize: tokens (tokens/s) or mfu.")
     ] = "tokens",
@@ -264,6 +274,7 @@ def run(
         simulate=simulate,
         device_memory=device_memory,
         headroom=headroom,
+        host_memory=host_memory,
         objective=objective,
         storage=storage,
         trials_dir=trials_dir,

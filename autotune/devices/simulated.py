@@ -6,9 +6,12 @@ the tests and the benchmarks run the whole tuning loop on machines without a GPU
 comes from the memory model, step times from the time model, with seeded multiplicative noise
 (a real probe's timings scatter by a few percent); a micro-batch whose predicted peak exceeds
 the GPU's usable memory (or the spec's ``device_memory_bytes``) ends in an out-of-memory
-outcome, as on the device. The result's ``device`` reads ``simulated:<gpu>``, every size is
-marked ``simulated``, and ``wall_s`` is the time the probe would have taken on the GPU, not
-the microseconds it did (the budget is charged that: :class:`~autotune.devices.ProbeClock`).
+outcome, as on the device, and a probe whose offloaded states need more host memory than the
+simulated node has (``host_memory_bytes``) is killed while it builds them (``host_oom``, after
+the build time it would have spent), as the kernel's OOM killer did on the H100 run. The
+result's ``device`` reads ``simulated:<gpu>``, every size is marked ``simulated``, and
+``wall_s`` is the time the probe would have taken on the GPU, not the microseconds it did
+(the budget is charged that: :class:`~autotune.devices.ProbeClock`).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from typing import Any
 
 from autotune.config import Engine, TrainConfig
 from autotune.devices.base import Clock, ProbeClock
+from autotune.estimator.host import estimate_host, usable_host_bytes
 from autotune.estimator.memory import estimate_memory
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, usable_bytes
 from autotune.estimator.timing import predict_step_time
 from autotune.hardware import GpuSpec, gpu_spec
-from autotune.models import resolve_model
+from autotune.models import ModelSpec, resolve_model
 from autotune.probe.metrics import probe_throughput
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult, SizeResult
@@ -41,7 +45,12 @@ _START_S = 20.0
 7B model spends before its first step, about 20 s on a GPU node (docs/probe.md has the CPU
 figures; the GPU row waits for a GPU run)."""
 _BUILD_BYTES_PER_S = 20e9
-"""Simulated model build and materialization rate, bytes of model states per second."""
+"""Simulated model build and materialization rate, bytes of device states per second (the
+H100 run built qwen2.5-1.5b's 25 GB of single-GPU states in 0.3-0.7 s)."""
+_HOST_BUILD_BYTES_PER_S = 1.75e9
+"""Building offloaded states on the host (pinned allocation, initialization), bytes per
+second: the H100 run took 18.4 s for FSDP2's 27.8 GiB (qwen2.5-1.5b), 63 s for 118 GiB
+(llama-7b), 26 s for DeepSpeed ZeRO-3 optimizer offload's 33 GiB: 1.4-2.0 GB/s."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +69,8 @@ class SimulatedDevice:
     """Systematic error of the estimator against this simulated GPU: each configuration's peak
     memory and step time are off by a seeded factor within ±model_error (the same at every
     micro-batch), so a search guided by the estimator meets surprises, as on a real GPU."""
+    host_memory_bytes: int | None = None
+    """Host memory of the simulated node (None: not limited)."""
 
     @classmethod
     def named(cls, gpu: str, **kwargs: Any) -> SimulatedDevice:
@@ -117,6 +128,10 @@ class SimulatedDevice:
         capacity = self.capacity(spec)
         memory_factor, time_factor = self.bias(spec.model, spec.config)
         peak_flops = self.gpu.peak(spec.config.precision.compute_dtype)
+        killed = self._host_oom(spec, probe_dir)
+        if killed is not None:
+            killed.write()
+            return killed
         sizes: list[SizeResult] = []
         wall = _START_S
         failed: int | None = None
@@ -196,7 +211,7 @@ class SimulatedDevice:
                     **reading,
                 )
             )
-        build_s = _states_bytes(model.num_params, spec) / _BUILD_BYTES_PER_S
+        build_s = self._build_s(model, spec)
         wall += build_s
         result = ProbeResult(
             spec=spec,
@@ -216,6 +231,57 @@ class SimulatedDevice:
         )
         result.write()
         return result
+
+    def _build_s(self, model: ModelSpec, spec: ProbeSpec) -> float:
+        """Time to build the model's states: on the device, and offloaded ones on the host."""
+        host = estimate_host(
+            model,
+            spec.config,
+            world_size=spec.num_processes,
+            ranks_per_node=min(spec.num_processes, self.gpus_per_node),
+        )
+        return (
+            _states_bytes(model.num_params, spec) / _BUILD_BYTES_PER_S
+            + host.states_bytes / _HOST_BUILD_BYTES_PER_S
+        )
+
+    def _host_oom(self, spec: ProbeSpec, probe_dir: Path) -> ProbeResult | None:
+        """The probe killed by the host's OOM killer while building its states, if it would
+        be (the states are built before the first step, so no size runs)."""
+        if self.host_memory_bytes is None:
+            return None
+        model = resolve_model(spec.model)
+        memory_factor, _ = self.bias(spec.model, spec.config)
+        host = estimate_host(
+            model,
+            spec.config,
+            world_size=spec.num_processes,
+            ranks_per_node=min(spec.num_processes, self.gpus_per_node),
+        )
+        needed = int(host.node_bytes * memory_factor)
+        limit = usable_host_bytes(self.host_memory_bytes)
+        if needed <= limit:
+            return None
+        # Killed once the node's memory is spent: the states built until then.
+        build_s = limit / _HOST_BUILD_BYTES_PER_S
+        return ProbeResult(
+            spec=spec,
+            probe_dir=probe_dir,
+            outcome=Outcome.HOST_OOM,
+            stage=Stage.BUILD,
+            message=(
+                f"simulated host out of memory: the node's ranks need {format_bytes(needed)} "
+                f"of {format_bytes(limit)} usable host memory"
+            ),
+            failed_rank=0,
+            sizes=[],
+            wall_s=_START_S + build_s,
+            import_s=_START_S,
+            build_s=build_s,
+            device=self.label,
+            gpu_name=f"{self.gpu.name} (simulated)",
+            num_params=model.num_params,
+        )
 
 
 def _states_bytes(num_params: int, spec: ProbeSpec) -> float:

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.config import Attention, Engine, Precision, TrainConfig
+from autotune.estimator.host import HOST_RESERVE_BYTES, HostEstimate, estimate_host
 from autotune.estimator.memory import MemoryEstimate, estimate_memory
 from autotune.estimator.timing import StepTime, predict_step_time
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
 from autotune.space import Workload, configurations, micro_batch_options
+from autotune.units import format_bytes
 
 __all__ = [
     "DEVICE_RESERVE_BYTES",
@@ -69,6 +71,10 @@ class PlanRow:
     weighs the sizes that may fit where the memory prediction may be off)."""
     mfus: Mapping[int, float] = field(default_factory=dict)
     """Predicted MFU at every micro-batch of the workload (empty without a peak FLOP/s)."""
+    host: HostEstimate | None = None
+    """Predicted host memory of a node (offloaded states, each rank's process)."""
+    host_capacity_bytes: int | None = None
+    """Host memory a node's ranks may take; None when the host is not checked."""
 
     def peak_at(self, micro_batch_size: int) -> float:
         """Predicted peak bytes at a micro-batch (between listed sizes: linear in it)."""
@@ -79,12 +85,32 @@ class PlanRow:
 
     @property
     def fits(self) -> bool:
-        return self.memory.peak_bytes <= self.capacity_bytes
+        """Fits the device at its micro-batch, and the host."""
+        return self.memory.peak_bytes <= self.capacity_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        if self.host is None or self.host_capacity_bytes is None:
+            return True
+        return self.host.node_bytes <= self.host_capacity_bytes
 
     @property
     def over_bytes(self) -> int:
-        """How far the peak exceeds the capacity (0 when it fits)."""
+        """How far the device peak exceeds the capacity (0 when it fits)."""
         return max(0, self.memory.peak_bytes - self.capacity_bytes)
+
+    @property
+    def miss(self) -> str | None:
+        """Why the configuration does not fit, in a few words; None when it fits."""
+        if not self.host_fits:
+            assert self.host is not None and self.host_capacity_bytes is not None
+            return (
+                f"host: needs {format_bytes(self.host.node_bytes)} of "
+                f"{format_bytes(self.host_capacity_bytes)}"
+            )
+        if self.over_bytes:
+            return f"{format_bytes(self.over_bytes)} over"
+        return None
 
     @property
     def tokens_per_second(self) -> float:
@@ -99,6 +125,17 @@ class PlanRow:
             "fits": self.fits,
             "over_bytes": self.over_bytes,
             "capacity_bytes": self.capacity_bytes,
+            "miss": self.miss,
+            "host": None
+            if self.host is None
+            else {
+                "node_bytes": self.host.node_bytes,
+                "per_rank_bytes": self.host.per_rank_bytes,
+                "states_bytes": self.host.states_bytes,
+                "ranks_per_node": self.host.ranks_per_node,
+                "capacity_bytes": self.host_capacity_bytes,
+                "fits": self.host_fits,
+            },
             "memory": self.memory.to_dict(),
             "time": self.time.to_dict() if self.time else None,
         }
@@ -116,6 +153,9 @@ def plan(
     reserve: int = DEVICE_RESERVE_BYTES,
     headroom: float = 0.0,
     offload: bool = True,
+    host_memory_bytes: int | None = None,
+    host_reserve: int = HOST_RESERVE_BYTES,
+    device: str = "cuda",
 ) -> list[PlanRow]:
     """Every configuration of the space, fastest fitting first, then the nearest misses.
 
@@ -130,11 +170,18 @@ def plan(
         reserve: Device bytes kept back (see DEVICE_RESERVE_BYTES).
         headroom: Fraction of memory a fitting configuration must leave free.
         offload: Include the CPU-offload configurations.
+        host_memory_bytes: The host memory of a node, for the job; None: the host is not
+            checked (predictions are still on every row).
+        host_reserve: Host bytes kept for the system (see HOST_RESERVE_BYTES).
+        device: ``cuda``, or ``cpu`` when the CPU emulates the device (no pinned memory;
+            the device's tensors are host memory).
 
     Returns:
         One row per configuration.
     """
     capacity = usable_bytes(gpu, reserve=reserve, headroom=headroom)
+    host_capacity = None if host_memory_bytes is None else max(0, host_memory_bytes - host_reserve)
+    ranks_per_node = min(workload.world_size, gpus_per_node)
     sizes = micro_batch_options(workload)
     rows: list[PlanRow] = []
     for config in configurations(
@@ -171,6 +218,14 @@ def plan(
         }
         fitting = [m for m in sizes if memories[m].peak_bytes <= capacity]
         best = max(fitting, key=lambda m: times[m].tokens_per_second, default=sizes[0])
+        host = estimate_host(
+            model,
+            config,
+            world_size=workload.world_size,
+            ranks_per_node=ranks_per_node,
+            device=device,
+            device_bytes=memories[best].peak_bytes,
+        )
         rows.append(
             PlanRow(
                 config=config,
@@ -182,6 +237,11 @@ def plan(
                 peaks={m: e.peak_bytes for m, e in memories.items()},
                 speeds={m: t.tokens_per_second for m, t in times.items()},
                 mfus={m: t.mfu for m, t in times.items() if t.mfu is not None},
+                host=host,
+                host_capacity_bytes=host_capacity,
             )
         )
-    return sorted(rows, key=lambda r: (not r.fits, -r.tokens_per_second, r.over_bytes))
+    return sorted(
+        rows,
+        key=lambda r: (not r.fits, not r.host_fits, -r.tokens_per_second, r.over_bytes),
+    )

@@ -106,17 +106,18 @@ def plan_table(
     """The planner's rows, fastest fitting first; a footer with how many fit."""
     shown = rows if top <= 0 else rows[:top]
     table = Table(
-        "#", "configuration", "mbs", "accum", "peak memory", "fits", "tokens/s", "MFU",
+        "#", "configuration", "mbs", "accum", "peak memory", "host", "fits", "tokens/s", "MFU",
         "peak at", header_style="bold", title=title,
     )  # fmt: skip
     for index, row in enumerate(shown, 1):
-        fits = "yes" if row.fits else f"[red]no, {format_bytes(row.over_bytes)} over[/]"
+        fits = "yes" if row.fits else f"[red]no, {row.miss}[/]"
         table.add_row(
             str(index),
             row.config.label(),
             str(row.micro_batch_size),
             str(row.grad_accum),
             format_bytes(row.memory.peak_bytes),
+            format_bytes(row.host.node_bytes) if row.host else "-",
             fits,
             _fmt(row.time.tokens_per_second if row.time else None, ",.0f"),
             _fmt(row.time.mfu if row.time else None, ".1%"),
@@ -124,8 +125,13 @@ def plan_table(
         )
     fitting = sum(row.fits for row in rows)
     usable = format_bytes(rows[0].capacity_bytes) if rows else "-"
+    host = rows[0].host_capacity_bytes if rows else None
+    on_host = f" and {format_bytes(host)} of host memory per node" if host is not None else ""
     took = f" in {seconds * 1000:.0f} ms" if seconds is not None else ""
-    footer = f"[dim]{len(rows)} configurations ({fitting} fit in {usable} usable per GPU){took}[/]"
+    footer = (
+        f"[dim]{len(rows)} configurations ({fitting} fit in {usable} usable per GPU{on_host})"
+        f"{took}[/]"
+    )
     return Group(table, footer)
 
 

@@ -34,6 +34,10 @@ bound over the configurations of the space, with the estimator as the bound:
    in all); a point's speed is the mean of its measurements, and the branch and bound
    resumes if the means reopen it. A point whose re-measurement ran out of memory no longer
    fits.
+7. Host memory: a configuration whose offloaded states are predicted not to fit the node's
+   host memory (:mod:`autotune.estimator.host`) is never probed, and a probe killed by the
+   host's OOM killer (``host_oom``) rules out, for the whole study, every configuration
+   predicted to need at least as much host memory as the one killed.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ class _Seen:
     """Micro-batch size -> how many measurements ``speed`` pools."""
     unconfirmed: set[int] = field(default_factory=set)
     """Sizes whose re-measurement failed for good (not re-measured again)."""
+    host_oom: bool = False
+    """A probe of the configuration was killed for want of host memory."""
 
 
 def _by_config(measurements: list[Measurement]) -> dict[TrainConfig, _Seen]:
@@ -131,6 +137,8 @@ def _by_config(measurements: list[Measurement]) -> dict[TrainConfig, _Seen]:
             entry.ok[mbs] = max(entry.ok.get(mbs, 0.0), float(m.peak_bytes or 0))
             if not m.feasible:
                 entry.oom.add(mbs)  # ran, but inside the headroom or thrashing: not fitting
+        elif m.outcome == "host_oom":
+            entry.host_oom = True
         elif m.outcome == "oom" or (m.state == "COMPLETE" and not m.feasible):
             entry.oom.add(mbs)
         elif m.state == "FAIL":
@@ -194,6 +202,18 @@ def predictions(row: PlanRow, objective: Objective) -> Mapping[int, float]:
     return row.speeds if objective is Objective.TOKENS else row.mfus
 
 
+def _host_limit(rows: list[PlanRow], seen: dict[TrainConfig, _Seen]) -> float:
+    """The least predicted host memory of a configuration the OOM killer stopped: the host
+    model under-predicts at least there, so every configuration predicted to need as much is
+    ruled out too (infinite before any host OOM)."""
+    killed = [
+        row.host.node_bytes
+        for row in rows
+        if row.host is not None and seen.get(row.config, _Seen()).host_oom
+    ]
+    return float(min(killed, default=math.inf))
+
+
 def _throughput_scale(
     rows: list[PlanRow], seen: dict[TrainConfig, _Seen], objective: Objective
 ) -> tuple[float, float]:
@@ -239,6 +259,7 @@ def propose(
         What to probe next; None when no open configuration can beat the best measured.
     """
     seen = _by_config(list(measurements))
+    host_limit = _host_limit(rows, seen)
     scale, error = _throughput_scale(rows, seen, objective)
     best = max((max(s.speed.values()) for s in seen.values() if s.speed), default=0.0)
     candidates: list[tuple[float, Proposal]] = []
@@ -247,6 +268,8 @@ def propose(
         predicted = predictions(row, objective)
         if s.running or s.failed or not predicted:
             continue  # in flight elsewhere, broken, or out of memory by any margin
+        if not row.host_fits or (row.host is not None and row.host.node_bytes >= host_limit):
+            continue  # needs more host memory than the node has, or than a killed probe
         memory = _Memory(row, s)
         own = [v / predicted[m] for m, v in s.speed.items() if predicted.get(m)]
         ratio, uncertainty = (statistics.mean(own), MIN_ERROR) if own else (scale, error)

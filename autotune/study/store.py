@@ -6,10 +6,11 @@ micro-batch size; its user attributes hold what was measured (outcome, tokens/s 
 global batch, MFU, step times, peak memory, the probe folder). Its value is the objective.
 
 Out-of-memory trials must steer the search, yet Optuna's samplers ignore failed trials, so an
-OOM is a *complete* trial with value 0 and a violated constraint (``trial.set_constraint``):
-constraint-aware samplers learn the infeasible region, and optuna-dashboard shows the trial as
-infeasible. A configuration whose peak comes within ``headroom`` of the capacity is
-infeasible the same way. Crashes, hangs and errors are FAIL trials with their message.
+OOM is a *complete* trial with value 0 and a violated constraint (``trial.set_constraint``);
+so is each size of a probe the host's OOM killer stopped (``host_oom``). Constraint-aware
+samplers learn the infeasible region, and optuna-dashboard shows the trial as infeasible. A
+configuration whose peak comes within ``headroom`` of the capacity is infeasible the same way.
+Crashes, hangs and errors are FAIL trials with their message.
 
 Trials are claimed before a probe starts, so a RUNNING trial tells other workers (and a
 resumed tuner) that its configuration is in flight; two workers racing for the same point both
@@ -287,6 +288,11 @@ class TrialStore:
             "simulated": result.device.startswith("simulated"),
             "grad_accum": self.workload.grad_accum(mbs),
         }
+        if entry is None and result.outcome is Outcome.HOST_OOM:
+            # Killed by the host's OOM killer before any size ran: the configuration does not
+            # fit the node at any size (the search rules out what needs as much host memory).
+            attrs.update(outcome=Outcome.HOST_OOM.value, message=result.message)
+            return self._infeasible(trial, attrs, 1.0)
         if entry is None:
             # Never run at this size: a larger-than-failed size (inferred OOM) or a probe that
             # stopped early.

@@ -1,0 +1,151 @@
+"""Host memory in the search: configurations whose offloaded states do not fit the node are
+never probed, a probe the host's OOM killer stops is recorded as such, and it rules out every
+configuration predicted to need as much host memory. On the simulated H100 node of the first
+GPU run (125 GiB of host RAM), where llama-7b on one GPU fits only with offload."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.api import plan as api_plan
+from autotune.api import prepare, tune
+from autotune.config import TrainConfig
+from autotune.devices import SimulatedDevice
+from autotune.estimator.plan import plan
+from autotune.hardware import gpu_spec
+from autotune.models import resolve_model
+from autotune.probe import ProbeSpec
+from autotune.probe.outcome import Outcome
+from autotune.search.ladder import propose
+from autotune.space import Workload, micro_batch_options
+from autotune.study.measurement import Measurement
+from autotune.units import GIB
+
+NODE = 125 * GIB
+LLAMA_ON_ONE = Workload(seq_len=2048, global_batch=8, world_size=1)
+DS_PARAMS = TrainConfig(engine="deepspeed", zero_stage=3, offload="params")
+FSDP_PARAMS = TrainConfig(engine="fsdp", zero_stage=3, offload="params", ac_every=4)
+
+
+def test_the_simulated_node_kills_what_its_host_cannot_hold(tmp_path: Path) -> None:
+    device = SimulatedDevice.named("h100-80gb", host_memory_bytes=NODE)
+    spec = ProbeSpec(model="llama-7b", config=DS_PARAMS, micro_batch_sizes=(2, 4))
+    killed = device.launch(spec, tmp_path / "ds")
+    assert killed.outcome is Outcome.HOST_OOM and killed.sizes == []
+    assert "host" in killed.message and killed.wall_s > 60  # it built states until killed
+    survivor = device.launch(
+        ProbeSpec(model="llama-7b", config=FSDP_PARAMS, micro_batch_sizes=(4,)),
+        tmp_path / "fsdp",
+    )
+    assert survivor.outcome is Outcome.OK
+    unlimited = SimulatedDevice.named("h100-80gb").launch(spec, tmp_path / "unlimited")
+    assert unlimited.outcome is not Outcome.HOST_OOM
+
+
+def test_a_host_oom_is_an_infeasible_trial_of_every_size(tmp_path: Path) -> None:
+    tuning = prepare(
+        "llama-7b",
+        device=SimulatedDevice.named("h100-80gb", host_memory_bytes=NODE),
+        gpus=1,
+        global_batch=8,
+        storage=f"sqlite:///{tmp_path}/t.db",
+        trials_dir=tmp_path / "trials",
+    )
+    store = tuning.store
+    trials = store.claim(DS_PARAMS, [2, 4])
+    assert trials is not None
+    spec = ProbeSpec(model="llama-7b", config=DS_PARAMS, micro_batch_sizes=(2, 4))
+    store.record(trials, tuning.device.launch(spec, tmp_path / "p"))
+    recorded = store.measurements()
+    assert [(m.outcome, m.state, m.feasible) for m in recorded] == [
+        ("host_oom", "COMPLETE", False)
+    ] * 2
+    assert all("host" in (m.message or "") for m in recorded)
+
+
+def _rows() -> list:
+    return plan(resolve_model("llama-7b"), gpu_spec("h100-80gb"), LLAMA_ON_ONE)
+
+
+def _proposals(rows: list, measurements: list[Measurement]) -> list[TrainConfig]:
+    """Every configuration the search would open, one after another (each proposal is
+    marked running, so the next goes elsewhere)."""
+    seen = list(measurements)
+    opened = []
+    sizes = micro_batch_options(LLAMA_ON_ONE)
+    while (proposal := propose(rows, seen, sizes)) is not None and len(opened) < 50:
+        opened.append(proposal.config)
+        seen.append(
+            Measurement(
+                number=len(seen),
+                config=proposal.config,
+                micro_batch_size=proposal.micro_batch_sizes[0],
+                state="RUNNING",
+                outcome=None,
+                feasible=False,
+                value=None,
+            )
+        )
+    return opened
+
+
+def test_a_host_oom_rules_out_what_needs_as_much_host_memory() -> None:
+    rows = _rows()  # the host is not checked: the search meets the OOM killer itself
+    host = {row.config: row.host.node_bytes for row in rows if row.host is not None}
+    killed = FSDP_PARAMS
+    before = _proposals(rows, [])
+    assert any(host[c] >= host[killed] and c != killed for c in before)
+    evidence = Measurement(
+        number=0,
+        config=killed,
+        micro_batch_size=4,
+        state="COMPLETE",
+        outcome="host_oom",
+        feasible=False,
+        value=0.0,
+    )
+    after = _proposals(rows, [evidence])
+    assert after, "configurations that need less host memory stay open"
+    assert all(host[c] < host[killed] for c in after)
+
+
+def test_plans_and_runs_never_probe_what_the_host_cannot_hold(tmp_path: Path) -> None:
+    rows = plan(resolve_model("llama-7b"), gpu_spec("h100-80gb"), LLAMA_ON_ONE,
+                host_memory_bytes=NODE)  # fmt: skip
+    missed = [row for row in rows if not row.host_fits]
+    assert {row.config.engine.value for row in missed} == {"deepspeed"}
+    assert all(row.miss and row.miss.startswith("host: needs") for row in missed)
+    assert all(not row.fits for row in missed) and rows[0].fits
+    summary = tune(
+        "llama-7b",
+        simulate="h100-80gb",
+        host_memory="125GiB",
+        gpus=1,
+        global_batch=8,
+        budget="30m",
+        storage=f"sqlite:///{tmp_path}/t.db",
+        trials_dir=tmp_path / "trials",
+    )
+    assert summary.best is not None
+    assert all(m.outcome != "host_oom" for m in summary.measurements)
+    probed = {m.config for m in summary.measurements}
+    assert not probed & {row.config for row in missed}
+
+
+@pytest.mark.parametrize("value", ["lots", "-3GiB", "0"])
+def test_a_bad_host_memory_is_one_line_and_exit_2(value: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as error:  # ConfigError is one
+        api_plan("llama-7b", gpu="h100-80gb", host_memory=value)
+    message = str(error.value)
+    assert "\n" not in message and ("--host-memory" in message or repr(value) in message)
+    done = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "plan", "--gpu", "h100-80gb",
+         f"--host-memory={value}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
