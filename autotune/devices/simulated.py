@@ -24,14 +24,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.config import Engine, TrainConfig
+from autotune.config import Offload, TrainConfig
 from autotune.devices.base import Clock, ProbeClock
+from autotune.estimator.cost import (
+    HOST_BUILD_BYTES_PER_S,
+    START_S,
+    build_seconds,
+    probe_seconds,
+)
 from autotune.estimator.host import estimate_host, usable_host_bytes
 from autotune.estimator.memory import estimate_memory
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, usable_bytes
 from autotune.estimator.timing import predict_step_time
 from autotune.hardware import GpuSpec, gpu_spec
-from autotune.models import ModelSpec, resolve_model
+from autotune.models import resolve_model
 from autotune.probe.metrics import probe_throughput
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult, SizeResult
@@ -39,18 +45,6 @@ from autotune.probe.spec import ProbeSpec
 from autotune.units import format_bytes
 
 __all__ = ["SimulatedDevice"]
-
-_START_S = 20.0
-"""Simulated start-up of a probe (interpreter, imports, process group): what a real probe of a
-7B model spends before its first step, about 20 s on a GPU node (docs/probe.md has the CPU
-figures; the GPU row waits for a GPU run)."""
-_BUILD_BYTES_PER_S = 20e9
-"""Simulated model build and materialization rate, bytes of device states per second (the
-H100 run built qwen2.5-1.5b's 25 GB of single-GPU states in 0.3-0.7 s)."""
-_HOST_BUILD_BYTES_PER_S = 1.75e9
-"""Building offloaded states on the host (pinned allocation, initialization), bytes per
-second: the H100 run took 18.4 s for FSDP2's 27.8 GiB (qwen2.5-1.5b), 63 s for 118 GiB
-(llama-7b), 26 s for DeepSpeed ZeRO-3 optimizer offload's 33 GiB: 1.4-2.0 GB/s."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +63,13 @@ class SimulatedDevice:
     """Systematic error of the estimator against this simulated GPU: each configuration's peak
     memory and step time are off by a seeded factor within ±model_error (the same at every
     micro-batch), so a search guided by the estimator meets surprises, as on a real GPU."""
+    family_error: float = 0.0
+    """Step-time error shared by every configuration of a family without offload (engine):
+    a seeded factor within ±family_error, on top of ``model_error``."""
+    offload_slowdown: tuple[float, float] = (1.0, 1.0)
+    """Step-time factor shared by every configuration of an offload family (engine and
+    offload): seeded, uniform in this range (the estimator's offload predictions are
+    optimistic: the H100 run measured 1.4-2x their step time)."""
     host_memory_bytes: int | None = None
     """Host memory of the simulated node (None: not limited)."""
 
@@ -100,12 +101,19 @@ class SimulatedDevice:
 
     def bias(self, model: str, config: TrainConfig) -> tuple[float, float]:
         """The (peak memory, step time) factors this device applies to ``config``'s estimate."""
-        if not self.model_error:
+        if not (self.model_error or self.family_error or self.offload_slowdown != (1.0, 1.0)):
             return 1.0, 1.0
         key = json.dumps(["bias", self.seed, model, config.to_dict()])
         rng = random.Random(hashlib.sha256(key.encode()).digest())
         error = self.model_error
-        return 1.0 + rng.uniform(-error, error), 1.0 + rng.uniform(-error, error)
+        memory, time = 1.0 + rng.uniform(-error, error), 1.0 + rng.uniform(-error, error)
+        family = json.dumps(["family", self.seed, model, config.engine.value, config.offload.value])
+        shared = random.Random(hashlib.sha256(family.encode()).digest())
+        if config.offload is Offload.NONE:
+            time *= 1.0 + shared.uniform(-self.family_error, self.family_error)
+        else:
+            time *= shared.uniform(*self.offload_slowdown)
+        return memory, time
 
     def clock(self) -> Clock:
         """Budgets are charged the time each probe would have taken on the GPU."""
@@ -133,7 +141,7 @@ class SimulatedDevice:
             killed.write()
             return killed
         sizes: list[SizeResult] = []
-        wall = _START_S
+        stepped: list[float | None] = []  # each size's step time, None for an OOM
         failed: int | None = None
         outcome, stage, message = Outcome.OK, None, ""
         for mbs in spec.micro_batch_sizes:
@@ -173,7 +181,7 @@ class SimulatedDevice:
                         **reading,
                     )
                 )
-                wall += 5.0
+                stepped.append(None)
                 if spec.num_processes > 1:
                     break  # a multi-rank probe stops at its first OOM, as the real one
                 continue
@@ -196,9 +204,8 @@ class SimulatedDevice:
                 optimizer_step_s=step.optimizer_step_s * jitter,
                 peak_flops=peak_flops,
             )
-            steps = spec.warmup_steps + spec.timed_steps
             timed = speed.step_s * spec.timed_steps
-            wall += speed.step_s * steps
+            stepped.append(speed.step_s)
             sizes.append(
                 SizeResult(
                     micro_batch_size=mbs,
@@ -211,8 +218,15 @@ class SimulatedDevice:
                     **reading,
                 )
             )
-        build_s = self._build_s(model, spec)
-        wall += build_s
+        build_s = build_seconds(
+            model,
+            spec.config,
+            world_size=spec.num_processes,
+            ranks_per_node=min(spec.num_processes, self.gpus_per_node),
+        )
+        wall = probe_seconds(
+            build_s=build_s, step_seconds=stepped, steps=spec.warmup_steps + spec.timed_steps
+        )
         result = ProbeResult(
             spec=spec,
             probe_dir=probe_dir,
@@ -222,7 +236,7 @@ class SimulatedDevice:
             failed_rank=0 if failed is not None else None,
             sizes=sizes,
             wall_s=wall,
-            import_s=_START_S,
+            import_s=START_S,
             build_s=build_s,
             device=self.label,
             gpu_name=f"{self.gpu.name} (simulated)",
@@ -231,19 +245,6 @@ class SimulatedDevice:
         )
         result.write()
         return result
-
-    def _build_s(self, model: ModelSpec, spec: ProbeSpec) -> float:
-        """Time to build the model's states: on the device, and offloaded ones on the host."""
-        host = estimate_host(
-            model,
-            spec.config,
-            world_size=spec.num_processes,
-            ranks_per_node=min(spec.num_processes, self.gpus_per_node),
-        )
-        return (
-            _states_bytes(model.num_params, spec) / _BUILD_BYTES_PER_S
-            + host.states_bytes / _HOST_BUILD_BYTES_PER_S
-        )
 
     def _host_oom(self, spec: ProbeSpec, probe_dir: Path) -> ProbeResult | None:
         """The probe killed by the host's OOM killer while building its states, if it would
@@ -263,7 +264,7 @@ class SimulatedDevice:
         if needed <= limit:
             return None
         # Killed once the node's memory is spent: the states built until then.
-        build_s = limit / _HOST_BUILD_BYTES_PER_S
+        build_s = limit / HOST_BUILD_BYTES_PER_S
         return ProbeResult(
             spec=spec,
             probe_dir=probe_dir,
@@ -275,16 +276,10 @@ class SimulatedDevice:
             ),
             failed_rank=0,
             sizes=[],
-            wall_s=_START_S + build_s,
-            import_s=_START_S,
+            wall_s=probe_seconds(build_s=build_s, step_seconds=(), steps=0),
+            import_s=START_S,
             build_s=build_s,
             device=self.label,
             gpu_name=f"{self.gpu.name} (simulated)",
             num_params=model.num_params,
         )
-
-
-def _states_bytes(num_params: int, spec: ProbeSpec) -> float:
-    """Bytes of model states one rank builds (what the simulated build time scales with)."""
-    shards = spec.num_processes if spec.config.engine not in (Engine.SINGLE, Engine.DDP) else 1
-    return 16.0 * num_params / shards

@@ -3,8 +3,11 @@
 The controller owns the budget and the interruptions; the ladder (``propose``) owns the
 choices; the store owns every write to the study; a :class:`~autotune.devices.Device` answers
 the probes (real ranks, or the simulated GPU: the controller cannot tell), and its clock
-charges the budget. A probe is started only if the time it is expected to take (the median of
-the probes so far, or the first probe's guess) fits in what is left. Its timeout is the
+charges the budget. A probe is started only if the time it is expected to take fits in what
+is left: its predicted cost (start-up, build, steps: :mod:`autotune.estimator.cost`) scaled by
+how long the run's probes took against their predictions. Otherwise the run stops and says
+what it would have probed next and for how long; a run with more budget resumes there (the
+proposal is a function of the study). The first probe of a run always starts. Its timeout is the
 earlier of the budget's end and a hang guard (``HANG_FACTOR`` times the longest probe so far);
 a probe the budget cut short is recorded as interrupted, and retried by a later run.
 Ctrl-C (or SIGTERM, which the CLI turns into the same interruption) stops the running probe
@@ -26,7 +29,9 @@ from optuna.trial import Trial
 
 from autotune.config import ConfigError
 from autotune.devices.base import Clock, Device
+from autotune.estimator.cost import build_seconds, probe_seconds
 from autotune.estimator.plan import PlanRow
+from autotune.models import resolve_model
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult
@@ -74,15 +79,29 @@ class RunSummary:
     elapsed_s: float
     best: Measurement | None
     measurements: list[Measurement] = field(default_factory=list)
+    next_proposal: Proposal | None = None
+    """What the run would have probed next had the budget allowed (a resumed run starts
+    there)."""
+    next_s: float | None = None
+    """How long that probe is expected to take."""
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best
+        following = self.next_proposal
         return {
             "stop_reason": self.stop_reason,
             "interrupted": self.interrupted,
             "stale": self.stale,
             "probes": self.probes,
             "elapsed_s": self.elapsed_s,
+            "next": None
+            if following is None
+            else {
+                "config": following.config.to_dict(),
+                "label": following.config.label(),
+                "micro_batch_sizes": list(following.micro_batch_sizes),
+                "expected_s": self.next_s,
+            },
             "best": None
             if best is None
             else {
@@ -139,13 +158,48 @@ class Controller:
         self.probe_timeout_s = probe_timeout_s
         self.on_event = on_event or (lambda event: None)
         self._durations: list[float] = []
+        self._predicted: list[float] = []
+        """Predicted durations of the probes in ``_durations``, in order."""
+        self._rows = {row.config: row for row in rows}
+        self._model = resolve_model(template.model)
 
     def elapsed(self) -> float:
         """Budget used so far, by the clock."""
         return self.clock.elapsed()
 
-    def _expected_probe_s(self) -> float:
-        return statistics.median(self._durations) if self._durations else FIRST_PROBE_GUESS_S
+    def _predicted_s(self, proposal: Proposal) -> float:
+        """The probe's predicted cost: start-up, build, and each size's steps (an OOM where
+        the planner says the size does not fit)."""
+        row = self._rows.get(proposal.config)
+        if row is None:
+            return FIRST_PROBE_GUESS_S
+        workload = self.store.workload
+        steps: list[float | None] = []
+        for mbs in proposal.micro_batch_sizes:
+            speed = row.speeds.get(mbs)
+            fits = row.peak_at(mbs) <= row.capacity_bytes
+            tokens = mbs * workload.seq_len * workload.world_size  # one micro-step a step
+            steps.append(tokens / speed if speed and fits else None)
+        build_s = build_seconds(
+            self._model,
+            proposal.config,
+            world_size=workload.world_size,
+            ranks_per_node=min(workload.world_size, 8),
+        )
+        return probe_seconds(
+            build_s=build_s,
+            step_seconds=steps,
+            steps=self.template.warmup_steps + self.template.timed_steps,
+        )
+
+    def _expected_s(self, proposal: Proposal) -> float:
+        """The predicted cost, scaled by how the run's probes compared with theirs."""
+        scale = (
+            statistics.median(m / p for m, p in zip(self._durations, self._predicted, strict=True))
+            if self._durations
+            else 1.0
+        )
+        return self._predicted_s(proposal) * scale
 
     def run(self) -> RunSummary:
         """Search until done; returns why it stopped and the best measurement."""
@@ -163,19 +217,25 @@ class Controller:
         interrupted: str | None = None
         sizes = micro_batch_options(self.store.workload)
         objective = self.store.fingerprint.objective
+        following: tuple[Proposal, float] | None = None
         try:
             while True:
                 left = self.budget_s - self.elapsed()
-                if left < max(self._expected_probe_s(), MIN_PROBE_TIMEOUT_S) and probes:
-                    reason = f"budget spent ({left:.0f} s left, a probe takes about "
-                    reason += f"{self._expected_probe_s():.0f} s)"
-                    break
                 if left <= 0:
                     reason = "budget spent"
                     break
                 measurements = self.store.measurements()
                 proposal = propose(self.rows, measurements, sizes, objective)
                 if proposal is None:
+                    break
+                need = max(self._expected_s(proposal), MIN_PROBE_TIMEOUT_S)
+                if probes and left < need:
+                    following = (proposal, need)
+                    reason = (
+                        f"budget spent: next would be {proposal.config.label()} at micro-batch "
+                        f"{','.join(map(str, proposal.micro_batch_sizes))}, about {need:.0f} s "
+                        f"with {left:.0f} s left; a run with more budget resumes there"
+                    )
                     break
                 self.on_event(
                     Event(
@@ -216,6 +276,8 @@ class Controller:
             elapsed_s=self.elapsed(),
             best=best,
             measurements=self.store.measurements(),
+            next_proposal=following[0] if following else None,
+            next_s=following[1] if following else None,
         )
 
     def _timeout(self, left_s: float) -> tuple[float, bool]:
@@ -253,6 +315,7 @@ class Controller:
             self.store.interrupt(trials, probe_dir, "interrupted")
             raise
         self._durations.append(result.wall_s)
+        self._predicted.append(self._predicted_s(proposal))
         self.clock.charge(result.wall_s)
         if result.outcome is Outcome.TIMEOUT and budget_bound:
             # Cut by the end of the budget, not hung: a later run with time retries it.

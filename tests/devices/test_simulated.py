@@ -83,3 +83,25 @@ def test_simulated_model_error_is_per_configuration_and_bounded(tmp_path: Path) 
     memory_factor = factors[0][0]
     assert peak_biased == pytest.approx(peak_exact * memory_factor, rel=1e-6)
     assert ratio_biased == pytest.approx(ratio_exact, rel=1e-6)  # the same at every size
+
+
+def test_simulated_family_error_is_shared_within_a_family() -> None:
+    """As on the H100 run: a family's configurations are off together; offload slower."""
+    device = SimulatedDevice.named(
+        "h100-80gb", seed=3, model_error=0.02, family_error=0.2, offload_slowdown=(1.4, 2.0)
+    )
+    offload = [
+        TrainConfig(engine="deepspeed", zero_stage=z, offload="optimizer", ac_every=ac)
+        for z in (1, 2, 3)
+        for ac in (0, 1)
+    ]
+    times = [device.bias("llama-7b", c)[1] for c in offload]
+    assert all(1.4 * 0.98 <= t <= 2.0 * 1.02 for t in times)
+    assert max(times) / min(times) <= (1.02 / 0.98) ** 1  # one family factor, per-config jitter
+    singles = [device.bias("llama-7b", TrainConfig(ac_every=ac))[1] for ac in (0, 1, 2, 4)]
+    assert all(0.8 * 0.98 <= t <= 1.2 * 1.02 for t in singles)
+    assert max(singles) / min(singles) <= 1.02 / 0.98
+    other_seed = SimulatedDevice.named(
+        "h100-80gb", seed=4, model_error=0.02, family_error=0.2, offload_slowdown=(1.4, 2.0)
+    )
+    assert other_seed.bias("llama-7b", offload[0])[1] != times[0]
