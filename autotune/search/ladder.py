@@ -8,26 +8,33 @@ bound over the configurations of the space, with the estimator as the bound:
    and throughput at each size (:func:`autotune.estimator.plan.plan`).
 2. Measurements calibrate the predictions. Memory, per configuration: one measured peak fixes
    the offset of the predicted line, two fit the line. Throughput: a measured configuration's
-   own measured/predicted ratio rescales its other sizes; the others are rescaled by the median
-   ratio of the measured ones.
+   own measured/predicted ratio rescales its other sizes; the others are rescaled per
+   :func:`family` (engine and offload, whose errors the first GPU run showed to be shared): by
+   the family's own ratios, shrunk toward the whole study's median ratio with the weight of
+   ``FAMILY_WEIGHT`` configurations, or by the whole's ratio for a family not yet measured.
 3. Each prediction carries an uncertainty. Memory: ``PRIOR_ERROR`` before a configuration is
    measured, ``ONE_POINT_ERROR`` with one measured point, none with two or more. Throughput
-   of an unmeasured configuration: its own error (two standard deviations of the measured/
-   predicted ratios of n measured configurations, shrunk toward ``PRIOR_ERROR`` with the
-   weight of ``KNOWN_AFTER`` configurations, at least ``MIN_ERROR``) times (1 + 1/sqrt(n)) for
-   the error of a scale learnt from n configurations; a measured configuration's other sizes:
-   ``MIN_ERROR``. A memory prediction may be high or low by its uncertainty: a size fits
-   for sure below the capacity, and may fit up to capacity / (1 - uncertainty).
-4. The next probe goes to the open configuration with the highest expected throughput: the
-   calibrated throughput at its calibrated largest fitting size (or, where none fits, its
-   smallest size that may), times the chance that the size fits. One probe sweeps, smallest
-   first: that size, the size below when the configuration has no measurement yet (a second
-   point for the memory line), and the sizes above it that may still fit within the memory
-   uncertainty (an OOM there is cheap: the sizes below it are kept).
+   of an unmeasured configuration: its family's error (two standard deviations of the
+   family's measured/predicted ratios, shrunk toward ``WITHIN_FAMILY_ERROR`` with the weight
+   of ``KNOWN_AFTER`` configurations, at least ``MIN_ERROR``, times (1 + 1/sqrt(n)) for the
+   error of a scale learnt from n configurations); for a family with no measurement, the
+   whole study's error, and below the prediction at least ``OFFLOAD_PRIOR_ERROR`` for
+   offload, which has shown itself slower than predicted, never faster; a measured
+   configuration's other sizes: ``MIN_ERROR``. A memory prediction may be high or low by its
+   uncertainty: a size fits for sure below the capacity, and may fit up to capacity /
+   (1 - uncertainty).
+4. The next probe goes to the open configuration with the highest expected throughput at the
+   low end of its uncertainty (of two alike, the better known first): the calibrated
+   throughput at its calibrated largest fitting size (or, where none fits, its smallest size
+   that may), times the chance that the size fits, times (1 - the error below). One probe
+   sweeps, smallest first: that size, the size below when the configuration has no
+   measurement yet (a second point for the memory line), and the sizes above it that may
+   still fit within the memory uncertainty (an OOM there is cheap: the sizes below it are
+   kept).
 5. A configuration is closed once its largest fitting size is bracketed (measured ok, and the
    next size measured or inferred OOM, or certainly out of memory). The branch and bound ends
-   when no open configuration's optimistic bound (calibrated throughput x (1 + uncertainty)
-   at any size that may fit) beats the best measured.
+   when no open configuration's optimistic bound (calibrated throughput x (1 + the error
+   above) at any size that may fit) beats the best measured.
 6. Then near-ties are re-measured: one short probe's timing scatters by a few per cent, so
    of the ``CONFIRM_TOP`` best points, those within ``CONFIRM_MARGIN`` of the best are
    measured again until each has ``REPEATS`` measurements (at most ``CONFIRM_TOP`` points
@@ -36,8 +43,8 @@ bound over the configurations of the space, with the estimator as the bound:
    fits.
 7. Host memory: a configuration whose offloaded states are predicted not to fit the node's
    host memory (:mod:`autotune.estimator.host`) is never probed, and a probe killed by the
-   host's OOM killer (``host_oom``) rules out, for the whole study, every configuration
-   predicted to need at least as much host memory as the one killed.
+   host's OOM killer (``host_oom``) rules out, for the whole study, every configuration not
+   yet measured that is predicted to need at least as much host memory as the one killed.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from autotune.config import TrainConfig
+from autotune.config import Engine, Offload, TrainConfig
 from autotune.estimator.plan import PlanRow
 from autotune.study.fingerprint import Objective
 from autotune.study.measurement import RETRYABLE, Measurement, pooled
@@ -74,6 +81,20 @@ predicted; the offset is measured)."""
 MIN_ERROR = 0.03
 """Floor of the throughput uncertainty learnt from measured configurations (timing noise of a
 short probe, and what three configurations cannot show)."""
+OFFLOAD_PRIOR_ERROR = 0.40
+"""How much slower than predicted an offload family may be before one of its configurations
+is measured: offload runs at the speed of the node's host CPUs and PCIe links, which vary from
+node to node far more than GPUs do (the first H100 run measured DeepSpeed optimizer offload at
+0.44-0.76 of its prediction, and the other families within 25 % above theirs)."""
+WITHIN_FAMILY_ERROR = 0.05
+"""Relative error of a configuration's calibrated prediction from its family's measured ratio,
+before the family's own spread is known: on the H100 run the measured/predicted speed of the
+configurations of one family agreed within about ±5 % (single across checkpointing, DeepSpeed
+optimizer offload across ZeRO stages and checkpointing, docs/time-model.md)."""
+FAMILY_WEIGHT = 0.5
+"""Weight of the whole study's ratio, in configurations, against a family's own measured ones:
+configurations of one family share most of their error (DeepSpeed ZeRO-2 and ZeRO-3 optimizer
+offload measured 0.56 and 0.60 of their predictions on the H100 run)."""
 KNOWN_AFTER = 5
 """Weight of the prior throughput error, in measured configurations, against their spread."""
 CONFIRM_MARGIN = MIN_ERROR
@@ -214,31 +235,75 @@ def _host_limit(rows: list[PlanRow], seen: dict[TrainConfig, _Seen]) -> float:
     return float(min(killed, default=math.inf))
 
 
-def _throughput_scale(
+Family = tuple[Engine, Offload]
+
+
+def family(config: TrainConfig) -> Family:
+    """What a configuration's prediction errors are shared with: its engine and offload. The
+    first GPU run showed the errors systematic per family (offload rows 1.4-2x optimistic,
+    the rest 15-20 % pessimistic), not independent per configuration."""
+    return config.engine, config.offload
+
+
+def _scale(ratios: list[float], prior: float) -> tuple[float, float]:
+    """The median of measured/predicted ratios, and the error of applying it elsewhere: about
+    two standard deviations of the ratios, shrunk toward ``prior`` by ``KNOWN_AFTER``
+    pseudo-observations (a few similar ratios do not prove a small error), times
+    (1 + 1/sqrt(n)) for the error of a scale learnt from n configurations."""
+    if not ratios:
+        return 1.0, prior
+    scale = statistics.median(ratios)
+    n = len(ratios)
+    spread = prior
+    if n >= 2:
+        observed = 2 * statistics.stdev(r / scale for r in ratios)
+        spread = max(MIN_ERROR, (KNOWN_AFTER * prior + n * observed) / (KNOWN_AFTER + n))
+    return scale, spread * (1 + 1 / math.sqrt(n))
+
+
+@dataclass(frozen=True, slots=True)
+class _Calibration:
+    """How an unmeasured configuration's predicted objective is corrected, and how far the
+    truth may lie above (``up``) and below (``down``) the corrected value."""
+
+    ratio: float
+    up: float
+    down: float
+
+
+def _throughput_scales(
     rows: list[PlanRow], seen: dict[TrainConfig, _Seen], objective: Objective
-) -> tuple[float, float]:
-    """Median measured/predicted objective ratio across configurations, and its uncertainty."""
-    ratios = []
+) -> dict[Family, _Calibration]:
+    """Per family: the ratio that calibrates an unmeasured configuration's prediction, and its
+    uncertainty.
+
+    A measured family's own ratios count, shrunk toward the whole study's median ratio by
+    ``FAMILY_WEIGHT`` pseudo-configurations, so one family's surprise neither flatters nor
+    condemns the others; its error is its own spread (``WITHIN_FAMILY_ERROR`` until two are
+    measured). A family with no measurement takes the whole
+    study's ratio and error, and, below it, at least ``OFFLOAD_PRIOR_ERROR`` for offload:
+    offload has shown itself slower than predicted, never faster.
+    """
+    ratios: dict[Family, list[float]] = defaultdict(list)
     for row in rows:
         s = seen.get(row.config)
         predicted = predictions(row, objective)
         pairs = [(v, predicted[m]) for m, v in s.speed.items() if predicted.get(m)] if s else []
         if pairs:
-            ratios.append(statistics.mean(v / p for v, p in pairs))
-    if not ratios:
-        return 1.0, PRIOR_ERROR
-    scale = statistics.median(ratios)
-    # An unmeasured configuration's calibrated prediction is off by its own error (about two
-    # standard deviations of the measured ratios, or the prior) plus the error of the scale,
-    # which shrinks as 1/sqrt(n) of the configurations measured.
-    n = len(ratios)
-    spread = PRIOR_ERROR
-    if n >= 2:
-        # Two standard deviations of the measured ratios, shrunk toward the prior by
-        # KNOWN_AFTER pseudo-observations: a few similar ratios do not prove a small error.
-        observed = 2 * statistics.stdev(r / scale for r in ratios)
-        spread = max(MIN_ERROR, (KNOWN_AFTER * PRIOR_ERROR + n * observed) / (KNOWN_AFTER + n))
-    return scale, spread * (1 + 1 / math.sqrt(n))
+            ratios[family(row.config)].append(statistics.mean(v / p for v, p in pairs))
+    whole, whole_error = _scale([r for own in ratios.values() for r in own], PRIOR_ERROR)
+    scales: dict[Family, _Calibration] = {}
+    for key in {family(row.config) for row in rows}:
+        offload = key[1] is not Offload.NONE
+        own = ratios.get(key, [])
+        if not own:
+            down = max(whole_error, OFFLOAD_PRIOR_ERROR) if offload else whole_error
+            scales[key] = _Calibration(whole, whole_error, down)
+            continue
+        ratio = (FAMILY_WEIGHT * whole + sum(own)) / (FAMILY_WEIGHT + len(own))
+        error = _scale(own, WITHIN_FAMILY_ERROR)[1]
+        scales[key] = _Calibration(ratio, error, error)
+    return scales
 
 
 def propose(
@@ -260,7 +325,7 @@ def propose(
     """
     seen = _by_config(list(measurements))
     host_limit = _host_limit(rows, seen)
-    scale, error = _throughput_scale(rows, seen, objective)
+    scales = _throughput_scales(rows, seen, objective)
     best = max((max(s.speed.values()) for s in seen.values() if s.speed), default=0.0)
     candidates: list[tuple[float, Proposal]] = []
     for row in rows:
@@ -268,15 +333,21 @@ def propose(
         predicted = predictions(row, objective)
         if s.running or s.failed or not predicted:
             continue  # in flight elsewhere, broken, or out of memory by any margin
-        if not row.host_fits or (row.host is not None and row.host.node_bytes >= host_limit):
+        heavy = row.host is not None and row.host.node_bytes >= host_limit
+        if not row.host_fits or (heavy and not s.ok):
             continue  # needs more host memory than the node has, or than a killed probe
         memory = _Memory(row, s)
         own = [v / predicted[m] for m, v in s.speed.items() if predicted.get(m)]
-        ratio, uncertainty = (statistics.mean(own), MIN_ERROR) if own else (scale, error)
+        calibration = (
+            _Calibration(statistics.mean(own), MIN_ERROR, MIN_ERROR)
+            if own
+            else scales[family(row.config)]
+        )
+        ratio = calibration.ratio
         open_sizes = [m for m in sizes if m in predicted and m not in s.ok and memory.may_fit(m)]
         if not open_sizes:
             continue  # every size that may fit is measured: the limit is bracketed
-        bound = max(predicted[m] for m in open_sizes) * ratio * (1 + uncertainty)
+        bound = max(predicted[m] for m in open_sizes) * ratio * (1 + calibration.up)
         if best and bound <= best:
             continue  # cannot beat the best measured, even optimistically
         fitting = [m for m in sizes if m in predicted and memory.fits(m)]
@@ -294,7 +365,10 @@ def propose(
         expected = predicted[target] * ratio * memory.chance_to_fit(target)
         candidates.append(
             (
-                expected,
+                # Ranked by the low end of the calibrated prediction: of two configurations
+                # expected alike, the better known goes first, so an untried family (offload
+                # the least known) does not win a probe on an optimistic prediction alone.
+                expected * (1 - calibration.down),
                 Proposal(
                     config=row.config,
                     micro_batch_sizes=tuple(sorted(probe)),

@@ -79,7 +79,7 @@ def test_search_reaches_the_oracle_in_few_probes(tmp_path: Path, scenario: tuple
     assert summary.best is not None
     assert summary.best.value is not None
     assert summary.best.value >= 0.98 * oracle
-    assert summary.probes <= 12
+    assert summary.probes <= 14
     assert summary.stop_reason.startswith("search done")
     # Micro-batch x ranks x accumulation = global batch, exactly.
     best = summary.best
@@ -112,6 +112,27 @@ def test_the_budget_stops_the_search_and_keeps_the_best(tmp_path: Path) -> None:
     assert 1 <= summary.probes <= 2
     assert events[-1].kind == "stop" and events[-1].message == summary.stop_reason
     assert [e.kind for e in events[:2]] == ["probe", "result"]
+
+
+def test_a_probe_that_cannot_finish_is_named_and_resumed(tmp_path: Path) -> None:
+    """The budget stops the run before a probe it cannot finish; the run says which probe and
+    how long it needs, and a resumed run with more budget starts with it."""
+    controller, _, _ = _controller(tmp_path, SCENARIOS[1], budget_s=60.0)
+    summary = controller.run()
+    following = summary.next_proposal
+    assert following is not None and summary.next_s is not None
+    left = 60.0 - summary.elapsed_s
+    assert summary.next_s > left
+    assert following.config.label() in summary.stop_reason
+    assert summary.to_dict()["next"]["micro_batch_sizes"] == list(following.micro_batch_sizes)
+    resumed, _, events = _controller(tmp_path, SCENARIOS[1], budget_s=3600.0)
+    resumed.run()
+    first = next(e for e in events if e.kind == "probe")
+    assert first.proposal is not None
+    assert (first.proposal.config, first.proposal.micro_batch_sizes) == (
+        following.config,
+        following.micro_batch_sizes,
+    )
 
 
 def _interrupt_at(controller: Controller, call: int) -> list[tuple]:
