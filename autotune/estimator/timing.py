@@ -6,11 +6,11 @@ of one optimizer step.  Each is built from parts that map onto what the engines 
 
 - **compute**: dense matmuls at the GPU's measured matmul efficiency, flash attention at its
   published efficiency, and the memory-bound rest of a Hugging Face decoder block (norms in
-  fp32, rotary embeddings, activations, casts) as bytes over HBM bandwidth; bounded below by
+  fp32, rotary embeddings, activations, casts) as bytes over HBM bandwidth; combined with
   the host's cost of dispatching the eager operators, which dominates small micro-batches;
 - **communication**: NCCL ring collectives (bandwidth and latency terms as NCCL's own tuning
   model has them) of the bytes each engine moves, minus what overlaps with compute;
-- **offload**: PCIe transfers of gradients and parameters, and Adam on the host CPU;
+- **offload**: PCIe transfers of gradients and parameters, and Adam on the host's cores;
 - **optimizer**: fused Adam streaming its states through HBM.
 
 All constants, their sources and the assumptions are in docs/time-model.md.  An evaluation
@@ -65,10 +65,10 @@ _HBM_EFFICIENCY = 0.85
 # between kernels, collectives competing with compute for SMs and memory), as one factor on the
 # GPU's compute time.  Ampere: fitted to torchtitan's eager FSDP2 run of Llama 2 13B on 64 A100
 # 80GB (local batch 2, seq 4096, no checkpointing: 2,162 tokens/s/GPU; torchtitan
-# docs/performance.md).  Hopper: the Ampere factor times 0.93, the ratio of the factors fitted
-# to one code base run on both GPUs at the same shapes (llm-foundry's MPT-7B on 8 H100 80GB and
-# 8 A100 80GB, scripts/train/benchmarking/README.md).  docs/time-model.md shows both fits.
-_SUSTAINED: dict[str, float] = {"ampere": 0.83, "hopper": 0.77}
+# docs/performance.md).  Hopper: fitted with _OVERLAP_NORM to the single rows of
+# measurements/h100-2026-11-23 (qwen2.5-1.5b on one H100 80GB SXM, ac:off mbs 1-4, ac:every-4,
+# every-2, every); docs/time-model.md shows both fits and what the Hopper one moved.
+_SUSTAINED: dict[str, float] = {"ampere": 0.83, "hopper": 0.93}
 _SUSTAINED_DEFAULT = 0.83
 
 # --- Decoder-block traffic, measured -----------------------------------------------------------
@@ -109,6 +109,11 @@ _DISPATCHES_PER_LAYER = {"autocast": 243.0, "low": 217.0, "fp32": 217.0}
 _EAGER_EXTRA_DISPATCHES = 30.0
 _HEAD_DISPATCHES = 110.0
 _FORWARD_SHARE = 0.36  # forward kernels over forward + backward kernels of a block (trace)
+# How the host's dispatch time and the GPU's time combine in one pass (_overlap): a p-norm,
+# 1 would be their sum, infinity their maximum.  Fitted with the Hopper sustained factor to the
+# single ac:off rows of measurements/h100-2026-11-23 (qwen2.5-1.5b, mbs 1, 2, 4: 0.088-0.107,
+# 0.140-0.155, 0.251 s), where the host's 0.08 s of dispatch shows at every size.
+_OVERLAP_NORM = 2.5
 # What each engine's hooks add to the host per block, forward + backward, measured the same way
 # (the probe's engines on one CPU rank, 2 to 14 blocks; about ±30% run to run): FSDP2's
 # all-gather and reduce-scatter hooks, DeepSpeed ZeRO-1/2's gradient hooks, ZeRO-3's
@@ -137,11 +142,54 @@ _RING_HOP_US = {"nvlink": (0.6, 1.9, 3.4), "pcie": (1.0, 2.5, 5.7), "net": (2.7,
 # the rest of the backward (Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3).
 _DDP_BUCKET_BYTES = 25 * 1024**2
 
+# --- Offload -----------------------------------------------------------------------------------
+
+# FSDP2's CPUOffloadPolicy copies each block's fp32 shard to the GPU before its all-gather and
+# each fp32 gradient shard back after its reduce-scatter, one flat copy per block: the
+# fraction of the catalogue's pinned-copy rate it reaches.  Fitted to llama-7b-run-2 of
+# measurements/h100-2026-11-23 (fsdp z3 off:params ac:every-4 mbs 4, 1.877 s: 80 GB cross
+# PCIe, which bounds the micro-step); grid-4's micro-step (qwen2.5-1.5b, 0.492 s) is then
+# predicted 15% short.
+_FSDP_COPY_EFFICIENCY = 0.86
+# DeepSpeed copies per parameter: each gradient converted to fp32 on the GPU and copied to the
+# host's fp32 partition (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer_from_gpu,
+# stage3.py partition_grads), the updated fp32 partition copied back into the 16-bit one after
+# the host step (PyTorch converts on the GPU when the destination is a GPU tensor,
+# aten/src/ATen/native/cuda/Copy.cu), both through one stream, not overlapped with the pass at
+# one GPU.  Fitted to measurements/h100-2026-11-23, qwen2.5-1.5b-run-0 and -run-2 (deepspeed
+# z2 and z3 off:optimizer, mbs 4 and 8): 0.22-0.27 s per micro-step above the compute for the
+# 6.2 GB fp32 gradient, about 25 GB/s.
+_DEEPSPEED_COPY_EFFICIENCY = 0.5
+# Adam on the host, parameters per second per core: torch's fused AdamW on the CPU (FSDP2's
+# offload) and DeepSpeedCPUAdam are both memory-bound loops vectorized over the cores the
+# rank's threads get (the probe gives each rank cpu_count / ranks threads).  Fitted to the
+# fsdp off:params rows of measurements/h100-2026-11-23 on 16 cores: 0.325 s for qwen2.5-1.5b
+# (grid-4), 1.355 s for llama-7b (llama-7b-run-2), less FSDP2's per-block step cost: 3.07e8
+# and 3.14e8.  DeepSpeed's z2 off:optimizer step (0.535-0.568 s, qwen2.5-1.5b-run-0, grid-6) is
+# then this Adam plus the fp32 upload at the rate above.  (ZeRO-Offload's DeepSpeedCPUAdam did
+# 10B parameters in 2.57 s on 48 Skylake cores, 0.8e8 per core: Ren et al. 2021, table 4.)
+_HOST_ADAM_PARAMS_PER_CORE_S = 3.1e8
+# ZeRO-3's host step does more than Adam over the fp32 partition: its z3 off:optimizer step
+# takes 1.256-1.277 s where ZeRO-2's takes 0.535-0.568 s for the same model, Adam and upload
+# (measurements/h100-2026-11-23, qwen2.5-1.5b-run-2 against -run-0); the difference, 0.70 s
+# for 1.54B parameters on 16 cores, is charged per parameter and core like Adam.  What it is
+# was not traced: stage3.py's step also checks the host gradients for overflow and takes their
+# norm, passes over the fp32 partition on the host.
+_ZERO3_HOST_STEP_PARAMS_PER_CORE_S = 1.4e8
+# Host cores per GPU when the caller does not say: the H100 node of measurements/h100-2026-11-23
+# (16 cores, one GPU); a DGX H100 has 112 for 8.
+_HOST_CORES_PER_GPU = 16
+
 # --- Optimizer ---------------------------------------------------------------------------------
 
-# DeepSpeedCPUAdam: 2.57 s for a 10B-parameter update on a DGX-2 host, two 24-core Xeon Platinum
-# 8168 (Ren et al. 2021, "ZeRO-Offload", table 4).  A host's cores are shared by its ranks.
-_CPU_ADAM_PARAMS_PER_S = 10e9 / 2.57
+# Fused Adam's sustained fraction of HBM bandwidth: torch's fused AdamW over the fp32 states of
+# qwen2.5-1.5b (1.54B parameters, 28 bytes each) takes 0.018-0.020 s on the H100
+# (measurements/h100-2026-11-23, the single rows' optimizer_step_s).
+_ADAM_HBM_EFFICIENCY = 0.68
+# FSDP2 steps the same fused AdamW over DTensors, which costs the host time per block on top:
+# 0.031 s against single's 0.019-0.020 s for the same model and optimizer (c1-fsdp-0 against
+# the single rows, 28 blocks).
+_FSDP_STEP_HOST_PER_LAYER_S = 0.4e-3
 
 # DeepSpeed's step per parameter of the partition, beyond Adam's 7 state reads and writes: the
 # 16-bit gradient partition converted to fp32 (2 read, 4 written), the global gradient norm
@@ -470,9 +518,26 @@ def _compute(
         hooks = 0.0
     else:
         hooks = _ENGINE_HOST_PER_LAYER_S.get(config.engine, 0.0) * layers
+    if config.engine is Engine.DEEPSPEED and config.zero_stage == 3:
+        # ZeRO-3's fetches wait on the GPU: its hooks add to the pass instead of overlapping.
+        return _Compute(
+            _overlap(gpu_f, host_f) + 0.5 * hooks, _overlap(gpu_b, host_b) + 0.5 * hooks
+        )
     host_f += 0.5 * hooks
     host_b += 0.5 * hooks
-    return _Compute(max(gpu_f, host_f), max(gpu_b, host_b))
+    return _Compute(_overlap(gpu_f, host_f), _overlap(gpu_b, host_b))
+
+
+def _overlap(gpu: float, host: float) -> float:
+    """A pass's time from its GPU time and the host's dispatch time, which run concurrently.
+
+    A pass alternates stretches where the GPU waits on the host (short elementwise kernels)
+    with stretches where the host waits on the GPU (matmuls), so neither hides the other
+    entirely: the combination is an ``_OVERLAP_NORM``-norm, between their sum and their
+    maximum.
+    """
+    p = _OVERLAP_NORM
+    return float((gpu**p + host**p) ** (1.0 / p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,7 +577,8 @@ class _Step:
     host_link: float
     adam_s_per_param: float
     """Seconds of fused Adam on the GPU per parameter of this rank's shard."""
-    ranks_on_node: int
+    host_cores: float
+    """Host CPU cores this rank's threads get: the node's, shared evenly by its ranks."""
 
     @property
     def ranks(self) -> int:
@@ -535,8 +601,18 @@ class _Step:
         return self.shape.params / self.ranks
 
     def host_adam(self) -> float:
-        """Adam over this rank's shard on the host, which all ranks of the node share."""
-        return self.shard * self.ranks_on_node / _CPU_ADAM_PARAMS_PER_S
+        """Adam over this rank's shard on the host, on this rank's share of the cores."""
+        return self.shard / (_HOST_ADAM_PARAMS_PER_CORE_S * self.host_cores)
+
+    @property
+    def fsdp_link(self) -> float:
+        """Bytes/s of FSDP2's offload copies, one direction."""
+        return self.host_link * _FSDP_COPY_EFFICIENCY
+
+    @property
+    def deepspeed_link(self) -> float:
+        """Bytes/s of DeepSpeed's per-parameter offload copies, one direction."""
+        return self.host_link * _DEEPSPEED_COPY_EFFICIENCY
 
 
 _Result = tuple[_Exposed, _Exposed, float]
@@ -570,7 +646,7 @@ def _fsdp(step: _Step) -> _Result:
     reduce = _collective(fabric, "rs", block * grad_bytes)
     reduce_root = _collective(fabric, "rs", root * grad_bytes)
     offloaded = config.offload is Offload.PARAMS
-    link = step.host_link
+    link = step.fsdp_link
     up = block / n * shard_bytes / link if offloaded else 0.0
     up_root = root / n * shard_bytes / link if offloaded else 0.0
     down = block / n * grad_bytes / link if offloaded else 0.0
@@ -588,19 +664,22 @@ def _fsdp(step: _Step) -> _Result:
     sync = _split(exposed(True, True), exposed(False, True))
     accumulate = _split(exposed(True, False), exposed(False, False))
     optimizer = step.host_adam() if offloaded else step.shard * step.adam_s_per_param
-    return sync, accumulate, optimizer
+    return sync, accumulate, optimizer + layers * _FSDP_STEP_HOST_PER_LAYER_S
 
 
 def _deepspeed(step: _Step) -> _Result:
     """DeepSpeed ZeRO stages 0-3 as the probe configures them (deepspeed_config): overlapped
     communication, buckets of d² elements, 16-bit communication, CPU Adam for offload."""
     config, work, fabric, layers = step.config, step.work, step.fabric, step.shape.layers
-    psi, shard, n, link = float(step.shape.params), step.shard, step.ranks, step.host_link
+    psi, shard, n, link = float(step.shape.params), step.shard, step.ranks, step.deepspeed_link
     comm_bytes = 4.0 if config.precision is Precision.FP32 else 2.0
     bucket = float(step.shape.hidden**2)  # reduce_bucket_size = allgather_bucket_size = d²
     buckets = max(1, math.ceil(psi / bucket))
     cpu_adam = config.offload is not Offload.NONE
-    down = bucket / n * comm_bytes / link if cpu_adam else 0.0
+    # The rank's gradient partition, converted to fp32 on the GPU, down; the updated fp32
+    # partition up after the host step.  Neither overlaps the pass (see _DEEPSPEED_COPY_...).
+    grads_down = shard * 4.0 / link if cpu_adam else 0.0
+    params_up = shard * 4.0 / link if cpu_adam else 0.0
     stage = config.zero_stage
     none = _Exposed(0.0, 0.0)
 
@@ -612,25 +691,22 @@ def _deepspeed(step: _Step) -> _Result:
     if stage in (1, 2):
         # Each filled bucket is all-reduced during the backward (DeepSpeed 0.19's default
         # use_multi_rank_bucket_allreduce) and each rank keeps its slice, copied to the host
-        # on the same stream under offload.  ZeRO-1 reduces at the boundary only.
+        # under offload.  ZeRO-1 reduces at the boundary only.
         per_bucket = _collective(fabric, "ar", bucket * comm_bytes)
-
-        def reduced(pcie: bool) -> float:
-            chunk = per_bucket + (down if pcie else 0.0)
-            return _exposed(buckets * chunk, buckets, work.backward, chunk)
-
-        sync = _split(reduced(True), reduced(False))
+        reduced = _exposed(buckets * per_bucket, buckets, work.backward, per_bucket)
+        sync = _Exposed(reduced, grads_down)
         calls = max(1, math.ceil(shard / bucket))
         gather = _collective(fabric, "ag", psi * comm_bytes, calls=calls)
         if cpu_adam:
-            optimizer = step.host_adam() + shard * comm_bytes / link + gather
+            optimizer = step.host_adam() + params_up + gather
         else:
             optimizer = shard * step.adam_s_per_param + gather
         return sync, sync if stage == 2 else none, optimizer
 
     # ZeRO-3: each module's partitions are gathered before it runs, forward and backward,
     # prefetched a bucket (0.9·d² elements) ahead; gradients are reduce-scattered in buckets
-    # as the backward produces them; parameter offload uploads each partition first.
+    # as the backward produces them (and copied down under offload, after the pipeline);
+    # parameter offload uploads each 16-bit partition before its gather.
     block, root = step.block, step.root
     calls = max(1, math.ceil(block / (0.9 * bucket)))
     gather = _collective(fabric, "ag", block * comm_bytes, calls=calls)
@@ -641,18 +717,20 @@ def _deepspeed(step: _Step) -> _Result:
     up_root = root / n * comm_bytes / link if params_off else 0.0
 
     def zero3(pcie: bool) -> float:
-        u, ur, dn = (up, up_root, down) if pcie else (0.0, 0.0, 0.0)
+        u, ur = (up, up_root) if pcie else (0.0, 0.0)
         fwd = gather_root + ur + _exposed(layers * (gather + u), layers, work.forward, gather + u)
-        comm = layers * (gather + u) + buckets * (per_bucket + dn) + gather_root + ur
-        return fwd + _exposed(comm, layers, work.backward, gather + u + per_bucket + dn)
+        comm = layers * (gather + u) + buckets * per_bucket + gather_root + ur
+        return fwd + _exposed(comm, layers, work.backward, gather + u + per_bucket)
 
-    sync = _split(zero3(True), zero3(False))
+    without = zero3(False)
+    sync = _Exposed(without, zero3(True) - without + grads_down)
     if not cpu_adam:
         optimizer = shard * step.adam_s_per_param
-    elif params_off:
-        optimizer = step.host_adam()  # the host copy is the one the next gathers upload
     else:
-        optimizer = step.host_adam() + shard * comm_bytes / link
+        # Host Adam, ZeRO-3's other host work over the partition, and the upload (none with
+        # parameter offload: the host copy is the one the next gathers upload).
+        host_cores = _ZERO3_HOST_STEP_PARAMS_PER_CORE_S * step.host_cores
+        optimizer = step.host_adam() + shard / host_cores + (0.0 if params_off else params_up)
     return sync, sync, optimizer
 
 
@@ -666,6 +744,7 @@ def predict_step_time(
     grad_accum: int = 1,
     world_size: int = 1,
     gpus_per_node: int = 8,
+    host_cores: int | None = None,
 ) -> StepTime:
     """Predict the micro-step and optimizer-step time of a configuration on ``world_size`` GPUs.
 
@@ -678,6 +757,8 @@ def predict_step_time(
         grad_accum: Micro-steps per optimizer step.
         world_size: Data-parallel ranks, all GPUs together.
         gpus_per_node: GPUs per node; collectives over more ranks cross the network.
+        host_cores: CPU cores of each node, which host Adam under offload runs on, shared
+            evenly by the node's ranks; None for 16 per GPU.
 
     Returns:
         The predicted times, throughput and MFU.
@@ -692,6 +773,7 @@ def predict_step_time(
         ("grad_accum", grad_accum),
         ("world_size", world_size),
         ("gpus_per_node", gpus_per_node),
+        ("host_cores", 1 if host_cores is None else host_cores),
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -713,14 +795,15 @@ def predict_step_time(
     work = _compute(shape, config, gpu, arch, peak, tokens, seq_len, fraction)
     compute_s = work.forward + work.backward
 
+    ranks_on_node = min(world_size, gpus_per_node)
     step = _Step(
         shape=shape,
         config=config,
         work=work,
         fabric=_fabric(gpu, arch, world_size, gpus_per_node),
         host_link=gpu.host_link_bandwidth,
-        adam_s_per_param=_gpu_adam_bytes(config) / (gpu.hbm_bandwidth * _HBM_EFFICIENCY),
-        ranks_on_node=min(world_size, gpus_per_node),
+        adam_s_per_param=_gpu_adam_bytes(config) / (gpu.hbm_bandwidth * _ADAM_HBM_EFFICIENCY),
+        host_cores=(_HOST_CORES_PER_GPU if host_cores is None else host_cores / ranks_on_node),
     )
     if config.engine is Engine.FSDP:
         sync, accumulate, optimizer_s = _fsdp(step)

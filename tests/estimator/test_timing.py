@@ -108,8 +108,15 @@ def test_offloaded_optimizer_step_is_much_slower() -> None:
     kwargs = {"micro_batch_size": 2, "seq_len": 4096, "world_size": 8}
     on_gpu = predict_step_time(LLAMA_7B, _ds(2), H100, **kwargs)
     on_host = predict_step_time(LLAMA_7B, _ds(2, offload=Offload.OPTIMIZER), H100, **kwargs)
-    assert on_host.optimizer_step_s > 10 * on_gpu.optimizer_step_s
+    # 16 host cores per GPU (the default): host Adam plus the fp32 upload, against fused Adam
+    # and the parameter all-gather on the GPU.
+    assert on_host.optimizer_step_s > 5 * on_gpu.optimizer_step_s
     assert on_host.tokens_per_second < on_gpu.tokens_per_second
+    assert on_host.offload_s > 0.0  # the fp32 gradient copy to the host, every micro-step
+    few_cores = predict_step_time(
+        LLAMA_7B, _ds(2, offload=Offload.OPTIMIZER), H100, host_cores=32, **kwargs
+    )
+    assert few_cores.optimizer_step_s > on_host.optimizer_step_s
     params = predict_step_time(LLAMA_7B, _ds(3, offload=Offload.PARAMS), H100, **kwargs)
     assert params.offload_s > 0.0
 
