@@ -5,6 +5,8 @@ offload family nobody has measured does not win a probe on its prediction alone.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autotune.config import Offload, TrainConfig
@@ -45,9 +47,20 @@ def _row(rows: list[PlanRow], label: str) -> PlanRow:
 
 
 def test_an_untried_offload_family_does_not_win_the_first_probe() -> None:
+    """As on the H100 run, where the planner ranked DeepSpeed optimizer offload first (28,181
+    tokens/s predicted, 15,807 measured): offload rows predicted 10 % above the best row
+    without offload still wait for the configurations that are better known."""
     rows = _rows()
-    assert rows[0].config.offload is not Offload.NONE  # the planner's top pick offloads
-    first = propose(rows, [], micro_batch_options(WORK))
+    top = max(r.tokens_per_second for r in rows if r.fits and r.config.offload is Offload.NONE)
+    boosted = []
+    for row in rows:
+        if row.config.offload is not Offload.NONE and row.tokens_per_second:
+            factor = 1.1 * top / row.tokens_per_second
+            row = dataclasses.replace(row, speeds={m: v * factor for m, v in row.speeds.items()})
+        boosted.append(row)
+    best = max(boosted, key=lambda r: max(r.speeds.values()) if r.fits else 0.0)
+    assert best.config.offload is not Offload.NONE  # the planner's top pick offloads
+    first = propose(boosted, [], micro_batch_options(WORK))
     assert first is not None and first.config.offload is Offload.NONE
 
 
