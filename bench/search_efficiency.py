@@ -149,7 +149,8 @@ def true_value(s: Scenario, config: TrainConfig, mbs: int) -> float:
     if s.host_bytes is not None:
         host = estimate_host(model, config, world_size=w.world_size,
                              ranks_per_node=min(w.world_size, 8))  # fmt: skip
-        if host.node_bytes * memory_factor > usable_host_bytes(s.host_bytes):
+        needed = host.node_bytes * s.device.host_factor(s.model_name, config)
+        if needed > usable_host_bytes(s.host_bytes):
             return 0.0
     step = predict_step_time(
         model, config, s.device.gpu, micro_batch_size=mbs, seq_len=w.seq_len,

@@ -115,6 +115,17 @@ class SimulatedDevice:
             time *= shared.uniform(*self.offload_slowdown)
         return memory, time
 
+    def host_factor(self, model: str, config: TrainConfig) -> float:
+        """The factor this device applies to ``config``'s predicted host memory: one per
+        layout of the offloaded states (engine, stage, offload), as checkpointing and the
+        micro-batch do not change them, within ±model_error."""
+        if not self.model_error:
+            return 1.0
+        layout = [config.engine.value, config.zero_stage, config.offload.value]
+        key = json.dumps(["host", self.seed, model, layout])
+        rng = random.Random(hashlib.sha256(key.encode()).digest())
+        return 1.0 + rng.uniform(-self.model_error, self.model_error)
+
     def clock(self) -> Clock:
         """Budgets are charged the time each probe would have taken on the GPU."""
         return ProbeClock()
@@ -252,14 +263,13 @@ class SimulatedDevice:
         if self.host_memory_bytes is None:
             return None
         model = resolve_model(spec.model)
-        memory_factor, _ = self.bias(spec.model, spec.config)
         host = estimate_host(
             model,
             spec.config,
             world_size=spec.num_processes,
             ranks_per_node=min(spec.num_processes, self.gpus_per_node),
         )
-        needed = int(host.node_bytes * memory_factor)
+        needed = int(host.node_bytes * self.host_factor(spec.model, spec.config))
         limit = usable_host_bytes(self.host_memory_bytes)
         if needed <= limit:
             return None

@@ -18,8 +18,10 @@ bound over the configurations of the space, with the estimator as the bound:
    family's measured/predicted ratios, shrunk toward ``WITHIN_FAMILY_ERROR`` with the weight
    of ``KNOWN_AFTER`` configurations, at least ``MIN_ERROR``, times (1 + 1/sqrt(n)) for the
    error of a scale learnt from n configurations); for a family with no measurement, the
-   whole study's error, and below the prediction at least ``OFFLOAD_PRIOR_ERROR`` for
-   offload, which has shown itself slower than predicted, never faster; a measured
+   whole study's error, but above at least up to its uncalibrated prediction times
+   (1 + ``PRIOR_ERROR``) (another family's surprise may not be its own), and below at least
+   ``OFFLOAD_PRIOR_ERROR`` for offload, which has shown itself slower than predicted, never
+   faster; a measured
    configuration's other sizes: ``MIN_ERROR``. A memory prediction may be high or low by its
    uncertainty: a size fits for sure below the capacity, and may fit up to capacity /
    (1 - uncertainty).
@@ -281,8 +283,10 @@ def _throughput_scales(
     ``FAMILY_WEIGHT`` pseudo-configurations, so one family's surprise neither flatters nor
     condemns the others; its error is its own spread (``WITHIN_FAMILY_ERROR`` until two are
     measured). A family with no measurement takes the whole
-    study's ratio and error, and, below it, at least ``OFFLOAD_PRIOR_ERROR`` for offload:
-    offload has shown itself slower than predicted, never faster.
+    study's ratio and error, but its bound is at least its own uncalibrated prediction times
+    (1 + ``PRIOR_ERROR``) (the other families' surprise may not be its own), and below it at
+    least ``OFFLOAD_PRIOR_ERROR`` for offload: offload has shown itself slower than predicted,
+    never faster.
     """
     ratios: dict[Family, list[float]] = defaultdict(list)
     for row in rows:
@@ -297,8 +301,11 @@ def _throughput_scales(
         offload = key[1] is not Offload.NONE
         own = ratios.get(key, [])
         if not own:
+            # Another family's surprise may not be shared: an unmeasured family may still be
+            # as fast as its own prediction says, within the prior.
+            ceiling = max(whole * (1 + whole_error), 1 + PRIOR_ERROR)
             down = max(whole_error, OFFLOAD_PRIOR_ERROR) if offload else whole_error
-            scales[key] = _Calibration(whole, whole_error, down)
+            scales[key] = _Calibration(whole, ceiling / whole - 1, down)
             continue
         ratio = (FAMILY_WEIGHT * whole + sum(own)) / (FAMILY_WEIGHT + len(own))
         error = _scale(own, WITHIN_FAMILY_ERROR)[1]
