@@ -34,7 +34,7 @@ from autotune.estimator.cost import (
 )
 from autotune.estimator.host import estimate_host, usable_host_bytes
 from autotune.estimator.memory import estimate_memory
-from autotune.estimator.plan import DEVICE_RESERVE_BYTES, usable_bytes
+from autotune.estimator.plan import DEVICE_RESERVE_BYTES, caching_allocator, usable_bytes
 from autotune.estimator.timing import predict_step_time
 from autotune.hardware import GpuSpec, gpu_spec
 from autotune.models import resolve_model
@@ -164,10 +164,12 @@ class SimulatedDevice:
                 micro_batch_size=mbs,
                 seq_len=spec.seq_len,
                 world_size=spec.num_processes,
+                cuda_allocator=caching_allocator(self.gpu),
             )
-            peak = int(memory.peak_bytes * memory_factor)
+            # Reserved: the live tensors and the allocator's unusable blocks (what must fit).
+            peak = int(memory.device_bytes * memory_factor)
             reading: dict[str, Any] = {
-                "peak_allocated_bytes": peak,
+                "peak_allocated_bytes": int(memory.peak_bytes * memory_factor),
                 "peak_reserved_bytes": peak,
                 "alloc_retries": 0,
                 "memory_source": "simulated",

@@ -13,8 +13,10 @@ backward, while a block is recomputed.
 Model states follow what the engines were measured to hold (``bench/model_states.py``,
 docs/estimator.md): fused AdamW with fp32 master weights is 16 bytes a parameter (Rajbhandari
 et al. 2020, "ZeRO", section 3.1), DeepSpeed ZeRO-1/2 with bf16 is 2 + 24/N, and so on.
-Activations come from :mod:`autotune.estimator.activations`. Everything is closed-form: one
-estimate takes microseconds, so a planner can walk a whole search space.
+Activations come from :mod:`autotune.estimator.activations`. On a CUDA device the caching
+allocator holds free blocks it cannot hand out on top of the live tensors: a share of the
+activations per engine family (:func:`fragmentation`, measured on an H100). Everything is
+closed-form: one estimate takes microseconds, so a planner can walk a whole search space.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from autotune.config import Engine, Offload, Precision, TrainConfig
 from autotune.estimator.activations import ActivationProfile, activation_profile
 from autotune.models import ModelSpec
 
-__all__ = ["CATEGORIES", "MemoryEstimate", "StateLayout", "estimate_memory", "state_layout"]
+__all__ = [
+    "CATEGORIES",
+    "MemoryEstimate",
+    "StateLayout",
+    "estimate_memory",
+    "fragmentation",
+    "state_layout",
+]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
 """Breakdown keys: ``buffers`` holds communication buckets, gathered and cast weights."""
@@ -59,6 +68,27 @@ class StateLayout:
     """Extra during the optimizer step (ZeRO's partition updates, gathers)."""
     host: float
     """Host memory this rank needs for offloaded states."""
+
+
+def fragmentation(config: TrainConfig) -> float:
+    """Free bytes the CUDA caching allocator cannot hand out at the peak, per activation byte.
+
+    At a step's peak the allocator holds segments that are partly in use: their free blocks
+    count in ``max_memory_reserved`` but serve no request larger than the holes, and the retry
+    before an OOM (which returns only wholly free segments to the driver) cannot release them.
+    The H100 run of 2026-11-23 (measurements/h100-2026-11-23; docs/estimator.md) reads that
+    remainder in each OOM message ("reserved by PyTorch but unallocated", after the retry), per
+    byte of activations live then: 1.0-2.4 % for single (DDP, unmeasured, is taken alike),
+    2.1 % for DeepSpeed with optimizer offload, 5.2 % for FSDP2, 12.9 % and 14.8 % with
+    parameter offload (FSDP2's CPUOffloadPolicy, DeepSpeed's offload_param: grid-4, grid-5).
+    The fractions follow those readings and give every fit verdict of that run
+    (tests/estimator/test_h100_memory.py).
+    """
+    if config.offload is Offload.PARAMS:
+        return 0.12
+    if config.engine is Engine.FSDP:
+        return 0.05
+    return 0.02
 
 
 def _fraction(model: ModelSpec) -> tuple[float, float]:
@@ -184,6 +214,9 @@ class MemoryEstimate:
 
     peak_bytes: int
     """Live tensor bytes at the step's peak (what ``torch.cuda.max_memory_allocated`` reads)."""
+    allocator_bytes: int = 0
+    """What the CUDA caching allocator holds on top, unusable, at the step's peak
+    (:func:`fragmentation`); 0 where tensors are counted exactly (the CPU's emulated device)."""
     phase: str
     """Where the peak falls: ``forward``, ``loss``, ``backward``, ``optimizer``."""
     breakdown: dict[str, int] = field(default_factory=dict)
@@ -191,11 +224,21 @@ class MemoryEstimate:
     host_bytes: int = 0
     """Host memory for offloaded states, per rank."""
     activation_bytes_per_sample: float = 0.0
-    """How the peak grows per sequence of micro-batch (slope of the linear memory model)."""
+    """How :attr:`device_bytes` grows per sequence of micro-batch (slope of the linear memory
+    model; the activations and, on a CUDA device, their allocator share)."""
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the peak takes from the allocator's pool: live tensors and the free
+        blocks it cannot hand out (the least ``max_memory_reserved`` can read). What must fit
+        the usable memory (``autotune.estimator.plan.usable_bytes``)."""
+        return self.peak_bytes + self.allocator_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,
+            "allocator_bytes": self.allocator_bytes,
+            "device_bytes": self.device_bytes,
             "phase": self.phase,
             "breakdown": dict(self.breakdown),
             "host_bytes": self.host_bytes,
@@ -216,6 +259,7 @@ def estimate_memory(
     seq_len: int,
     world_size: int = 1,
     profile: ActivationProfile | None = None,
+    cuda_allocator: bool = True,
 ) -> MemoryEstimate:
     """Peak live device bytes of one rank over a steady-state training step.
 
@@ -226,6 +270,9 @@ def estimate_memory(
         seq_len: Tokens per sequence.
         world_size: Data-parallel ranks.
         profile: Activation figures to use instead of the analytic ones (a calibration).
+        cuda_allocator: Add the CUDA caching allocator's unusable blocks
+            (:attr:`MemoryEstimate.allocator_bytes`); False for a device whose tensors are
+            counted exactly (the CPU's emulated device memory).
 
     Returns:
         The peak, where it falls, and its breakdown.
@@ -318,9 +365,15 @@ def estimate_memory(
 
     phase, sums = max(points, key=lambda item: sum(item[1].values()))
     breakdown = {key: int(value) for key, value in sums.items()}
-    per_sample = _slope(model, config, seq_len, prof)
+    peak = sum(breakdown.values())
+    # The allocator's unusable share follows the activations live at each point: the device's
+    # peak is the largest of those sums, which may fall elsewhere than the tensors' peak.
+    share = fragmentation(config) if cuda_allocator else 0.0
+    device = max(sum(parts.values()) + share * parts["activations"] for _, parts in points)
+    per_sample = _slope(model, config, seq_len, prof) * (1.0 + share)
     return MemoryEstimate(
-        peak_bytes=sum(breakdown.values()),
+        peak_bytes=peak,
+        allocator_bytes=max(0, int(device) - peak),
         phase=phase,
         breakdown=breakdown,
         host_bytes=int(states.host),

@@ -24,25 +24,39 @@ from autotune.units import format_bytes
 __all__ = [
     "DEVICE_RESERVE_BYTES",
     "PlanRow",
+    "caching_allocator",
     "default_precision",
     "plan",
     "usable_bytes",
 ]
 
-DEVICE_RESERVE_BYTES = 1024**3
-"""Device memory tensors cannot use: the CUDA context, cuBLAS and NCCL workspaces, and the
-caching allocator's fragmentation, which ``max_memory_allocated`` does not show. An assumption
-(1 GiB) until GPU runs measure it (docs/gpu-results.md); ``--reserve`` overrides it."""
+DEVICE_RESERVE_BYTES = 1280 * 1024**2
+"""Device memory the caching allocator of one rank cannot get, 1.25 GiB. Measured on an H100
+80GB HBM3 (measurements/h100-2026-11-23, docs/estimator.md): of the driver's 79.65 GiB total,
+CUDA reports 79.18 GiB (0.47 GiB kept by the driver), and a process's own non-PyTorch memory
+(CUDA context, cuBLAS workspaces) took 0.74 GiB: 1.21 GiB. FSDP2's and DeepSpeed's processes
+took 0.55 and 0.93 GiB more at one rank (NCCL communicators, DeepSpeed's buffers), which no
+estimate counts yet. The allocator's unusable free blocks are part of each estimate instead
+(``MemoryEstimate.allocator_bytes``). ``--reserve`` overrides it."""
+
+
+def caching_allocator(gpu: GpuSpec) -> bool:
+    """Whether estimates for ``gpu`` carry the CUDA caching allocator's share: every GPU, not
+    the CPU's emulated device (``cpu_device_spec``), whose tensors are counted exactly."""
+    return gpu.key != "cpu"
 
 
 def usable_bytes(
     gpu: GpuSpec, *, reserve: int = DEVICE_RESERVE_BYTES, headroom: float = 0.0
 ) -> int:
-    """Bytes of live tensors one GPU can hold: its memory less the reserve, less headroom.
+    """Bytes one GPU's caching allocator can hold: its memory less the reserve, less headroom.
+
+    A configuration fits where its ``MemoryEstimate.device_bytes`` (live tensors and the
+    allocator's unusable blocks) are at most this.
 
     Args:
         gpu: The GPU.
-        reserve: Bytes kept for the CUDA context and allocator (see DEVICE_RESERVE_BYTES).
+        reserve: Bytes kept for the driver and the CUDA context (see DEVICE_RESERVE_BYTES).
         headroom: Fraction of the memory a fitting configuration must leave free (0.1 = 10%).
     """
     return int((gpu.memory_bytes - reserve) * (1.0 - headroom))
@@ -65,7 +79,8 @@ class PlanRow:
     time: StepTime | None
     """Predicted step time; None when the configuration does not fit."""
     peaks: Mapping[int, int] = field(default_factory=dict)
-    """Predicted peak bytes at every micro-batch of the workload, fitting or not."""
+    """Predicted peak device bytes (``MemoryEstimate.device_bytes``) at every micro-batch of
+    the workload, fitting or not."""
     speeds: Mapping[int, float] = field(default_factory=dict)
     """Predicted tokens/s at every micro-batch of the workload, fitting or not (the search
     weighs the sizes that may fit where the memory prediction may be off)."""
@@ -81,12 +96,12 @@ class PlanRow:
         if micro_batch_size in self.peaks:
             return self.peaks[micro_batch_size]
         slope = self.memory.activation_bytes_per_sample
-        return self.memory.peak_bytes + slope * (micro_batch_size - self.micro_batch_size)
+        return self.memory.device_bytes + slope * (micro_batch_size - self.micro_batch_size)
 
     @property
     def fits(self) -> bool:
-        """Fits the device at its micro-batch, and the host."""
-        return self.memory.peak_bytes <= self.capacity_bytes and self.host_fits
+        """Fits the device at its micro-batch (the allocator's share included), and the host."""
+        return self.memory.device_bytes <= self.capacity_bytes and self.host_fits
 
     @property
     def host_fits(self) -> bool:
@@ -97,7 +112,7 @@ class PlanRow:
     @property
     def over_bytes(self) -> int:
         """How far the device peak exceeds the capacity (0 when it fits)."""
-        return max(0, self.memory.peak_bytes - self.capacity_bytes)
+        return max(0, self.memory.device_bytes - self.capacity_bytes)
 
     @property
     def miss(self) -> str | None:
@@ -200,6 +215,7 @@ def plan(
                 micro_batch_size=mbs,
                 seq_len=workload.seq_len,
                 world_size=workload.world_size,
+                cuda_allocator=caching_allocator(gpu),
             )
 
         memories = {m: peak(m) for m in sizes}
@@ -216,7 +232,7 @@ def plan(
             )
             for m in sizes
         }
-        fitting = [m for m in sizes if memories[m].peak_bytes <= capacity]
+        fitting = [m for m in sizes if memories[m].device_bytes <= capacity]
         best = max(fitting, key=lambda m: times[m].tokens_per_second, default=sizes[0])
         host = estimate_host(
             model,
@@ -234,7 +250,7 @@ def plan(
                 memory=memories[best],
                 capacity_bytes=capacity,
                 time=times[best] if fitting else None,
-                peaks={m: e.peak_bytes for m, e in memories.items()},
+                peaks={m: e.device_bytes for m, e in memories.items()},
                 speeds={m: t.tokens_per_second for m, t in times.items()},
                 mfus={m: t.mfu for m, t in times.items() if t.mfu is not None},
                 host=host,

@@ -116,7 +116,7 @@ def plan_table(
             row.config.label(),
             str(row.micro_batch_size),
             str(row.grad_accum),
-            format_bytes(row.memory.peak_bytes),
+            format_bytes(row.memory.device_bytes),
             format_bytes(row.host.node_bytes) if row.host else "-",
             fits,
             _fmt(row.time.tokens_per_second if row.time else None, ",.0f"),
