@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -38,7 +39,9 @@ def test_the_view_follows_the_search_and_the_table_ranks_what_fits(tmp_path: Pat
     assert "probing" in first_probe and "micro-batch" in first_probe
     assert "30m00s of 30m00s left" in first_probe
     after = frames[1]
-    assert "last" in after and ("ok" in after or "oom" in after)
+    # The last probe's sizes as "2: ok 10,803 tok/s, 4: oom" (not "tok/s" alone).
+    last = next(line for line in after.splitlines() if line.lstrip("│ ").startswith("last"))
+    assert re.search(r"\b\d+: (ok|oom)\b", last), last
     best_line = next(line for line in frames[-2].splitlines() if line.startswith("best"))
     assert summary.best.config.label() in best_line
     # The log lines are printed above the live panel, one per probe and one per result.
