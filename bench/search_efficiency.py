@@ -144,7 +144,7 @@ def true_value(s: Scenario, config: TrainConfig, mbs: int) -> float:
     memory = estimate_memory(
         model, config, micro_batch_size=mbs, seq_len=w.seq_len, world_size=w.world_size
     )
-    if memory.peak_bytes * memory_factor > s.capacity:
+    if memory.device_bytes * memory_factor > s.capacity:  # as the simulated GPU decides
         return 0.0
     if s.host_bytes is not None:
         host = estimate_host(model, config, world_size=w.world_size,
