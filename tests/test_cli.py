@@ -237,3 +237,18 @@ def test_a_probe_the_budget_cuts_short_is_recorded_as_interrupted(
     assert listed and all(row["state"] == "FAIL" for row in listed)
     assert {row["outcome"] for row in listed} == {"interrupted"}  # retried by a later run
     assert {row["message"] for row in listed} == {"the budget ended during the probe"}
+
+
+def test_plan_uses_the_measured_reserve_unless_told(tmp_path: Path) -> None:
+    from autotune.estimator.plan import usable_bytes
+    from autotune.hardware import gpu_spec
+    from autotune.units import GIB
+
+    gpu = gpu_spec("h100-80gb")
+    default = autotune("plan", "--gpu", "h100-80gb", "--json", cwd=tmp_path)
+    told = autotune("plan", "--gpu", "h100-80gb", "--reserve", "2GiB", "--json", cwd=tmp_path)
+    assert default.returncode == 0 and told.returncode == 0, default.stderr + told.stderr
+    assert json.loads(default.stdout)["rows"][0]["capacity_bytes"] == usable_bytes(gpu)
+    assert json.loads(told.stdout)["rows"][0]["capacity_bytes"] == usable_bytes(
+        gpu, reserve=2 * GIB
+    )
