@@ -269,10 +269,8 @@ def _device(
 
 def _host_for(device: Device, given: int | None) -> int | None:
     """The host memory a run plans for: as given, the simulated node's, or this node's."""
-    if isinstance(device, SimulatedDevice) and device.host_memory_bytes is not None:
-        return device.host_memory_bytes
     if isinstance(device, SimulatedDevice):
-        return given
+        return device.host_memory_bytes if device.host_memory_bytes is not None else given
     return given if given is not None else host_memory_bytes()
 
 

@@ -37,7 +37,7 @@ from autotune.estimator.memory import estimate_memory
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, caching_allocator, usable_bytes
 from autotune.estimator.timing import predict_step_time
 from autotune.hardware import GpuSpec, gpu_spec
-from autotune.models import resolve_model
+from autotune.models import ModelSpec, resolve_model
 from autotune.probe.metrics import probe_throughput
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult, SizeResult
@@ -147,7 +147,7 @@ class SimulatedDevice:
         capacity = self.capacity(spec)
         memory_factor, time_factor = self.bias(spec.model, spec.config)
         peak_flops = self.gpu.peak(spec.config.precision.compute_dtype)
-        killed = self._host_oom(spec, probe_dir)
+        killed = self._host_oom(model, spec, probe_dir)
         if killed is not None:
             killed.write()
             return killed
@@ -259,12 +259,11 @@ class SimulatedDevice:
         result.write()
         return result
 
-    def _host_oom(self, spec: ProbeSpec, probe_dir: Path) -> ProbeResult | None:
+    def _host_oom(self, model: ModelSpec, spec: ProbeSpec, probe_dir: Path) -> ProbeResult | None:
         """The probe killed by the host's OOM killer while building its states, if it would
         be (the states are built before the first step, so no size runs)."""
         if self.host_memory_bytes is None:
             return None
-        model = resolve_model(spec.model)
         host = estimate_host(
             model,
             spec.config,

@@ -192,14 +192,13 @@ class Controller:
             steps=self.template.warmup_steps + self.template.timed_steps,
         )
 
-    def _expected_s(self, proposal: Proposal) -> float:
-        """The predicted cost, scaled by how the run's probes compared with theirs."""
-        scale = (
-            statistics.median(m / p for m, p in zip(self._durations, self._predicted, strict=True))
-            if self._durations
-            else 1.0
+    def _cost_scale(self) -> float:
+        """How long the run's probes took against their predicted cost (median ratio)."""
+        if not self._durations:
+            return 1.0
+        return statistics.median(
+            m / p for m, p in zip(self._durations, self._predicted, strict=True)
         )
-        return self._predicted_s(proposal) * scale
 
     def run(self) -> RunSummary:
         """Search until done; returns why it stopped and the best measurement."""
@@ -228,7 +227,8 @@ class Controller:
                 proposal = propose(self.rows, measurements, sizes, objective)
                 if proposal is None:
                     break
-                need = max(self._expected_s(proposal), MIN_PROBE_TIMEOUT_S)
+                predicted_s = self._predicted_s(proposal)
+                need = max(predicted_s * self._cost_scale(), MIN_PROBE_TIMEOUT_S)
                 if probes and left < need:
                     following = (proposal, need)
                     reason = (
@@ -246,7 +246,7 @@ class Controller:
                         budget_left_s=left,
                     )
                 )
-                result = self._probe(proposal, left_s=left)
+                result = self._probe(proposal, left_s=left, predicted_s=predicted_s)
                 if result is None:
                     # Another worker took a point of it: propose again from what it claimed,
                     # after a random pause (two workers that withdrew at once part ways).
@@ -288,7 +288,9 @@ class Controller:
             guard = min(guard, max(FIRST_PROBE_GUESS_S, HANG_FACTOR * longest))
         return max(min(guard, left_s), MIN_PROBE_TIMEOUT_S), left_s < guard
 
-    def _probe(self, proposal: Proposal, *, left_s: float) -> ProbeResult | None:
+    def _probe(
+        self, proposal: Proposal, *, left_s: float, predicted_s: float
+    ) -> ProbeResult | None:
         """Probe the proposal; None when another worker claimed one of its points first."""
         timeout_s, budget_bound = self._timeout(left_s)
         spec = self.template.spec(
@@ -315,7 +317,7 @@ class Controller:
             self.store.interrupt(trials, probe_dir, "interrupted")
             raise
         self._durations.append(result.wall_s)
-        self._predicted.append(self._predicted_s(proposal))
+        self._predicted.append(predicted_s)
         self.clock.charge(result.wall_s)
         if result.outcome is Outcome.TIMEOUT and budget_bound:
             # Cut by the end of the budget, not hung: a later run with time retries it.

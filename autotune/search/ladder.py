@@ -21,10 +21,9 @@ bound over the configurations of the space, with the estimator as the bound:
    whole study's error, but above at least up to its uncalibrated prediction times
    (1 + ``PRIOR_ERROR``) (another family's surprise may not be its own), and below at least
    ``OFFLOAD_PRIOR_ERROR`` for offload, which has shown itself slower than predicted, never
-   faster; a measured
-   configuration's other sizes: ``MIN_ERROR``. A memory prediction may be high or low by its
-   uncertainty: a size fits for sure below the capacity, and may fit up to capacity /
-   (1 - uncertainty).
+   faster; a measured configuration's other sizes: ``MIN_ERROR``. A memory prediction may be
+   high or low by its uncertainty: a size fits for sure below the capacity, and may fit up to
+   capacity / (1 - uncertainty).
 4. The next probe goes to the open configuration with the highest expected throughput at the
    low end of its uncertainty (of two alike, the better known first): the calibrated
    throughput at its calibrated largest fitting size (or, where none fits, its smallest size
@@ -282,11 +281,10 @@ def _throughput_scales(
     A measured family's own ratios count, shrunk toward the whole study's median ratio by
     ``FAMILY_WEIGHT`` pseudo-configurations, so one family's surprise neither flatters nor
     condemns the others; its error is its own spread (``WITHIN_FAMILY_ERROR`` until two are
-    measured). A family with no measurement takes the whole
-    study's ratio and error, but its bound is at least its own uncalibrated prediction times
-    (1 + ``PRIOR_ERROR``) (the other families' surprise may not be its own), and below it at
-    least ``OFFLOAD_PRIOR_ERROR`` for offload: offload has shown itself slower than predicted,
-    never faster.
+    measured). A family with no measurement takes the whole study's ratio and error, but its
+    bound is at least its own uncalibrated prediction times (1 + ``PRIOR_ERROR``) (the other
+    families' surprise may not be its own), and below it at least ``OFFLOAD_PRIOR_ERROR`` for
+    offload: offload has shown itself slower than predicted, never faster.
     """
     ratios: dict[Family, list[float]] = defaultdict(list)
     for row in rows:
