@@ -321,14 +321,17 @@ def wait_for_second_probe(tuner: subprocess.Popen[str], root: Path, setup: Setup
                 f"the tuner ended (exit {tuner.returncode}) before a second probe; the set-up "
                 f"expects the search to probe both configurations ({setup.why}):\n{out}\n{err}"
             )
-        folder = running_probe_dir(root)
-        if folder is not None and (root / "t.db").exists():
+        if (root / "t.db").exists():
             try:
                 states = Counter(trial_states(root))
             except (ValueError, optuna.exceptions.StorageInternalError):
                 states = Counter()  # the study is being created
+            # The folder is looked for after the trials: once the first probe is COMPLETE its
+            # folder holds its result, so the folder still running is the second probe's.
             if states["COMPLETE"] >= 1 and states["RUNNING"] >= 1:
-                return folder
+                folder = running_probe_dir(root)
+                if folder is not None:
+                    return folder
         time.sleep(0.2)
     tuner.kill()
     pytest.fail("the tuner never had a COMPLETE and a RUNNING trial at once")
