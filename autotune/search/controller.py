@@ -184,7 +184,8 @@ class Controller:
             self._model,
             proposal.config,
             world_size=workload.world_size,
-            ranks_per_node=min(workload.world_size, 8),
+            # The node the planner planned for (its GPUs per node).
+            ranks_per_node=row.host.ranks_per_node if row.host else workload.world_size,
         )
         return probe_seconds(
             build_s=build_s,

@@ -94,8 +94,10 @@ configurations of one family agreed within about ±5 % (single across checkpoint
 optimizer offload across ZeRO stages and checkpointing, docs/time-model.md)."""
 FAMILY_WEIGHT = 0.5
 """Weight of the whole study's ratio, in configurations, against a family's own measured ones:
-configurations of one family share most of their error (DeepSpeed ZeRO-2 and ZeRO-3 optimizer
-offload measured 0.56 and 0.60 of their predictions on the H100 run)."""
+configurations of one family share most of their error. The evidence is the H100 run against
+the time model before it was calibrated on that run: DeepSpeed ZeRO-2 and ZeRO-3 optimizer
+offload measured 0.56 and 0.60 of their predictions, one family's error shared by its stages;
+on another node the calibrated model's error is expected to take the same shape."""
 KNOWN_AFTER = 5
 """Weight of the prior throughput error, in measured configurations, against their spread."""
 CONFIRM_MARGIN = MIN_ERROR
