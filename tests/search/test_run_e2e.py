@@ -12,8 +12,8 @@ measured, the search lets a size that may fit within the estimator's prior error
 exact estimator provokes it as well as one that under-predicts. The fixture asserts these
 preconditions first.
 
-- A: a real (emulated) OOM is recorded as an infeasible trial, and the search goes on and ends
-  with a feasible best that ``autotune best`` reads back.
+- A: a real (emulated) OOM is recorded as an infeasible trial, and the search goes on (a later
+  trial completes) and ends with a feasible best that ``autotune best`` reads back.
 - B: a tuner SIGKILLed mid-probe (its ranks die with it) is resumed: the
   dead tuner's RUNNING trials are failed at once, their points retried once, nothing COMPLETE
   is probed again, and a second rerun probes nothing.
@@ -583,8 +583,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
 
 def test_a_real_oom_is_recorded_and_the_search_ends_feasible(root: Path, setup: Setup) -> None:
     """A: a size the first probe sweeps runs out of (emulated) memory for real; the OOM is an
-    infeasible trial; the search goes on and ends with a feasible best that `autotune best`
-    reads back."""
+    infeasible trial; the search goes on (a trial after it completes) and ends with a feasible
+    best that `autotune best` reads back."""
     code, summary, stderr = run_tuner(setup, root)
     assert code == 0, stderr
     assert summary["stop_reason"].startswith("search done"), summary
@@ -608,6 +608,8 @@ def test_a_real_oom_is_recorded_and_the_search_ends_feasible(root: Path, setup: 
         r["config"] == setup.config and r["feasible"] and r["micro_batch_size"] < setup.oom_size
         for r in rows
     ), rows
+    # The search went on after the OOM: a trial numbered after it completed.
+    assert any(r["number"] > oom["number"] and r["state"] == "COMPLETE" for r in rows), rows
 
     (study,) = json.loads(cli("best", "--storage", f"sqlite:///{root}/t.db", "--json"))
     assert study["study"] == summary["study"]
