@@ -3,12 +3,17 @@
 Every run here is the real console entry point in its own session, with real probe processes
 under an emulated device-memory cap, and its own trial database and probe folders in
 ``tmp_path``. The cap is never a fixed number: the ``setup`` fixture measures real peaks with
-``autotune probe --json``, reads the estimator's predictions with ``autotune plan --json`` (for
-the emulated CPU device the tuner plans for), and derives a cap at which a size the search
-aims at does not fit, asserting that precondition first.
+``autotune probe --json`` and derives the cap from them, so that one size runs out of memory
+for real while the next smaller one fits. It reads the estimator's predictions (the rows the
+tuner plans with for the emulated CPU device, and ``autotune plan --json`` agrees) only to
+place the cap where the search's first probe sweeps both sizes: before a configuration is
+measured, the search lets a size that may fit within the estimator's prior error
+(``PRIOR_ERROR``) into the probe, so the OOM does not depend on the estimator being wrong: an
+exact estimator provokes it as well as one that under-predicts. The fixture asserts these
+preconditions first.
 
-- A: a real (emulated) OOM is recorded as an infeasible trial, and the search goes on and ends
-  with a feasible best that ``autotune best`` reads back.
+- A: a real (emulated) OOM is recorded as an infeasible trial, and the search goes on (a later
+  trial completes) and ends with a feasible best that ``autotune best`` reads back.
 - B: a tuner SIGKILLed mid-probe (its ranks die with it) is resumed: the
   dead tuner's RUNNING trials are failed at once, their points retried once, nothing COMPLETE
   is probed again, and a second rerun probes nothing.
@@ -37,8 +42,11 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
+from autotune.api import prepare
 from autotune.cli import app
+from autotune.estimator.plan import PlanRow
 from autotune.hardware import cpu_device_spec
+from autotune.search.ladder import PRIOR_ERROR
 
 pytestmark = pytest.mark.slow
 
@@ -70,9 +78,10 @@ class Setup:
     workload: Workload
     cap: int
     config: dict[str, Any]
-    """The configuration whose predicted size runs out of memory (TrainConfig.to_dict())."""
+    """The configuration the search probes first (TrainConfig.to_dict())."""
     oom_size: int
-    """The size the search tries that really runs out of memory under ``cap``."""
+    """The size its first probe sweeps that really runs out of memory under ``cap`` (the next
+    smaller size, swept too, fits)."""
     why: str
 
 
@@ -117,12 +126,24 @@ def plan_rows(workload: Workload, cap: int, folder: Path) -> list[dict[str, Any]
     return [row for row in data["rows"] if row["config"]["offload"] == "none"]
 
 
-def predicted_peak(row: dict[str, Any], mbs: int) -> float:
-    """The estimator's peak for a plan row's configuration at ``mbs`` (the ladder's line)."""
-    memory = row["memory"]
-    return memory["peak_bytes"] + memory["activation_bytes_per_sample"] * (
-        mbs - row["micro_batch_size"]
+def tuner_rows(workload: Workload, cap: int, folder: Path) -> list[PlanRow]:
+    """The estimator's rows the tuner ranks under ``cap``, from its own planning (no probe):
+    each has the predicted peak (``peak_at``) and tokens/s (``speeds``) at every size."""
+    tuning = prepare(
+        workload.model,
+        seq_len=workload.seq_len,
+        global_batch=workload.global_batch,
+        gpus=1,
+        device="cpu",
+        device_memory=cap,
+        storage=f"sqlite:///{folder}/estimates.db",
+        trials_dir=folder / "trials",
     )
+    return tuning.rows
+
+
+def estimate_of(rows: list[PlanRow], config: dict[str, Any]) -> PlanRow:
+    return next(row for row in rows if row.config.to_dict() == config)
 
 
 def row_of(rows: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
@@ -452,22 +473,41 @@ def resume_checks(
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
-    """A cap at which the estimator's choice for a configuration fits on paper, not for real.
+    """A cap from real peaks: the search's first probe runs out of memory at one size and fits
+    at the next smaller one, whether the estimator is exact or under-predicts.
 
-    The GPT-2-style tiny model on one rank, ``ac:every``. The estimator under-predicts this
-    model on the CPU (math attention keeps dropout masks and probabilities), so its real peaks
-    at two sizes (2 and 4 of 1, 2, 4, 8, 16) are measured and the cap is put half-way inside
-    the band where the estimator says 4 fits and 8 does not (so 4 is the size it aims at),
-    while the real peaks say 2 fits and 4 does not.
+    The GPT-2-style tiny model on one rank has two configurations, ``ac:every`` and ``ac:off``
+    (one family). A configuration's first probe aims at the largest size predicted to fit
+    (predicted peak <= cap) and sweeps that size, the size below it, and every size above it
+    that may still fit (predicted peak <= cap / (1 - ``PRIOR_ERROR``)). The real peaks of
+    ``ac:every`` at ``target`` and ``above`` (2 and 4 of 1, 2, 4, 8, 16) are measured, and the
+    cap is put half-way inside the band where
 
-    Under that cap the search aims this configuration at micro-batch 4, which runs out of
-    memory, and keeps 2, which fits. Its best is then 2, which the estimator predicts slower
-    than the other configuration (``ac:off``) at the largest size it may fit: whichever of the
-    two is probed first, the search probes the other one too, so a run makes two probes.
+    - the real peaks say ``target`` fits and ``above`` runs out of memory;
+    - the estimator aims at ``target`` or ``above``: ``target`` is predicted to fit, the next
+      size ``after`` (8) is not;
+    - ``above`` may fit: its predicted peak is within cap / (1 - ``PRIOR_ERROR``).
+
+    The first probe of ``ac:every`` then sweeps ``target`` and ``above``, keeps ``target`` and
+    runs out of memory at ``above``, for real. No gap between estimate and truth is needed: an
+    exact estimator aims at ``target`` and lets ``above`` in as a size that may fit; one that
+    under-predicts may aim at ``above`` itself, with ``target`` as the size below it.
+
+    The search probes both configurations, ``ac:every`` first (asserted on the tuner's own
+    predictions, and `autotune plan` agrees):
+
+    - first: an unmeasured configuration ranks by its predicted speed at the size it aims at;
+      ``ac:every`` needs less memory per sample, aims at a larger size than ``ac:off`` and is
+      predicted faster there;
+    - second: the best is then ``ac:every`` at ``target``; ``ac:off`` is predicted faster than
+      that at the largest size that may fit it, and ``ac:every``'s measured/predicted speed
+      calibrates both (one family), so ``ac:off``'s bound stays above the best and the search
+      probes it, after the OOM.
     """
     folder = tmp_path_factory.mktemp("setup")
     workload = Workload(model="tiny-gpt2")
-    below, target, above = workload.sizes[1:4]
+    sizes = workload.sizes
+    target, above, after = sizes[1:4]
     config = {
         "engine": "single",
         "zero_stage": 0,
@@ -476,47 +516,75 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
         "offload": "none",
         "attention": "sdpa",
     }
-    peaks = measure_peaks(workload, config, [below, target], folder / "probes")
-    # The estimator's line for a configuration does not depend on the cap.
-    row = row_of(plan_rows(workload, peaks[target], folder), config)
-    predicted = {m: predicted_peak(row, m) for m in (below, target, above)}
-    low = max(predicted[target], peaks[below])
-    high = min(predicted[above], peaks[target])
-    why = (
-        f"{row['label']}: the estimator predicts {mib(predicted[target])} at micro-batch "
-        f"{target} and {mib(predicted[above])} at {above}; the probe measured "
-        f"{mib(peaks[below])} at {below} and {mib(peaks[target])} at {target}"
+    peaks = measure_peaks(workload, config, [target, above], folder / "probes")
+    # The estimator's peak and speed at each size do not depend on the cap.
+    estimates = tuner_rows(workload, peaks[target], folder)
+    line = estimate_of(estimates, config)
+    (rival,) = [row for row in estimates if row is not line]
+    predicted = {m: line.peak_at(m) for m in sizes}
+    measured = (
+        f"{line.config.label()}: the probe measured {mib(peaks[target])} at micro-batch "
+        f"{target} and {mib(peaks[above])} at {above}; the estimator predicts "
+        f"{mib(predicted[target])}, {mib(predicted[above])} and {mib(predicted[after])} at "
+        f"{target}, {above} and {after}"
     )
+    # At least: `target` fits for real and on paper, and `above` may fit on paper.
+    low = max(peaks[target], predicted[target], (1 - PRIOR_ERROR) * predicted[above])
+    # Less than: `above` runs out of memory for real, and `after` is not predicted to fit.
+    high = min(peaks[above], predicted[after])
     assert low < high, (
-        f"precondition: no cap lets the estimator aim at micro-batch {target} (fits, {above} "
-        f"does not) while the real peaks make {below} fit and {target} run out of memory: "
-        f"{why}. If the estimator now predicts {target}'s real peak, this test no longer "
-        "provokes an OOM through it"
+        f"precondition: no cap makes the first probe sweep micro-batch {target} and {above} "
+        f"(predicted to fit at {target}, not at {after}, and within the prior error "
+        f"{PRIOR_ERROR:.0%} at {above}) while the real peaks make {target} fit and {above} run "
+        f"out of memory: {measured}"
     )
     cap = int((low + high) / 2)
-    # What `autotune plan` says under the derived cap: this configuration at `target`.
-    row = row_of(plan_rows(workload, cap, folder), config)
+    edge = cap / (1 - PRIOR_ERROR)
+
+    def aim(row: PlanRow) -> int | None:
+        """The size a first probe aims at: the largest predicted to fit."""
+        return max((m for m in sizes if row.peak_at(m) <= cap), default=None)
+
+    first, rival_first = aim(line), aim(rival)
     why = (
-        f"{row['label']}: `autotune plan` under the {mib(cap)} cap predicts micro-batch "
-        f"{row['micro_batch_size']} fits ({mib(row['memory']['peak_bytes'])}); the probe "
-        f"measured {mib(peaks[below])} at {below} and {mib(peaks[target])} at {target}"
+        f"under the {mib(cap)} cap (sizes predicted up to {mib(edge)} may fit) "
+        f"{line.config.label()} aims at micro-batch {first} and {rival.config.label()} at "
+        f"{rival_first}; {measured}"
     )
+    assert first in (target, above), f"precondition: aim at {target} or {above}; {why}"
+    assert rival_first is not None, f"precondition: both configurations fit; {why}"
+    assert predicted[above] <= edge, f"precondition: {above} may fit, so it is swept; {why}"
+    assert peaks[target] <= cap < peaks[above], why
+    rival_edge = max(m for m in sizes if rival.peak_at(m) <= edge)
+    why = (
+        f"{why}; predicted tokens/s: {line.config.label()} {line.speeds[first]:.0f} at "
+        f"{first} and {line.speeds[target]:.0f} at {target}, {rival.config.label()} "
+        f"{rival.speeds[rival_first]:.0f} at {rival_first} (aimed at) and "
+        f"{rival.speeds[rival_edge]:.0f} at {rival_edge} (the largest that may fit)"
+    )
+    assert line.speeds[first] > rival.speeds[rival_first], (
+        f"precondition: the search should probe {line.config.label()} first; {why}"
+    )
+    assert rival.speeds[rival_edge] > line.speeds[target], (
+        f"precondition: the search should probe {rival.config.label()} second; {why}"
+    )
+    # `autotune plan` under the cap agrees: this configuration first, at the size aimed at.
+    rows = plan_rows(workload, cap, folder)
+    row = row_of(rows, config)
     assert row["capacity_bytes"] == cap and row["fits"], why
-    assert row["micro_batch_size"] == target, (
-        f"precondition: the plan should aim at {target}; {why}"
-    )
-    assert row["memory"]["peak_bytes"] <= cap < peaks[target], why
-    assert predicted_peak(row, above) > cap and peaks[below] <= cap, why
-    return Setup(workload=workload, cap=cap, config=config, oom_size=target, why=why)
+    assert rows[0]["config"] == config, (rows[0]["label"], why)
+    assert row["micro_batch_size"] == first, (row["micro_batch_size"], why)
+    assert row["memory"]["peak_bytes"] == predicted[first], why
+    return Setup(workload=workload, cap=cap, config=config, oom_size=above, why=why)
 
 
 # --------------------------------------------------------------------------- the tests
 
 
 def test_a_real_oom_is_recorded_and_the_search_ends_feasible(root: Path, setup: Setup) -> None:
-    """A: the size the estimator chose runs out of (emulated) memory for real; the OOM is an
-    infeasible trial; the search goes on and ends with a feasible best that `autotune best`
-    reads back."""
+    """A: a size the first probe sweeps runs out of (emulated) memory for real; the OOM is an
+    infeasible trial; the search goes on (a trial after it completes) and ends with a feasible
+    best that `autotune best` reads back."""
     code, summary, stderr = run_tuner(setup, root)
     assert code == 0, stderr
     assert summary["stop_reason"].startswith("search done"), summary
@@ -540,6 +608,8 @@ def test_a_real_oom_is_recorded_and_the_search_ends_feasible(root: Path, setup: 
         r["config"] == setup.config and r["feasible"] and r["micro_batch_size"] < setup.oom_size
         for r in rows
     ), rows
+    # The search went on after the OOM: a trial numbered after it completed.
+    assert any(r["number"] > oom["number"] and r["state"] == "COMPLETE" for r in rows), rows
 
     (study,) = json.loads(cli("best", "--storage", f"sqlite:///{root}/t.db", "--json"))
     assert study["study"] == summary["study"]
