@@ -367,6 +367,9 @@ def trials(
     model: FilterModel = None,
     gpu: FilterGpu = None,
     storage: StorageOption = DEFAULT_STORAGE,
+    last: Annotated[
+        int | None, typer.Option(min=1, help="Only the last N trials of each study.")
+    ] = None,
     json_output: JsonOption = False,
 ) -> None:
     """Every probe of every matching study: configuration, size, outcome, speed, memory."""
@@ -374,16 +377,20 @@ def trials(
     from autotune.report.tables import trials_table
 
     studies = api.trials(model=model, gpu=gpu, storage=storage)
+    shown = {
+        s.study_name: sorted(s.measurements, key=lambda m: m.number)[-last if last else 0 :]
+        for s in studies
+    }
     if json_output:
         _print_json(
             [
-                {"study": s.study_name, "trials": [m.to_dict() for m in s.measurements]}
+                {"study": s.study_name, "trials": [m.to_dict() for m in shown[s.study_name]]}
                 for s in studies
             ]
         )
         return
     for s in studies:
-        console.print(trials_table(s.study_name, s.measurements))
+        console.print(trials_table(s.study_name, shown[s.study_name]))
 
 
 @app.command()
@@ -421,10 +428,12 @@ def main() -> None:
         sys.exit(code if isinstance(code, int) else 0)
     except typer.Exit as done:
         sys.exit(done.exit_code)
-    except (UsageError, ConfigError, ValueError) as error:
-        errors.print(f"[red]error:[/] {error}")
-        sys.exit(2)
     except (typer.BadParameter, typer.Abort) as error:
+        # "Invalid value for '--last': ...": the message names the option.
+        message = error.format_message() if isinstance(error, typer.BadParameter) else error
+        errors.print(f"[red]error:[/] {message}")
+        sys.exit(2)
+    except (UsageError, ConfigError, ValueError) as error:
         errors.print(f"[red]error:[/] {error}")
         sys.exit(2)
     except KeyboardInterrupt:

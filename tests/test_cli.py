@@ -205,6 +205,11 @@ def test_run_on_a_simulated_gpu_says_so(tmp_path: Path) -> None:
     repeats = summary["best"]["repeats"]
     best = autotune("best", cwd=tmp_path, env={"COLUMNS": "300"})
     assert (f"(mean of {repeats})" in best.stdout) == (repeats > 1)
+    # --last N: the N highest-numbered trials, in order; 0 is bad input.
+    last = json.loads(autotune("trials", "--last", "2", "--json", cwd=tmp_path).stdout)
+    assert [r["number"] for r in last[0]["trials"]] == sorted(r["number"] for r in rows)[-2:]
+    zero = autotune("trials", "--last", "0", cwd=tmp_path)
+    assert zero.returncode == 2 and "--last" in zero.stderr
 
 
 def test_run_can_maximize_mfu_in_a_study_of_its_own(tmp_path: Path) -> None:
