@@ -1,19 +1,31 @@
 """DeepSpeed's JIT-built ops: the arch list DeepSpeed's builder parses, which ops a probe loads,
-the build lock, and (slow, real) the build step waiting for a live holder of it."""
+the build lock, and (slow, real) a build killed inside a probe that ``autotune run``'s set-up
+step clears and finishes before the next probe, which then builds nothing itself."""
 
 from __future__ import annotations
 
 import fcntl
+import io
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
+from conftest import PROBE_DEFAULTS, probe_failure_text
+from rich.console import Console
 
+from autotune.api import prepare
 from autotune.config import Engine, Offload, TrainConfig
-from autotune.probe.launcher import rank_environment
+from autotune.devices import LocalDevice
+from autotune.probe.forkserver import ForkServer
+from autotune.probe.launcher import ProcessHandle, launch_probe, rank_environment
 from autotune.probe.ops import (
     BUILDERS,
     LOCK_NAME,
@@ -27,7 +39,10 @@ from autotune.probe.ops import (
     pending_ops,
     torch_lock_path,
 )
+from autotune.probe.outcome import Outcome
 from autotune.probe.spec import ProbeSpec
+from autotune.report.live import RunView
+from autotune.search.controller import Event
 
 SHM = "deepspeed_shm_comm"
 DEEPSPEED = TrainConfig(engine=Engine.DEEPSPEED, zero_stage=1)
@@ -210,9 +225,134 @@ def extensions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield directory
 
 
+class _Recording:
+    """Starts ranks through another spawner and keeps their pids (rank 0 leads the group)."""
+
+    def __init__(self, inner: ForkServer) -> None:
+        self.inner = inner
+        self.pids: list[int] = []
+
+    def spawn(
+        self, probe_dir: Path, env: dict[str, str], stdout: Path, stderr: Path, process_group: int
+    ) -> ProcessHandle:
+        handle = self.inner.spawn(probe_dir, env, stdout, stderr, process_group)
+        self.pids.append(handle.pid)
+        return handle
+
+
+COMPILERS = {"ninja", "c++", "g++", "gcc", "cc1plus", "cc", "ld", "collect2"}
+
+
+def _compiling(pgid: int) -> bool:
+    """Whether a compiler runs in the process group ``pgid``."""
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if proc.info["name"] in COMPILERS and os.getpgid(proc.pid) == pgid:
+                return True
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    return False
+
+
+@dataclass(frozen=True)
+class KilledBuild:
+    directory: Path
+    outcome: Outcome
+
+
+@pytest.fixture(scope="module")
+def killed_build(
+    extensions: Path, fork_server: ForkServer, tmp_path_factory: pytest.TempPathFactory
+) -> KilledBuild:
+    """A real two-rank DeepSpeed probe on the CPU, its process group SIGKILLed while its rank
+    compiles the shared-memory op (as a timeout, a scheduler or a Ctrl-C would)."""
+    spec = ProbeSpec(**{**PROBE_DEFAULTS, "config": DEEPSPEED, "num_processes": 2})
+    spawner = _Recording(fork_server)
+    outcomes: list[Outcome] = []
+    probe_dir = tmp_path_factory.mktemp("killed") / "probe"
+
+    def probe() -> None:
+        outcomes.append(launch_probe(spec, probe_dir, spawner=spawner).outcome)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    deadline = time.monotonic() + 180
+    while not (
+        spawner.pids and torch_lock_path(extensions, SHM).exists() and _compiling(spawner.pids[0])
+    ):
+        assert thread.is_alive(), "the probe ended before it built anything"
+        assert time.monotonic() < deadline, "the probe never started compiling"
+        time.sleep(0.05)
+    os.killpg(spawner.pids[0], signal.SIGKILL)
+    thread.join(timeout=60)
+    assert outcomes, "the launcher did not return after its ranks were killed"
+    return KilledBuild(directory=extensions, outcome=outcomes[0])
+
+
+@pytest.mark.slow
+def test_a_build_killed_in_a_probe_is_finished_by_the_set_up_step_not_the_next_probe(
+    killed_build: KilledBuild, fork_server: ForkServer, tmp_path: Path
+) -> None:
+    """``autotune run``'s path (prepare, the controller, a local CPU device): the killed
+    probe's torch lock is removed with a warning, the op is built as a step of its own before
+    the first probe, and that probe finishes ok without building anything."""
+    directory = killed_build.directory
+    lock, library = torch_lock_path(directory, SHM), library_path(directory, SHM)
+    assert killed_build.outcome is not Outcome.OK
+    assert lock.exists() and not library.exists(), "the killed probe left no stale lock"
+
+    tuning = prepare(
+        "tiny", budget="20m", seq_len=32, global_batch=4, gpus=2, engines=[Engine.DEEPSPEED],
+        device=LocalDevice("cpu", spawner=fork_server), device_memory="1GiB",
+        storage=f"sqlite:///{tmp_path}/t.db", trials_dir=tmp_path / "trials",
+        warmup_steps=1, timed_steps=2,
+    )  # fmt: skip
+    out = io.StringIO()
+    view = RunView(Console(file=out, width=200, color_system=None), budget_s=1200, simulated=False)
+    events: list[Event] = []
+    at_probe: list[os.stat_result] = []
+
+    def watch(event: Event) -> None:
+        events.append(event)
+        view(event)
+        if event.kind == "probe":
+            at_probe.append(library.stat())
+        if event.kind == "result":
+            raise KeyboardInterrupt("one probe is enough")  # as a Ctrl-C would stop the run
+
+    summary = tuning.run(watch)
+    assert [e.kind for e in events] == ["setup", "setup_done", "probe", "result", "stop"]
+    done = events[1].setup
+    assert done is not None and done.ok, done
+    assert done.label == f"building DeepSpeed ops: {SHM}"
+    [warning] = done.warnings
+    assert warning.startswith(f"warning: removed a stale lock {lock} ")
+    assert not lock.exists() and library.is_file()
+    assert SHM in done.message and "built in" in done.message
+
+    result = events[3].result
+    assert result is not None and result.outcome is Outcome.OK, probe_failure_text(result)
+    # The probe loaded what the set-up step built: the library is the one it found, and the
+    # probe's log has no build of its own.
+    after = library.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (at_probe[0].st_ino, at_probe[0].st_mtime_ns)
+    assert "built in" not in (result.probe_dir / "stdout.log").read_text()
+    # Only what deepspeed_ops says a CPU probe loads was built.
+    built = {p.name for p in directory.iterdir() if p.is_dir()}
+    assert built == set(deepspeed_ops(DEEPSPEED, "cpu"))
+    # The run reports the step (the --json summary), and the live view gave it its own lines.
+    assert summary.setups == [done]
+    assert summary.to_dict()["setup"] == [done.to_dict()]
+    log = out.getvalue()
+    assert f"set-up: building DeepSpeed ops: {SHM}" in log
+    assert warning in log and "  done in " in log
+    # Before the next DeepSpeed probe there is nothing left to set up.
+    assert tuning.device.setup(result.spec) is None
+
+
 @pytest.fixture(scope="module")
 def built(extensions: Path) -> Path:
-    """The extensions folder with the shared-memory op built."""
+    """The extensions folder with the shared-memory op built (by the test above, normally)."""
     done = subprocess.run(
         build_command([SHM], extensions), capture_output=True, text=True, timeout=400, check=False
     )
