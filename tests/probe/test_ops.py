@@ -211,6 +211,45 @@ def test_the_build_step_does_nothing_without_torch_when_every_op_is_built(
     assert done.stdout.splitlines() == [f"nothing to build: {SHM} built in {tmp_path}", "[] 0"]
 
 
+def test_ctrl_c_during_the_set_up_step_stops_its_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C reaches the tuner (the step runs in a process group of its own), which ends
+    the step's process before the interruption goes on (here: while it waits for a holder)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    spec = ProbeSpec(**{**PROBE_DEFAULTS, "config": DEEPSPEED, "num_processes": 2})
+    step = LocalDevice("cpu", build_wait_s=120).setup(spec)
+    assert step is not None
+    fd = _hold(tmp_path)
+    main = threading.get_ident()
+
+    def ctrl_c() -> None:
+        while not _naming(tmp_path):
+            time.sleep(0.05)
+        time.sleep(0.3)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step.run()
+    finally:
+        os.close(fd)
+    assert not _naming(tmp_path), "the set-up step's process outlived the interruption"
+
+
+def _naming(path: Path) -> list[psutil.Process]:
+    """This process's live children (zombies left out) with ``path`` on their command line."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and str(path) in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # Real builds (one shared by the tests below: it takes about a minute on 2 cores)
 
