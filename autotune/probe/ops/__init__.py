@@ -2,9 +2,9 @@
 
 DeepSpeed compiles some of its C++/CUDA ops the first time a process loads them, through
 ``torch.utils.cpp_extension`` (into ``$TORCH_EXTENSIONS_DIR/<op>/<op>.so``): the CPU
-shared-memory communication op on the CPU (30-120 s), CPU Adam (optimizer offload) and fused
-Adam on GPUs (about a minute each). This module lets the tuner build them as a step of its
-own, outside any probe's timeout, and makes a killed build harmless:
+shared-memory communication op on the CPU (40-120 s on 2 cores), CPU Adam (optimizer
+offload; 76 s on an H100 node) and fused Adam on GPUs. This module lets the tuner build them as
+a step of its own, outside any probe's timeout, and makes a killed build harmless:
 
 - torch guards each op's build with a ``lock`` file that it creates and deletes; a process
   killed while building leaves it, and every later load of the op waits on it forever.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from autotune.probe.lifetime import PARENT_ENV, die_with_parent
@@ -45,7 +44,6 @@ def _build(ops: list[str], directory: Path, wait_s: float) -> int:
         else:
             os.environ.pop(name, None)
     print(f"building DeepSpeed ops in {directory}: {', '.join(todo)}", flush=True)
-    started = time.monotonic()
     try:
         loads = load_ops(todo, directory, wait_s=wait_s, say=lambda s: print(s, flush=True))
     except BuildLockTimeout as error:
@@ -58,9 +56,7 @@ def _build(ops: list[str], directory: Path, wait_s: float) -> int:
         detail = " ".join(str(error).split())[:300]
         print(f"error: building {', '.join(todo)} failed: {type(error).__name__}: {detail}")
         return 1
-    for load in loads:
-        print(load.line(), flush=True)
-    print(f"done in {time.monotonic() - started:.1f} s: " + ", ".join(x.line() for x in loads))
+    print(", ".join(load.line() for load in loads))
     return 0
 
 
