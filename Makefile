@@ -23,6 +23,10 @@ $(VENV)/.installed: pyproject.toml
 	@# DeepSpeed's setup.py imports torch: build it against the torch just installed.
 	$(BIN)/pip install --quiet --no-build-isolation "deepspeed>=0.16"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	@# DeepSpeed JIT-builds the CPU probes' shared-memory op on first use (about a minute): build
+	@# it now, so no probe pays for it. A failed build only warns (the tuner builds it later).
+	$(BIN)/python -m autotune.probe.ops build deepspeed_shm_comm \
+		|| echo "warning: DeepSpeed's CPU op was not built; autotune run builds it before its first DeepSpeed probe"
 	touch $@
 
 # The main job: autotune run. With a GPU: tune qwen2.5-1.5b on this node's GPUs for 15 minutes.

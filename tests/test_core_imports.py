@@ -22,6 +22,7 @@ TUNER_SIDE_OF_PROBE = (
     "autotune.probe.outcome",
     "autotune.probe.metrics",
     "autotune.probe.launcher",
+    "autotune.probe.ops",
     "autotune.devices",
 )
 CORE = (

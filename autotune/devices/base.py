@@ -4,19 +4,22 @@ A :class:`Device` takes a :class:`~autotune.probe.ProbeSpec` and a probe folder 
 :class:`~autotune.probe.ProbeResult`; the search never knows which device answers. Each device
 also says how a tuning budget is charged (:meth:`Device.clock`): by the wall clock where probes
 really run, by the probes' own reported durations where they are simulated or replayed.
+A device may need a step of its own before a probe can run (:meth:`Device.setup`: building
+DeepSpeed's ops), taken outside the probe's timeout.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec
 
-__all__ = ["Clock", "Device", "ProbeClock", "WallClock"]
+__all__ = ["Clock", "Device", "ProbeClock", "SetupResult", "SetupStep", "WallClock"]
 
 
 class Clock(Protocol):
@@ -27,7 +30,8 @@ class Clock(Protocol):
         ...
 
     def charge(self, seconds: float) -> None:
-        """A probe that reports it took ``seconds`` has finished."""
+        """A probe (or a device's set-up step) that reports it took ``seconds`` has
+        finished."""
         ...
 
 
@@ -58,6 +62,39 @@ class ProbeClock:
         self._spent += seconds
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SetupResult:
+    """How a device's set-up step ended."""
+
+    label: str
+    """What the step did (``building DeepSpeed ops: cpu_adam``)."""
+    ok: bool
+    seconds: float
+    message: str
+    """One line: what was done, or why it failed."""
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    """Lines the step warned with (a stale lock it removed)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "ok": self.ok,
+            "seconds": self.seconds,
+            "message": self.message,
+            "warnings": list(self.warnings),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SetupStep:
+    """Work a device does once before it can run a probe, outside the probe's timeout."""
+
+    label: str
+    """What the step does, for the live view (``building DeepSpeed ops: cpu_adam``)."""
+    run: Callable[[], SetupResult]
+    """Does it; blocks until done. A KeyboardInterrupt stops it before it propagates."""
+
+
 class Device(Protocol):
     """Runs probes. Implementations: :class:`~autotune.devices.local.LocalDevice` (real ranks on
     this node's GPUs or CPU) and :class:`~autotune.devices.simulated.SimulatedDevice` (the
@@ -72,6 +109,11 @@ class Device(Protocol):
     @property
     def kind(self) -> str:
         """``cuda``, ``cpu`` or ``simulated``: a study's measurements never mix kinds."""
+        ...
+
+    def setup(self, spec: ProbeSpec) -> SetupStep | None:
+        """What must be done before ``spec`` can be probed (None: nothing). Cheap to ask before
+        every probe; the step, when there is one, is the caller's to run."""
         ...
 
     def launch(

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import Offload, TrainConfig
-from autotune.devices.base import Clock, ProbeClock
+from autotune.devices.base import Clock, ProbeClock, SetupStep
 from autotune.estimator.cost import (
     HOST_BUILD_BYTES_PER_S,
     START_S,
@@ -129,6 +129,10 @@ class SimulatedDevice:
     def clock(self) -> Clock:
         """Budgets are charged the time each probe would have taken on the GPU."""
         return ProbeClock()
+
+    def setup(self, spec: ProbeSpec) -> SetupStep | None:
+        """Nothing to build: the estimator answers."""
+        return None
 
     def launch(
         self,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autotune.probe.lifetime import PARENT_ENV
+from autotune.probe.ops import op_environment
 from autotune.probe.outcome import RankExit, classify_probe
 from autotune.probe.result import ProbeResult, merge_sizes
 from autotune.probe.spec import ProbeSpec
@@ -66,8 +67,10 @@ def worker_command(probe_dir: Path) -> list[str]:
 
 
 def rank_environment(spec: ProbeSpec, rank: int, port: int) -> dict[str, str]:
-    """torchrun's variables for one rank of a single-node probe."""
-    env = dict(os.environ)
+    """torchrun's variables for one rank of a single-node probe, and where DeepSpeed builds
+    its ops (one folder per Python environment unless the user chose one; a
+    ``TORCH_CUDA_ARCH_LIST`` DeepSpeed can parse: :func:`~autotune.probe.ops.op_environment`)."""
+    env = op_environment(os.environ)
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -79,10 +82,6 @@ def rank_environment(spec: ProbeSpec, rank: int, port: int) -> dict[str, str]:
         # Start-up time is measured from here (process creation times are whole-second coarse).
         AUTOTUNE_SPAWN_TIME=repr(time.time()),
     )
-    # DeepSpeed JIT-builds its CPU ops into a cache keyed by op name only: two environments
-    # sharing ~/.cache/torch_extensions rebuild (and race on) each other's builds. One cache
-    # per Python environment, unless the user chose one.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     if spec.device == "cpu":
         # Ranks share the cores: without this each would start one thread per core.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.num_processes))

@@ -1,9 +1,10 @@
 """What ``autotune run`` shows while it works.
 
 Every probe leaves one line (a log that reads the same in a terminal, a CI log or a nightly
-job's output file). On a terminal a status panel stays below the lines and refreshes a few
-times a second: the current rung and micro-batch, how long the probe has run, the last
-outcome, the best so far (tokens/s and MFU), probes done, and the budget as a bar.
+job's output file), and so does a device's set-up step (building DeepSpeed's ops, with its
+time). On a terminal a status panel stays below the lines and refreshes a few times a second:
+the current rung and micro-batch (or the set-up step), how long it has run, the last outcome,
+the best so far (tokens/s and MFU), probes done, and the budget as a bar.
 """
 
 from __future__ import annotations
@@ -105,6 +106,20 @@ class RunView:
         elif event.kind == "result" and event.result:
             self._last = outcome_text(event.result.sizes, event.result.outcome.value)
             self.console.print(f"  {self._last}")
+        elif event.kind == "setup":
+            line = f"set-up: {event.message} (its own step, in no probe)"
+            self.console.print(line, style="dim", markup=False, highlight=False)
+        elif event.kind == "setup_done" and event.setup:
+            done = event.setup
+            for warning in done.warnings:
+                self.console.print(f"  {warning}", style="yellow", markup=False, highlight=False)
+            line = f"  {'done' if done.ok else 'failed'} in {format_duration(done.seconds)}: "
+            self.console.print(
+                line + done.message,
+                style="" if done.ok else "red",
+                markup=False,
+                highlight=False,
+            )
 
     def _budget_left(self) -> float:
         event = self._event
@@ -122,6 +137,9 @@ class RunView:
         status = Table.grid(padding=(0, 2))
         status.add_column(style="bold")
         status.add_column()
+        if event is not None and event.kind == "setup":
+            running = time.monotonic() - self._event_at
+            status.add_row("set-up", f"{event.message} ({format_duration(running)})")
         if event is not None and event.kind == "probe" and event.proposal:
             p = event.proposal
             running = time.monotonic() - self._event_at

@@ -13,6 +13,11 @@ a probe the budget cut short is recorded as interrupted, and retried by a later 
 Ctrl-C (or SIGTERM, which the CLI turns into the same interruption) stops the running probe
 (the device kills its process group), records its trials as failed with the reason, and ends
 the run with the best found so far.
+
+Before each probe the device is asked for a set-up step (:meth:`Device.setup`: building the
+DeepSpeed ops the probe will load, once). It runs as a step of its own: its time is the run's,
+not the probe's, so it counts in neither the probe's timeout nor the measured probe durations
+that scale the predicted costs.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 from optuna.trial import Trial
 
 from autotune.config import ConfigError
-from autotune.devices.base import Clock, Device
+from autotune.devices.base import Clock, Device, SetupResult
 from autotune.estimator.cost import build_seconds, probe_seconds
 from autotune.estimator.plan import PlanRow
 from autotune.models import resolve_model
@@ -56,10 +61,12 @@ class Event:
     """What the live view shows after each step of the loop."""
 
     kind: str
-    """``resume`` (stale trials failed), ``probe`` (about to start), ``result`` (one probe
-    done), ``stop``."""
+    """``resume`` (stale trials failed), ``setup`` (the device's set-up step about to run;
+    ``message`` says what), ``setup_done`` (it ended: ``setup``), ``probe`` (about to start),
+    ``result`` (one probe done), ``stop``."""
     proposal: Proposal | None = None
     result: ProbeResult | None = None
+    setup: SetupResult | None = None
     best: Measurement | None = None
     probes: int = 0
     budget_left_s: float = 0.0
@@ -84,6 +91,8 @@ class RunSummary:
     there)."""
     next_s: float | None = None
     """How long that probe is expected to take."""
+    setups: list[SetupResult] = field(default_factory=list)
+    """The device's set-up steps this run (building DeepSpeed ops), in order."""
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best
@@ -94,6 +103,7 @@ class RunSummary:
             "stale": self.stale,
             "probes": self.probes,
             "elapsed_s": self.elapsed_s,
+            "setup": [step.to_dict() for step in self.setups],
             "next": None
             if following is None
             else {
@@ -162,6 +172,7 @@ class Controller:
         """Predicted durations of the probes in ``_durations``, in order."""
         self._rows = {row.config: row for row in rows}
         self._model = resolve_model(template.model)
+        self._setups: list[SetupResult] = []
 
     def elapsed(self) -> float:
         """Budget used so far, by the clock."""
@@ -228,6 +239,8 @@ class Controller:
                 proposal = propose(self.rows, measurements, sizes, objective)
                 if proposal is None:
                     break
+                if self._set_up(proposal, probes):
+                    left = self.budget_s - self.elapsed()
                 predicted_s = self._predicted_s(proposal)
                 need = max(predicted_s * self._cost_scale(), MIN_PROBE_TIMEOUT_S)
                 if probes and left < need:
@@ -279,7 +292,39 @@ class Controller:
             measurements=self.store.measurements(),
             next_proposal=following[0] if following else None,
             next_s=following[1] if following else None,
+            setups=list(self._setups),
         )
+
+    def _set_up(self, proposal: Proposal, probes: int) -> bool:
+        """Run the device's set-up step for the proposal's probe, if it has one (charged to
+        the run's budget, never to a probe); whether one ran."""
+        spec = self.template.spec(
+            proposal.config, proposal.micro_batch_sizes, timeout_s=self.probe_timeout_s
+        )
+        step = self.device.setup(spec)
+        if step is None:
+            return False
+        self.on_event(
+            Event(
+                kind="setup",
+                message=step.label,
+                probes=probes,
+                budget_left_s=self.budget_s - self.elapsed(),
+            )
+        )
+        done = step.run()
+        self.clock.charge(done.seconds)
+        self._setups.append(done)
+        self.on_event(
+            Event(
+                kind="setup_done",
+                setup=done,
+                message=done.message,
+                probes=probes,
+                budget_left_s=self.budget_s - self.elapsed(),
+            )
+        )
+        return True
 
     def _timeout(self, left_s: float) -> tuple[float, bool]:
         """The next probe's timeout, and whether the budget (not a hang guard) sets it."""

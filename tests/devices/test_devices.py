@@ -83,3 +83,29 @@ def test_a_probe_template_fills_in_what_varies() -> None:
     assert spec.micro_batch_sizes == (2, 4) and spec.timeout_s == 60.0 and spec.seed == 1
     with pytest.raises(ValueError, match="engine single runs one process"):
         template.spec(TrainConfig(), (1,), timeout_s=60.0)  # validated as any spec
+
+
+def test_only_a_local_deepspeed_probe_with_an_op_to_build_has_a_set_up_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The set-up step is asked before every probe: None unless a DeepSpeed op the probe
+    loads is missing (or has a torch lock); the simulated device never has one."""
+    from autotune.config import Engine
+    from autotune.probe.ops import library_path, torch_lock_path
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    deepspeed = ProbeSpec(
+        model="tiny", config=TrainConfig(engine=Engine.DEEPSPEED), device="cpu", num_processes=2
+    )
+    ddp = ProbeSpec(model="tiny", config=TrainConfig(engine=Engine.DDP), device="cpu")
+    assert SimulatedDevice.named("h100-80gb", seed=1).setup(deepspeed) is None
+    local = LocalDevice("cpu")
+    assert local.setup(ddp) is None
+    step = local.setup(deepspeed)
+    assert step is not None and step.label == "building DeepSpeed ops: deepspeed_shm_comm"
+    library = library_path(tmp_path, "deepspeed_shm_comm")
+    library.parent.mkdir()
+    library.touch()
+    assert local.setup(deepspeed) is None
+    torch_lock_path(tmp_path, "deepspeed_shm_comm").touch()  # a probe killed while loading it
+    assert local.setup(deepspeed) is not None

@@ -9,6 +9,7 @@ import pytest
 
 from autotune.api import prepare
 from autotune.devices import Clock, Device, SimulatedDevice
+from autotune.devices.base import SetupStep
 from autotune.probe import ProbeResult, ProbeSpec
 from autotune.search.controller import (
     FIRST_PROBE_GUESS_S,
@@ -60,6 +61,9 @@ class _Hooked:
     def __init__(self, inner: Device, hook: Callable[[ProbeSpec], None]) -> None:
         self.inner, self.hook, self.kind = inner, hook, inner.kind
         self.results: list[ProbeResult] = []
+
+    def setup(self, spec: ProbeSpec) -> SetupStep | None:
+        return self.inner.setup(spec)
 
     def launch(self, spec: ProbeSpec, probe_dir: Path, **kwargs: object) -> ProbeResult:
         self.hook(spec)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from autotune.config import Offload, Precision, TrainConfig
 from autotune.probe.engines.base import EngineContext, Trainee
 from autotune.probe.modeling import apply_activation_checkpointing, build_model, materialize
+from autotune.probe.ops import deepspeed_ops, extensions_dir, load_ops
 
 
 def deepspeed_config(
@@ -124,6 +126,18 @@ def build_deepspeed(ctx: EngineContext) -> Trainee:
         lr=ctx.lr,
         cpu=ctx.device.type == "cpu",
     )
+    # The JIT-built ops DeepSpeed will load (built by the tuner's set-up step, normally), loaded
+    # here under the build lock: DeepSpeed's own loads below reuse them, and a torch build lock
+    # left by a killed probe is cleared instead of waited on forever.
+    loads = load_ops(
+        deepspeed_ops(ctx.config, ctx.device.type),
+        extensions_dir(os.environ),
+        wait_s=None,  # the probe's timeout bounds it
+        say=lambda line: print(line, flush=True),
+    )
+    for load in loads:
+        if load.action == "built":  # in the probe's time: the set-up step did not run
+            print(load.line(), flush=True)
     # deepspeed.comm wraps the process group the worker already created.
     deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
     torch.manual_seed(ctx.seed)

@@ -1,0 +1,356 @@
+"""DeepSpeed's JIT-built ops: which a probe loads, where they are built, and building them once.
+
+DeepSpeed compiles some of its C++/CUDA ops the first time a process loads them, through
+``torch.utils.cpp_extension`` (into ``$TORCH_EXTENSIONS_DIR/<op>/<op>.so``): the CPU
+shared-memory communication op on the CPU (40-120 s on 2 cores), CPU Adam (optimizer
+offload; 76 s on an H100 node) and fused Adam on GPUs. This module lets the tuner build them as
+a step of its own, outside any probe's timeout, and makes a killed build harmless:
+
+- torch guards each op's build with a ``lock`` file that it creates and deletes; a process
+  killed while building leaves it, and every later load of the op waits on it forever.
+  Everything here that loads or builds an op first takes an ``flock`` on
+  ``$TORCH_EXTENSIONS_DIR/autotune-ops.lock``, which the kernel releases when its holder dies:
+  exclusive to build (or to clear such a lock), shared merely to load a built op. A torch lock
+  found while holding the exclusive flock has no live builder among autotune's processes and
+  is removed, with a warning.
+- DeepSpeed's builder parses ``TORCH_CUDA_ARCH_LIST`` with ``int()`` on each
+  ``major.minor``, so arch-specific suffixes torch accepts (``9.0a``, ``10.0f``) fail every
+  build; :func:`normalize_arch_list` rewrites the list into the form it parses.
+
+Nothing here imports torch or DeepSpeed at module level: the tuner uses the pure parts, and
+only :func:`load_ops` (in a rank, or in ``python -m autotune.probe.ops build``) loads them.
+
+The build step runs as ``python -m autotune.probe.ops build OP ...`` (``__main__.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from autotune.config import Engine, Offload, TrainConfig
+
+__all__ = [
+    "ARCH_LIST_ENV",
+    "BUILDERS",
+    "BUILD_WAIT_S",
+    "EXTENSIONS_ENV",
+    "LOCK_NAME",
+    "BuildLockTimeout",
+    "OpLoad",
+    "build_command",
+    "build_lock",
+    "deepspeed_ops",
+    "extensions_dir",
+    "library_path",
+    "load_ops",
+    "lock_holders",
+    "normalize_arch_list",
+    "op_environment",
+    "pending_ops",
+    "torch_lock_path",
+]
+
+EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
+ARCH_LIST_ENV = "TORCH_CUDA_ARCH_LIST"
+LOCK_NAME = "autotune-ops.lock"
+"""The flock file in the extensions directory (never deleted: its inode is the lock)."""
+BUILD_WAIT_S = 900.0
+"""How long the build step waits for another process's build before giving up."""
+
+SHM_COMM = "deepspeed_shm_comm"
+CPU_ADAM = "cpu_adam"
+FUSED_ADAM = "fused_adam"
+BUILDERS: dict[str, str] = {
+    SHM_COMM: "ShareMemCommBuilder",
+    CPU_ADAM: "CPUAdamBuilder",
+    FUSED_ADAM: "FusedAdamBuilder",
+}
+"""The ops a probe can load, and the class DeepSpeed's accelerator builds each with."""
+
+_ARCH = re.compile(r"(?P<major>\d+)\.(?P<minor>\d+)[a-z]*(?P<ptx>\+PTX)?")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: what to build, where, with which environment
+
+
+def normalize_arch_list(value: str) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's op builder parses, or None if nothing
+    in it names an architecture (the variable is then best left unset: the build targets the
+    visible GPUs, which is what ``native`` asks for).
+
+    DeepSpeed reads each entry as ``major.minor`` with an optional ``+PTX``, calling ``int()``
+    on both numbers. Entries torch also accepts are rewritten: an arch-specific suffix is
+    dropped (``9.0a`` → ``9.0``, ``10.0f+PTX`` → ``10.0+PTX``), entries for the same
+    ``major.minor`` merge into one (with ``+PTX`` if any of them had it), in the order of
+    first appearance; entries that name no numbered architecture (``native``, ``Hopper``) are
+    dropped. Spaces and semicolons both separate entries; the result uses semicolons.
+    """
+    archs: dict[tuple[int, int], bool] = {}
+    for entry in value.replace(";", " ").split():
+        match = _ARCH.fullmatch(entry)
+        if match is None:
+            continue
+        key = int(match["major"]), int(match["minor"])
+        archs[key] = archs.get(key, False) or match["ptx"] is not None
+    if not archs:
+        return None
+    return ";".join(
+        f"{major}.{minor}{'+PTX' if ptx else ''}" for (major, minor), ptx in archs.items()
+    )
+
+
+def deepspeed_ops(config: TrainConfig, device: str) -> tuple[str, ...]:
+    """The JIT-built ops a DeepSpeed probe of ``config`` loads on ``device`` (``cpu`` or a GPU).
+
+    On the CPU, DeepSpeed's accelerator builds its shared-memory communication op whenever
+    DeepSpeed's communication backend starts (one rank or several); the probes' optimizer is
+    torch's AdamW (``torch_adam``), so no Adam op. On GPUs the communication is NCCL, and the
+    optimizer is DeepSpeed's CPU Adam when optimizer states are offloaded, its fused Adam
+    otherwise. Other engines load none.
+    """
+    if config.engine is not Engine.DEEPSPEED:
+        return ()
+    if device == "cpu":
+        return (SHM_COMM,)
+    return (CPU_ADAM,) if config.offload is not Offload.NONE else (FUSED_ADAM,)
+
+
+def extensions_dir(env: Mapping[str, str]) -> Path:
+    """Where torch builds extensions for processes with environment ``env``: the user's
+    ``TORCH_EXTENSIONS_DIR``, else one folder per Python environment (``sys.prefix``).
+
+    torch's own default, ``~/.cache/torch_extensions``, is keyed by op name only: two virtual
+    environments would rebuild (and race on) each other's builds.
+    """
+    return Path(env.get(EXTENSIONS_ENV) or Path(sys.prefix) / "torch_extensions")
+
+
+def op_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as a process that may build DeepSpeed ops needs it: the extensions folder set
+    (:func:`extensions_dir`), and ``TORCH_CUDA_ARCH_LIST``, where set, normalized for
+    DeepSpeed (:func:`normalize_arch_list`; removed when it names no architecture)."""
+    out = dict(env)
+    out[EXTENSIONS_ENV] = str(extensions_dir(env))
+    if ARCH_LIST_ENV in out:
+        arch_list = normalize_arch_list(out[ARCH_LIST_ENV])
+        if arch_list is None:
+            del out[ARCH_LIST_ENV]
+        else:
+            out[ARCH_LIST_ENV] = arch_list
+    return out
+
+
+def library_path(directory: Path, op: str) -> Path:
+    """The shared library torch builds for ``op`` in the extensions folder ``directory``."""
+    return directory / op / f"{op}.so"
+
+
+def torch_lock_path(directory: Path, op: str) -> Path:
+    """The file torch holds while building ``op`` (left behind by a killed build)."""
+    return directory / op / "lock"
+
+
+def pending_ops(ops: Iterable[str], directory: Path) -> list[str]:
+    """The ops that need the build step: not built yet, or with a torch lock present (a build
+    in progress, or one that was killed). Reads the folder only; imports nothing."""
+    return [
+        op
+        for op in ops
+        if not library_path(directory, op).is_file() or torch_lock_path(directory, op).exists()
+    ]
+
+
+def build_command(
+    ops: Sequence[str], directory: Path, *, wait_s: float = BUILD_WAIT_S
+) -> list[str]:
+    """The command that builds ``ops`` into ``directory`` in a process of its own."""
+    return [
+        sys.executable,
+        "-m",
+        "autotune.probe.ops",
+        "build",
+        "--dir",
+        str(directory),
+        "--wait",
+        repr(wait_s),
+        *ops,
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The build lock
+
+
+class BuildLockTimeout(RuntimeError):
+    """Another live process held the build lock for longer than the wait allowed."""
+
+
+def lock_holders(path: Path) -> list[int]:
+    """Pids holding an ``flock`` on ``path`` (from ``/proc/locks``; empty where unreadable)."""
+    try:
+        inode = path.stat().st_ino
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    pids = []
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 00:2b:1837 0 EOF" (a "->" marks a blocked waiter)
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        if fields[5].rsplit(":", 1)[-1] == str(inode) and fields[4].isdigit():
+            pids.append(int(fields[4]))
+    return pids
+
+
+def _describe(pid: int) -> str:
+    """``pid 4242 (python -m autotune.probe.worker ...)``, as far as /proc tells."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    command = " ".join(" ".join(a.decode(errors="replace").split()) for a in argv if a)
+    if len(command) > 80:
+        command = command[:77] + "..."
+    return f"pid {pid} ({command})" if command else f"pid {pid}"
+
+
+@contextlib.contextmanager
+def build_lock(
+    directory: Path,
+    *,
+    exclusive: bool,
+    wait_s: float | None,
+    say: Callable[[str], None] = print,
+    poll_s: float = 0.2,
+) -> Iterator[None]:
+    """Hold the extensions folder's ``flock``: ``exclusive`` to build, shared to load.
+
+    Waits while another process holds it in a conflicting mode, saying so once; raises
+    :class:`BuildLockTimeout` after ``wait_s`` seconds (None: no bound). The kernel drops the
+    lock when its holder dies, so it is never stale.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_NAME
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    try:
+        started = time.monotonic()
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            holders = ", ".join(_describe(p) for p in lock_holders(path) if p != os.getpid())
+            held_by = f", held by {holders}" if holders else ""
+            if not waiting:
+                bound = "" if wait_s is None else f" (up to {wait_s:g} s)"
+                say(
+                    f"waiting for another process building DeepSpeed ops in {directory}"
+                    f"{held_by}{bound}"
+                )
+                waiting = True
+            if wait_s is not None and time.monotonic() - started > wait_s:
+                raise BuildLockTimeout(
+                    f"gave up after {wait_s:g} s waiting for the DeepSpeed op build lock "
+                    f"{path}{held_by}: run again once it is done, or stop it"
+                )
+            time.sleep(poll_s)
+        yield
+    finally:
+        os.close(fd)  # closing the only descriptor releases the flock
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and building (imports torch and DeepSpeed: ranks and the build step only)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpLoad:
+    """What loading one op did."""
+
+    op: str
+    action: str
+    """``built`` (its library written now), ``loaded`` (already built), ``skipped`` (not used
+    by DeepSpeed's accelerator here)."""
+    seconds: float
+    note: str = ""
+
+    def line(self) -> str:
+        if self.action == "skipped":
+            return f"{self.op}: skipped ({self.note})"
+        return f"{self.op}: {self.action} in {self.seconds:.1f} s"
+
+
+def _modified(path: Path) -> int | None:
+    """``path``'s modification time in nanoseconds; None if it does not exist."""
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def _clear_stale_locks(ops: Iterable[str], directory: Path, say: Callable[[str], None]) -> None:
+    """Remove torch's build locks of ``ops``; only under the exclusive build lock, where no
+    live autotune process can be building them."""
+    for op in ops:
+        lock = torch_lock_path(directory, op)
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+            say(
+                f"warning: removed a stale lock {lock} (a build of {op} was killed; nothing "
+                "holds the build lock now)"
+            )
+
+
+def load_ops(
+    ops: Sequence[str],
+    directory: Path,
+    *,
+    wait_s: float | None,
+    say: Callable[[str], None] = print,
+) -> list[OpLoad]:
+    """Load ``ops`` into this process through DeepSpeed's op builders, building what is
+    missing, under the build lock (:func:`build_lock`).
+
+    The lock is exclusive when an op needs building or has a torch lock (which is then stale
+    and removed), shared otherwise. Loading registers each op with DeepSpeed, so its own later
+    loads in this process reuse it. An op DeepSpeed's accelerator here has no builder for, or
+    whose builder says it cannot run here, is skipped (DeepSpeed skips it too). ``directory``
+    must be this process's ``TORCH_EXTENSIONS_DIR``.
+    """
+    if not ops:
+        return []
+    todo = set(pending_ops(ops, directory))
+    loads = []
+    with build_lock(directory, exclusive=bool(todo), wait_s=wait_s, say=say):
+        if todo:
+            _clear_stale_locks(sorted(todo), directory, say)
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        for op in ops:
+            builder = accelerator.create_op_builder(BUILDERS[op])
+            if builder is None or not builder.is_compatible(verbose=False):
+                note = f"DeepSpeed's {accelerator.device_name()} accelerator does not use it"
+                loads.append(OpLoad(op=op, action="skipped", seconds=0.0, note=note))
+                continue
+            before = _modified(library_path(directory, op))
+            started = time.monotonic()
+            builder.load(verbose=False)
+            seconds = time.monotonic() - started
+            after = _modified(library_path(directory, op))
+            action = "loaded" if before is not None and before == after else "built"
+            loads.append(OpLoad(op=op, action=action, seconds=seconds))
+    return loads
