@@ -9,6 +9,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -136,6 +137,13 @@ def best_point(measurements: Iterable[Measurement]) -> Measurement | None:
     return max(pooled(measurements), key=lambda m: m.value or 0.0, default=None)
 
 
+@functools.lru_cache(maxsize=1024)
+def _config(items: tuple[tuple[str, Any], ...]) -> TrainConfig:
+    """A configuration from its stored params. A study holds a few dozen configurations over
+    thousands of trials; a configuration is immutable, so one object serves all its trials."""
+    return TrainConfig.from_dict(dict(items))
+
+
 def decode(
     *,
     number: int,
@@ -152,12 +160,16 @@ def decode(
         constraints: The trial's constraint values (feasible when all are at most 0).
         value: The trial's objective as stored (used only when it completed).
     """
-    config = {k: v for k, v in params.items() if k != "micro_batch_size"}
-    attrs = json.loads(json.dumps(dict(user_attrs)))
+    config = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+    # A copy in plain JSON types: the caller's values (lists, nested dicts) are not shared.
+    attrs = {
+        key: json.loads(json.dumps(v)) if isinstance(v, (list, tuple, dict)) else v
+        for key, v in user_attrs.items()
+    }
     complete = state == "COMPLETE"
     return Measurement(
         number=number,
-        config=TrainConfig.from_dict(config),
+        config=_config(config),
         micro_batch_size=int(params["micro_batch_size"]),
         state=state,
         # A trial failed by the storage's heartbeat has no outcome: its tuner went stale.

@@ -144,7 +144,7 @@ def _read(connection: sqlalchemy.Connection) -> list[StudyResult] | None:
          per_trial.add_value),
     ):  # fmt: skip
         statement = text(query).bindparams(bindparam("ids", expanding=True))
-        for row in connection.execute(statement, {"ids": ids}):
+        for row in connection.execute(statement, {"ids": ids}).all():  # one fetch: fast
             add(*row)
     measurements: dict[int, list[Measurement]] = {study_id: [] for study_id in ids}
     for trial_id, number, study_id, state in trials:
@@ -169,19 +169,32 @@ def _read(connection: sqlalchemy.Connection) -> list[StudyResult] | None:
 
 
 class _TrialRows:
-    """The rows of Optuna's per-trial tables, gathered by trial and decoded."""
+    """The rows of Optuna's per-trial tables, gathered by trial and decoded.
+
+    A study's trials repeat the same few distributions and attribute values thousands of
+    times: each distinct JSON text is decoded once. A decoded value may then be shared by
+    several trials; :func:`~autotune.study.measurement.decode` copies the attributes it keeps.
+    """
 
     def __init__(self) -> None:
         self.params: dict[int, dict[str, Any]] = defaultdict(dict)
         self.user_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
         self.constraints: dict[int, list[float]] = defaultdict(list)
         self.values: dict[int, float] = {}
+        self._decoded: dict[str, Any] = {}
+
+    def _loads(self, text: str) -> Any:
+        try:
+            return self._decoded[text]
+        except KeyError:
+            value = self._decoded[text] = json.loads(text)
+            return value
 
     def add_param(self, trial_id: int, name: str, value: float, distribution: str) -> None:
-        self.params[trial_id][name] = _external(value, json.loads(distribution))
+        self.params[trial_id][name] = _external(value, self._loads(distribution))
 
     def add_user_attr(self, trial_id: int, key: str, value: str) -> None:
-        self.user_attrs[trial_id][key] = json.loads(value)
+        self.user_attrs[trial_id][key] = self._loads(value)
 
     def add_constraint(self, trial_id: int, key: str, value: str) -> None:
         decoded = json.loads(value)
