@@ -301,16 +301,41 @@ def _modified(path: Path) -> int | None:
         return None
 
 
+def _end_orphans(folder: Path) -> int:
+    """End the processes still working in an op's build folder (their working directory):
+    ninja starts each compiler in a process group of its own, so killing a probe's group
+    leaves them running, writing objects that would make the next build's outputs look out
+    of date. Only under the exclusive build lock, where they belong to no live build. Returns
+    how many there were."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if Path(proc.cwd()) == folder:
+                found.append(proc)
+    for proc in found:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(found, timeout=10)
+    return len(found)
+
+
 def _clear_stale_locks(ops: Iterable[str], directory: Path, say: Callable[[str], None]) -> None:
-    """Remove torch's build locks of ``ops``; only under the exclusive build lock, where no
-    live autotune process can be building them."""
+    """Remove torch's build locks of ``ops``, and end the compilers a killed build left
+    running; only under the exclusive build lock, where no live autotune process can be
+    building them."""
     for op in ops:
         lock = torch_lock_path(directory, op)
+        if not lock.exists():
+            continue
+        orphans = _end_orphans(lock.parent.resolve())
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()
+            ended = f"; ended {orphans} of its compiler processes" if orphans else ""
             say(
                 f"warning: removed a stale lock {lock} (a build of {op} was killed; nothing "
-                "holds the build lock now)"
+                f"holds the build lock now{ended})"
             )
 
 
