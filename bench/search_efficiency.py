@@ -56,12 +56,12 @@ from typing import Any
 
 import optuna
 
-from autotune.api import prepare
+from autotune.api import Tuning, prepare
 from autotune.config import Engine, TrainConfig
 from autotune.devices import SimulatedDevice
 from autotune.estimator.host import estimate_host, usable_host_bytes
 from autotune.estimator.memory import estimate_memory
-from autotune.estimator.plan import PlanRow, usable_bytes
+from autotune.estimator.plan import usable_bytes
 from autotune.estimator.timing import predict_step_time
 from autotune.models import resolve_model
 from autotune.probe import ProbeSpec
@@ -301,21 +301,22 @@ def run_halving(s: Scenario, tmp: Path, limit: int, seed: int) -> Trace:
     return p.trace
 
 
-def _plan_rows(s: Scenario, tmp: Path) -> list[PlanRow]:
-    """The planner's rows as autotune ranks them (fitting first, fastest first)."""
+def _tuning(s: Scenario, tmp: Path) -> Tuning:
+    """autotune's run of the scenario, assembled (its study in ``tmp``), with no budget."""
     w = s.workload
     return prepare(
         s.model_name, budget=1e9, seq_len=w.seq_len, global_batch=w.global_batch,
-        gpus=w.world_size, device=s.device, storage=f"sqlite:///{tmp}/plan.db",
+        gpus=w.world_size, device=s.device, storage=f"sqlite:///{tmp}/study.db",
         trials_dir=tmp / "trials",
-    ).rows  # fmt: skip
+    )  # fmt: skip
 
 
 def run_estimator(s: Scenario, tmp: Path, limit: int, seed: int) -> Trace:
     """The estimator alone: the plan's rows in order, each at its predicted best size, one
     launch each (what the estimator knows, without the search's calibration)."""
     p = _Prober(s, tmp)
-    for row in _plan_rows(s, tmp):
+    # The planner's rows as autotune ranks them (fitting first, fastest first).
+    for row in _tuning(s, tmp).rows:
         if p.launches >= limit:
             break
         p.probe(row.config, row.micro_batch_size)
@@ -362,12 +363,7 @@ def run_sampler(s: Scenario, tmp: Path, limit: int, sampler: optuna.samplers.Bas
 
 
 def run_autotune(s: Scenario, tmp: Path, limit: int, seed: int) -> Trace:
-    w = s.workload
-    tuning = prepare(
-        s.model_name, budget=1e9, seq_len=w.seq_len, global_batch=w.global_batch,
-        gpus=w.world_size, device=s.device, storage=f"sqlite:///{tmp}/study.db",
-        trials_dir=tmp / "trials",
-    )  # fmt: skip
+    tuning = _tuning(s, tmp)
     trace = Trace([], [], [])
     elapsed = [0.0]
     measured = [0]

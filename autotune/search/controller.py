@@ -239,8 +239,8 @@ class Controller:
                 proposal = propose(self.rows, measurements, sizes, objective)
                 if proposal is None:
                     break
-                if self._set_up(proposal, probes):
-                    left = self.budget_s - self.elapsed()
+                self._set_up(proposal, probes)
+                left = self.budget_s - self.elapsed()  # less any set-up step's time
                 predicted_s = self._predicted_s(proposal)
                 need = max(predicted_s * self._cost_scale(), MIN_PROBE_TIMEOUT_S)
                 if probes and left < need:
@@ -295,15 +295,15 @@ class Controller:
             setups=list(self._setups),
         )
 
-    def _set_up(self, proposal: Proposal, probes: int) -> bool:
+    def _set_up(self, proposal: Proposal, probes: int) -> None:
         """Run the device's set-up step for the proposal's probe, if it has one (charged to
-        the run's budget, never to a probe); whether one ran."""
+        the run's budget, never to a probe)."""
         spec = self.template.spec(
             proposal.config, proposal.micro_batch_sizes, timeout_s=self.probe_timeout_s
         )
         step = self.device.setup(spec)
         if step is None:
-            return False
+            return
         self.on_event(
             Event(
                 kind="setup",
@@ -324,7 +324,6 @@ class Controller:
                 budget_left_s=self.budget_s - self.elapsed(),
             )
         )
-        return True
 
     def _timeout(self, left_s: float) -> tuple[float, bool]:
         """The next probe's timeout, and whether the budget (not a hang guard) sets it."""
