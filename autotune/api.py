@@ -235,12 +235,22 @@ class Tuning:
         )
 
     def run(self, on_event: Callable[[Event], None] | None = None) -> RunSummary:
-        """Search until done, the budget is spent, or Ctrl-C (then: the best so far)."""
-        return self.controller(on_event).run()
+        """Search until done, the budget is spent, or Ctrl-C (then: the best so far). The
+        device's warm workers stop with the run."""
+        try:
+            return self.controller(on_event).run()
+        finally:
+            self.device.close()
 
 
 def _device(
-    device: str | Device, simulate: str | None, seed: int, cap: int | None, host: int | None
+    device: str | Device,
+    simulate: str | None,
+    seed: int,
+    cap: int | None,
+    host: int | None,
+    *,
+    warm: bool,
 ) -> tuple[Device, GpuSpec, int]:
     """The device that answers probes, the GPU to plan for and the GPUs here."""
     if simulate is not None:
@@ -258,7 +268,7 @@ def _device(
                     "or --simulate h100-80gb (the estimator's simulated GPU)"
                 )
             device = "cuda"
-        device = LocalDevice(device)
+        device = LocalDevice(device, warm=warm)
     if device.kind == "cpu":
         if cap is None:
             raise ConfigError("--device cpu needs --device-memory, e.g. 64MiB, to emulate a GPU")
@@ -293,6 +303,7 @@ def prepare(
     seed: int = 0,
     warmup_steps: int = 2,
     timed_steps: int = 3,
+    warm: bool = True,
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
@@ -302,7 +313,7 @@ def prepare(
     budget_s = _seconds(budget, "the budget")
     cap = _bytes(device_memory, "--device-memory")
     host = _bytes(host_memory, "--host-memory")
-    chosen, gpu, here = _device(device, simulate, seed, cap, host)
+    chosen, gpu, here = _device(device, simulate, seed, cap, host, warm=warm)
     world = gpus if gpus is not None else here
     workload = _workload(seq_len, global_batch, world)
     goal = Objective(objective) if objective in set(Objective) else None
@@ -378,7 +389,8 @@ def tune(
             ``headroom``, ``host_memory`` (a node's host memory for the job: default this
             node's; a simulated node's is not limited unless given), ``objective``
             ("tokens" or "mfu"), ``storage`` (an Optuna storage URL), ``trials_dir``,
-            ``seed`` (of the simulated device's noise).
+            ``seed`` (of the simulated device's noise), ``warm`` (real probes: fork ranks from
+            a warm process, True; False: each rank a fresh interpreter).
 
     Returns:
         Why the search stopped, the best measurement and every measurement of the study.
@@ -465,7 +477,7 @@ def probe(
             device = "cuda" if detected else "cpu"
         if device not in ("cuda", "cpu"):
             raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
-        chosen: Device = LocalDevice(device)
+        chosen: Device = LocalDevice(device, warm=False)  # one probe: nothing to share
         here = detected.count if detected and device == "cuda" else 1
     else:
         chosen, here = device, 1

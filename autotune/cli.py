@@ -259,6 +259,13 @@ def run(
     storage: StorageOption = DEFAULT_STORAGE,
     trials_dir: Annotated[Path, typer.Option(help="Where probe folders go.")] = Path("trials"),
     seed: Annotated[int, typer.Option(help="Seed of the simulated device's noise.")] = 0,
+    warm: Annotated[
+        bool,
+        typer.Option(
+            help="Fork probe ranks from a warm process that imported torch once; --no-warm: "
+            "each rank a fresh interpreter."
+        ),
+    ] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable summary.")] = False,
 ) -> None:
     """Find the fastest configuration that fits: probe, escalate, record every trial."""
@@ -283,6 +290,7 @@ def run(
         storage=storage,
         trials_dir=trials_dir,
         seed=seed,
+        warm=warm,
     )
     simulated = tuning.device.kind == "simulated"
     w = tuning.workload

@@ -4,8 +4,9 @@ A :class:`Device` takes a :class:`~autotune.probe.ProbeSpec` and a probe folder 
 :class:`~autotune.probe.ProbeResult`; the search never knows which device answers. Each device
 also says how a tuning budget is charged (:meth:`Device.clock`): by the wall clock where probes
 really run, by the probes' own reported durations where they are simulated or replayed.
-A device may need a step of its own before a probe can run (:meth:`Device.setup`: building
-DeepSpeed's ops), taken outside the probe's timeout.
+A device may need steps of its own before a probe can run (:meth:`Device.setup`: building
+DeepSpeed's ops, starting the warm process ranks fork from), taken outside the probe's
+timeout.
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ class Device(Protocol):
         """``cuda``, ``cpu`` or ``simulated``: a study's measurements never mix kinds."""
         ...
 
-    def setup(self, spec: ProbeSpec) -> SetupStep | None:
-        """What must be done before ``spec`` can be probed (None: nothing). Cheap to ask before
-        every probe; the step, when there is one, is the caller's to run."""
+    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
+        """What must be done before ``spec`` can be probed, in order (empty: nothing). Cheap
+        to ask before every probe; the steps are the caller's to run."""
         ...
 
     def launch(
@@ -128,4 +129,9 @@ class Device(Protocol):
 
     def clock(self) -> Clock:
         """A fresh clock that charges this device's probes to a budget."""
+        ...
+
+    def close(self) -> None:
+        """Release what the device holds between probes (a warm process); it may be used
+        again after, and then sets itself up again."""
         ...

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from autotune.devices.base import Clock, SetupResult, SetupStep, WallClock
-from autotune.probe.launcher import Spawner, launch_probe
+from autotune.probe.forkserver import ForkServerError, WarmWorkers
+from autotune.probe.launcher import Spawner, SubprocessSpawner, launch_probe
 from autotune.probe.lifetime import PARENT_ENV
 from autotune.probe.ops import (
     BUILD_WAIT_S,
@@ -31,34 +32,49 @@ __all__ = ["LocalDevice"]
 class LocalDevice:
     """This node's GPUs (``cuda``) or its CPU (``cpu``, usually under an emulated device cap).
 
-    Before a DeepSpeed probe, :meth:`setup` offers to build the ops it will load that are not
-    built yet (``python -m autotune.probe.ops build``), so no probe spends its time, or its
-    timeout, compiling them.
+    Before a probe, :meth:`setup` offers the steps it needs first, each outside any probe's
+    timeout: building the DeepSpeed ops it will load that are not built yet (``python -m
+    autotune.probe.ops build``), and starting (or restarting, when stale) the warm process its
+    ranks fork from (:class:`~autotune.probe.forkserver.WarmWorkers`). A probe whose ranks
+    cannot be forked runs again at once as fresh interpreters, and so does the rest of the run.
 
     Args:
         kind: ``cuda`` or ``cpu``.
-        spawner: How ranks start: fresh interpreters (the default) or forks of a
-            :class:`~autotune.probe.forkserver.ForkServer` that has imported torch already.
+        spawner: How ranks start, if not by this device's own warm workers: fresh interpreters
+            (:class:`~autotune.probe.launcher.SubprocessSpawner`) or a shared
+            :class:`~autotune.probe.forkserver.ForkServer`.
+        warm: Fork ranks from warm workers (when no ``spawner`` is given); off: every rank
+            is a fresh interpreter.
         build_wait_s: How long the set-up step waits for another process's build of the
             same ops before giving up.
     """
 
     def __init__(
-        self, kind: str, *, spawner: Spawner | None = None, build_wait_s: float = BUILD_WAIT_S
+        self,
+        kind: str,
+        *,
+        spawner: Spawner | None = None,
+        warm: bool = True,
+        build_wait_s: float = BUILD_WAIT_S,
     ) -> None:
         if kind not in ("cuda", "cpu"):
             raise ValueError(f"unknown local device {kind!r}: use cuda or cpu")
         self.kind = kind
         self.spawner = spawner
+        self.warm = WarmWorkers() if spawner is None and warm else None
+        """The warm process ranks fork from (None: ``spawner``, or fresh interpreters)."""
         self.build_wait_s = build_wait_s
         self._ready: set[str] = set()
         """Ops a set-up step of this device settled (built, or not used by DeepSpeed here)."""
         self._failed: set[str] = set()
         """Ops whose build failed: not tried again (probes then build, or fail, themselves)."""
 
-    def setup(self, spec: ProbeSpec) -> SetupStep | None:
-        """Building the DeepSpeed ops ``spec`` loads that are not built, or whose torch build
-        lock was left by a killed probe; None when there are none (a look at a few files)."""
+    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
+        """The steps before ``spec`` can be probed: building the DeepSpeed ops it loads that
+        are not built (or whose torch build lock a killed probe left), and starting the warm
+        workers (or restarting stale ones). A look at a few files, and one question to the
+        warm process."""
+        steps = []
         env = op_environment(os.environ)
         directory = extensions_dir(env)
         todo = [
@@ -70,10 +86,25 @@ class LocalDevice:
                 or (op not in self._ready and not library_path(directory, op).is_file())
             )
         ]
-        if not todo:
-            return None
-        label = f"building DeepSpeed ops: {', '.join(todo)}"
-        return SetupStep(label=label, run=lambda: self._build(label, todo, env))
+        if todo:
+            label = f"building DeepSpeed ops: {', '.join(todo)}"
+            steps.append(SetupStep(label=label, run=lambda: self._build(label, todo, env)))
+        warm = self.warm
+        pending = warm.pending() if warm is not None else None
+        if warm is not None and pending is not None:
+            steps.append(SetupStep(label=pending, run=lambda: self._start_warm(warm, pending)))
+        return steps
+
+    @staticmethod
+    def _start_warm(warm: WarmWorkers, label: str) -> SetupResult:
+        started = time.monotonic()
+        message = warm.start()
+        return SetupResult(
+            label=label,
+            ok=warm.off is None,
+            seconds=time.monotonic() - started,
+            message=message,
+        )
 
     def _build(self, label: str, ops: list[str], env: dict[str, str]) -> SetupResult:
         """Run the build step in a process of its own (own process group: a Ctrl-C is the
@@ -124,7 +155,21 @@ class LocalDevice:
         *,
         on_poll: Callable[[float], None] | None = None,
     ) -> ProbeResult:
-        return launch_probe(spec, probe_dir, spawner=self.spawner, on_poll=on_poll)
+        if self.spawner is not None or self.warm is None:
+            return launch_probe(spec, probe_dir, spawner=self.spawner, on_poll=on_poll)
+        try:
+            return launch_probe(spec, probe_dir, spawner=self.warm.spawner, on_poll=on_poll)
+        except ForkServerError as error:
+            self.warm.give_up(str(error))
+        note = f"autotune: {self.warm.off}; the ranks start again as fresh interpreters\n"
+        with (probe_dir / "stderr.log").open("a") as log:
+            log.write(note)
+        return launch_probe(spec, probe_dir, spawner=SubprocessSpawner(), on_poll=on_poll)
+
+    def close(self) -> None:
+        """Stop the warm workers, if they run (the next :meth:`setup` starts them again)."""
+        if self.warm is not None:
+            self.warm.close()
 
     def clock(self) -> Clock:
         return WallClock()

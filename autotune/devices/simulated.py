@@ -130,9 +130,12 @@ class SimulatedDevice:
         """Budgets are charged the time each probe would have taken on the GPU."""
         return ProbeClock()
 
-    def setup(self, spec: ProbeSpec) -> SetupStep | None:
-        """Nothing to build: the estimator answers."""
-        return None
+    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
+        """Nothing to build or start: the estimator answers."""
+        return []
+
+    def close(self) -> None:
+        """Nothing held."""
 
     def launch(
         self,

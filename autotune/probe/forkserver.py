@@ -3,19 +3,34 @@
 A fresh probe process spends most of its start-up importing torch, transformers and the
 engine (about 4 s of 5 s for a tiny model on the CPU). The fork server is one long-lived
 process that has done those imports; each rank is a ``fork`` of it and starts in a fraction
-of a second. It never touches CUDA before forking (a CUDA context does not survive a fork):
-it checks ``torch.cuda.is_initialized()`` after its imports and refuses to serve if anything
-did, and DeepSpeed, whose import probes the accelerator, is preloaded only on CPU-only hosts.
+of a second. ``autotune run`` starts one per run (:class:`WarmWorkers`); the tests and
+benches share one too.
+
+Two things make a warm process unfit to fork from, and the server checks both:
+
+- **CUDA initialized.** A CUDA context does not survive a fork: a child of a process that
+  initialized the driver fails at its first CUDA call. The server never touches CUDA (torch's
+  availability checks go through NVML, ``PYTORCH_NVML_BASED_CUDA_CHECK``), and asks the
+  driver itself whether anything initialized it (:func:`cuda_driver_initialized`) after its
+  imports and before every fork. DeepSpeed's import probes the accelerator: on a GPU host it
+  is preloaded only if that leaves the driver untouched, otherwise the server is restarted
+  without it and each rank imports DeepSpeed itself.
+- **Stale code.** The server's modules were imported when it started; if a file of one of
+  them changed since (autotune or a library upgraded during a long run), a fork would run the
+  old code. :meth:`ForkServer.stale` compares every loaded module file's size and modification
+  time with those at start-up (about 3,000 files, 15 ms).
 
 Protocol: JSON lines over a socket pair. The client sends ``{"spawn": {...}}``; the server
-forks, puts the child in the requested process group, and answers ``{"pid": N}``; when a
-child exits it sends ``{"exit": N, "returncode": R}`` (negative R: killed by signal -R). The
-server lives until the client closes the socket. Not thread-safe: one client, one thread.
+forks, puts the child in the requested process group, and answers ``{"pid": N}`` (or
+``{"refused": why}``); when a child exits it sends ``{"exit": N, "returncode": R}``
+(negative R: killed by signal -R). ``{"check": true}`` is answered ``{"stale": why or null}``.
+The server lives until the client closes the socket. Not thread-safe: one client, one thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -24,11 +39,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from autotune.probe.launcher import Spawner, SubprocessSpawner
 from autotune.probe.lifetime import PARENT_ENV, die_with_parent
 
 PRELOAD = (
@@ -55,15 +73,77 @@ class ForkServerError(RuntimeError):
 # Server side (runs in the fork-server process)
 
 
-def _preload(with_deepspeed: bool) -> None:
-    for name in PRELOAD + (("deepspeed",) if with_deepspeed else ()):
-        importlib.import_module(name)
-    import torch
+_DEEPSPEED_MODES = ("always", "never", "try")
+"""Preloading DeepSpeed: ``try`` (a GPU host) keeps it only if its import left CUDA alone."""
+RESTART_WITHOUT_DEEPSPEED = "importing DeepSpeed initialized CUDA"
+"""The error a ``try`` server ends with when DeepSpeed cannot be preloaded on this host."""
+ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+"""Environment variables read at import time: a change makes the warm process stale."""
 
-    if torch.cuda.is_initialized():
-        raise ForkServerError(
-            "CUDA was initialized while preloading: forked ranks could not use it"
-        )
+
+def cuda_driver_initialized() -> bool:
+    """Whether the CUDA driver has been initialized in this process (False without a driver).
+
+    Every driver call but a few answers ``CUDA_ERROR_NOT_INITIALIZED`` (3) before ``cuInit``:
+    ``cuDeviceGetCount`` succeeding means some import already initialized it. Loading the
+    library does not initialize it.
+    """
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return int(libcuda.cuDeviceGetCount(ctypes.byref(count))) == 0
+
+
+def _cuda_touched() -> str | None:
+    """Why forked ranks could not use CUDA, or None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "torch initialized CUDA in the warm process"
+    if cuda_driver_initialized():
+        return "the CUDA driver was initialized in the warm process"
+    return None
+
+
+def _module_files() -> dict[str, tuple[int, int]]:
+    """Every loaded module's file, with its size and modification time."""
+    files: dict[str, tuple[int, int]] = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or path in files:
+            continue
+        with contextlib.suppress(OSError):
+            info = os.stat(path)
+            files[path] = (info.st_size, info.st_mtime_ns)
+    return files
+
+
+def _changed(files: dict[str, tuple[int, int]]) -> str | None:
+    """The first loaded module file that changed since ``files`` was taken, or None."""
+    for path, (size, mtime) in files.items():
+        try:
+            info = os.stat(path)
+        except OSError:
+            return f"{path} was removed"
+        if (info.st_size, info.st_mtime_ns) != (size, mtime):
+            return f"{path} changed"
+    return None
+
+
+def _preload(deepspeed: str, extra: Sequence[str] = ()) -> None:
+    # Availability checks through NVML: they must not initialize the driver here.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    for name in (*PRELOAD, *extra):
+        importlib.import_module(name)
+    problem = _cuda_touched()
+    if problem is not None:
+        raise ForkServerError(f"{problem} while preloading: forked ranks could not use it")
+    if deepspeed == "never":
+        return
+    importlib.import_module("deepspeed")
+    if deepspeed == "try" and _cuda_touched() is not None:
+        raise ForkServerError(RESTART_WITHOUT_DEEPSPEED)
 
 
 def _exec_child(request: dict[str, Any], server_sock: socket.socket, server: int) -> None:
@@ -105,14 +185,16 @@ def _returncode(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def serve(sock: socket.socket, *, with_deepspeed: bool) -> None:
+def serve(sock: socket.socket, *, deepspeed: str, extra: Sequence[str] = ()) -> None:
     """Serve spawn requests on ``sock`` until the client goes away."""
     try:
-        _preload(with_deepspeed)
+        _preload(deepspeed, extra)
     except BaseException as error:
-        _send(sock, {"error": f"{type(error).__name__}: {error}"})
+        _send(sock, {"error": f"{error}" if isinstance(error, ForkServerError) else
+                     f"{type(error).__name__}: {error}"})  # fmt: skip
         return
-    _send(sock, {"ready": True})
+    files = _module_files()
+    _send(sock, {"ready": True, "deepspeed": "deepspeed" in sys.modules})
     buffer = b""
     children: set[int] = set()
     while True:
@@ -124,7 +206,15 @@ def serve(sock: socket.socket, *, with_deepspeed: bool) -> None:
             buffer += chunk
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
-                request = json.loads(line)["spawn"]
+                message = json.loads(line)
+                if "check" in message:
+                    _send(sock, {"stale": _cuda_touched() or _changed(files)})
+                    continue
+                problem = _cuda_touched()
+                if problem is not None:
+                    _send(sock, {"refused": problem})
+                    continue
+                request = message["spawn"]
                 sys.stdout.flush()
                 sys.stderr.flush()
                 server = os.getpid()
@@ -149,10 +239,14 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    fd, with_deepspeed = int(args[0]), args[1] == "1"
+    fd, deepspeed, extra = int(args[0]), args[1], args[2:]
+    if deepspeed not in _DEEPSPEED_MODES:
+        print(f"usage: python -m autotune.probe.forkserver FD {{{','.join(_DEEPSPEED_MODES)}}} "
+              "[MODULE...]", file=sys.stderr)  # fmt: skip
+        return 2
     parent = os.environ.get(PARENT_ENV)
     die_with_parent(int(parent) if parent else None)  # the tuner's end is the server's end
-    serve(socket.socket(fileno=fd), with_deepspeed=with_deepspeed)
+    serve(socket.socket(fileno=fd), deepspeed=deepspeed, extra=extra)
     return 0
 
 
@@ -187,37 +281,93 @@ class ForkServer:
     """Client of one fork-server process; use as a context manager.
 
     Args:
-        with_deepspeed: Preload DeepSpeed too (only safe where no GPU is visible: its import
-            probes the accelerator). Default: when NVML finds no GPU.
+        with_deepspeed: Preload DeepSpeed too. Default: on a host without a GPU, yes; on a
+            GPU host, only if its import leaves CUDA uninitialized (else the server is
+            started again without it).
+        preload: More modules to import once (beyond :data:`PRELOAD`).
+        log: Where the server's own output goes (its imports' warnings); default: this
+            process's. A forked rank writes to its probe's logs.
     """
 
-    def __init__(self, *, with_deepspeed: bool | None = None) -> None:
+    kind = "warm"
+    """How the ranks start (``cmd.txt`` and each result say it)."""
+
+    def __init__(
+        self,
+        *,
+        with_deepspeed: bool | None = None,
+        preload: Sequence[str] = (),
+        log: Path | None = None,
+    ) -> None:
+        self._log = log
         if with_deepspeed is None:
             from autotune.hardware import detect_gpus
 
-            with_deepspeed = detect_gpus() is None
+            mode = "always" if detect_gpus() is None else "try"
+        else:
+            mode = "always" if with_deepspeed else "never"
+        self._buffer = b""
+        self._live: dict[int, ForkedProcess] = {}
+        self.env = {key: os.environ.get(key) for key in ENV_KEYS}
+        """The environment it started in (the parts imports read)."""
+        try:
+            reply = self._start(mode, preload)
+            if reply.get("error") == RESTART_WITHOUT_DEEPSPEED:
+                self.close()
+                reply = self._start("never", preload)
+        except BaseException:  # a Ctrl-C while it imports, or no answer
+            self.close()
+            raise
+        if "error" in reply or not reply.get("ready"):
+            self.close()
+            raise ForkServerError(f"fork server did not start: {reply.get('error', reply)}")
+        self.deepspeed = bool(reply.get("deepspeed"))
+        """Whether DeepSpeed is preloaded."""
+
+    def _start(self, mode: str, preload: Sequence[str]) -> dict[str, Any]:
         ours, theirs = socket.socketpair()
         self._sock = ours
         self._buffer = b""
-        self._live: dict[int, ForkedProcess] = {}
+        output = self._log.open("ab") if self._log is not None else None
         self._process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "autotune.probe.forkserver",
                 str(theirs.fileno()),
-                "1" if with_deepspeed else "0",
+                mode,
+                *preload,
             ],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=output,
             env={**os.environ, PARENT_ENV: str(os.getpid())},
             process_group=0,  # a Ctrl-C in the terminal is the tuner's to handle, not ours
         )
         theirs.close()
-        reply = self._receive(timeout_s=300.0)
-        if "error" in reply or not reply.get("ready"):
-            self.close()
-            raise ForkServerError(f"fork server did not start: {reply.get('error', reply)}")
+        if output is not None:
+            output.close()
+        return self._receive(timeout_s=300.0)
+
+    @property
+    def pid(self) -> int:
+        """The server process's pid."""
+        return self._process.pid
+
+    def stale(self) -> str | None:
+        """Why forking from this server would not give what a fresh rank gets (a loaded
+        module's file changed, CUDA got initialized in it, the environment changed, it
+        exited), or None."""
+        for key, value in self.env.items():
+            if os.environ.get(key) != value:
+                return f"{key} changed"
+        try:
+            _send(self._sock, {"check": True})
+            reply = self._receive(timeout_s=60.0)
+        except (OSError, ForkServerError) as error:
+            return f"the warm process stopped answering ({error})"
+        return reply.get("stale")
 
     def spawn(
         self, probe_dir: Path, env: dict[str, str], stdout: Path, stderr: Path, process_group: int
@@ -231,8 +381,13 @@ class ForkServer:
             "process_group": process_group,
             "cwd": os.getcwd(),
         }
-        _send(self._sock, {"spawn": request})
+        try:
+            _send(self._sock, {"spawn": request})
+        except OSError as error:
+            raise ForkServerError(f"the fork server is gone: {error}") from None
         reply = self._receive(timeout_s=60.0)
+        if "refused" in reply:
+            raise ForkServerError(f"the fork server refused to fork: {reply['refused']}")
         handle = ForkedProcess(self, int(reply["pid"]))
         self._live[handle.pid] = handle
         return handle
@@ -242,7 +397,10 @@ class ForkServer:
         readable, _, _ = select.select([self._sock], [], [], wait_s)
         if not readable:
             return
-        chunk = self._sock.recv(65536)
+        try:
+            chunk = self._sock.recv(65536)
+        except OSError:  # reset: it died
+            chunk = b""
         if not chunk:
             self._orphan_all()
             return
@@ -272,7 +430,10 @@ class ForkServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([self._sock], [], [], remaining)[0]:
                 raise ForkServerError("the fork server did not answer in time")
-            chunk = self._sock.recv(65536)
+            try:
+                chunk = self._sock.recv(65536)
+            except OSError:  # reset: it died
+                chunk = b""
             if not chunk:
                 raise ForkServerError("the fork server exited")
             self._buffer += chunk
@@ -302,6 +463,83 @@ class ForkServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class WarmWorkers:
+    """The warm process a tuning run forks its probe ranks from, with fresh interpreters as
+    the fallback.
+
+    Started by a set-up step of the run (its imports take seconds: 4 s on a 2-core CPU), then
+    checked before every probe (:meth:`ForkServer.stale`) and started again when stale. If it
+    cannot start, or fails to fork, the rest of the run starts its ranks as fresh
+    interpreters (:attr:`off` says why).
+
+    Args:
+        with_deepspeed: As for :class:`ForkServer`.
+        preload: As for :class:`ForkServer`.
+    """
+
+    def __init__(self, *, with_deepspeed: bool | None = None, preload: Sequence[str] = ()) -> None:
+        self._with_deepspeed = with_deepspeed
+        self._preload = tuple(preload)
+        self._server: ForkServer | None = None
+        self._log: Path | None = None
+        self.off: str | None = None
+        """Why ranks start as fresh interpreters for the rest of the run (None: they fork)."""
+
+    def pending(self) -> str | None:
+        """What must happen before the next probe can fork its ranks (``starting ...``,
+        ``restarting ...: why``), or None: ready, or off."""
+        if self.off is not None:
+            return None
+        if self._server is None:
+            return "starting warm probe workers"
+        stale = self._server.stale()
+        return None if stale is None else f"restarting warm probe workers: {stale}"
+
+    def start(self) -> str:
+        """Start (or start again) the warm process; returns one line on how it went (and
+        turns warm workers off for the run if it failed)."""
+        self.close()
+        handle, name = tempfile.mkstemp(prefix="autotune-warm-", suffix=".log")
+        os.close(handle)
+        self._log = Path(name)
+        try:
+            self._server = ForkServer(
+                with_deepspeed=self._with_deepspeed, preload=self._preload, log=self._log
+            )
+        except ForkServerError as error:
+            self.off = f"{error} (its output: {self._log})"
+            self._log = None  # kept for the user to read
+            return f"{self.off}: ranks start as fresh interpreters"
+        with_ds = " and DeepSpeed" if self._server.deepspeed else ""
+        return f"torch, transformers{with_ds} imported once; ranks fork from it"
+
+    @property
+    def pid(self) -> int | None:
+        """The warm process's pid, while it runs."""
+        return self._server.pid if self._server is not None else None
+
+    @property
+    def spawner(self) -> Spawner:
+        """How the next probe starts its ranks."""
+        if self._server is None or self.off is not None:
+            return SubprocessSpawner()
+        return self._server
+
+    def give_up(self, why: str) -> None:
+        """Fall back to fresh interpreters for the rest of the run."""
+        self.off = why
+        self.close()
+
+    def close(self) -> None:
+        """Stop the warm process, if one runs (a later :meth:`pending` asks to start one)."""
+        if self._server is not None:
+            server, self._server = self._server, None
+            server.close()
+        if self._log is not None:
+            self._log.unlink(missing_ok=True)
+            self._log = None
 
 
 if __name__ == "__main__":

@@ -88,15 +88,21 @@ def rank_environment(spec: ProbeSpec, rank: int, port: int) -> dict[str, str]:
     return env
 
 
-def _write_command(spec: ProbeSpec, probe_dir: Path, port: int) -> None:
+def _write_command(spec: ProbeSpec, probe_dir: Path, port: int, spawn: str) -> None:
     worker = worker_command(probe_dir)
+    how = (
+        "Each rank was this command, run as a fork of autotune's warm worker process (which "
+        "had imported what the command imports; same code, same environment)"
+        if spawn == "warm"
+        else "What the launcher ran, per rank"
+    )
     lines = [
         "# Rerun this probe by hand (from the directory autotune ran in):",
         f"cd {shlex.quote(os.getcwd())}",
         f"torchrun --standalone --nproc-per-node {spec.num_processes} "
         f"-m autotune.probe.worker {shlex.quote(str(probe_dir))}",
         "",
-        "# What the launcher ran, per rank (RANK/LOCAL_RANK 0.."
+        f"# {how} (RANK/LOCAL_RANK 0.."
         f"{spec.num_processes - 1}, WORLD_SIZE={spec.num_processes}, "
         f"MASTER_ADDR=127.0.0.1, MASTER_PORT={port}):",
         shlex.join(worker),
@@ -118,6 +124,10 @@ class ProcessHandle(Protocol):
 class Spawner(Protocol):
     """Starts one rank of a probe, appending its output to the two log files."""
 
+    kind: str
+    """``fresh`` (a new interpreter) or ``warm`` (a fork of a process that has imported
+    torch): recorded in each probe's result."""
+
     def spawn(
         self, probe_dir: Path, env: dict[str, str], stdout: Path, stderr: Path, process_group: int
     ) -> ProcessHandle: ...
@@ -125,6 +135,8 @@ class Spawner(Protocol):
 
 class SubprocessSpawner:
     """Each rank a fresh interpreter: ``python -m autotune.probe.worker DIR``."""
+
+    kind = "fresh"
 
     def spawn(
         self, probe_dir: Path, env: dict[str, str], stdout: Path, stderr: Path, process_group: int
@@ -182,6 +194,12 @@ def _read_report(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _slowest(reports: list[dict[str, Any] | None], key: str) -> float | None:
+    """The largest of the ranks' ``key`` (the probe waits for its slowest rank)."""
+    values = [r[key] for r in reports if r and r.get(key) is not None]
+    return max(values) if values else None
+
+
 def launch_probe(
     spec: ProbeSpec,
     probe_dir: Path,
@@ -204,10 +222,10 @@ def launch_probe(
         stale.unlink()
     (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
     port = free_port()
-    _write_command(spec, probe_dir, port)
+    spawner = spawner or SubprocessSpawner()
+    _write_command(spec, probe_dir, port, spawner.kind)
     started = time.monotonic()
     timed_out = False
-    spawner = spawner or SubprocessSpawner()
     logs = probe_dir / "stdout.log", probe_dir / "stderr.log"
     procs: list[ProcessHandle] = []
     first = spawner.spawn(probe_dir, rank_environment(spec, 0, port), *logs, process_group=0)
@@ -262,6 +280,8 @@ def launch_probe(
         sizes=merge_sizes(reports, spec.num_processes, verdict),
         wall_s=wall,
         import_s=first_report.get("import_s"),
+        startup_s=_slowest(reports, "startup_s"),
+        spawn=spawner.kind,
         build_s=first_report.get("build_s"),
         device=first_report.get("device") or spec.device,
         gpu_name=first_report.get("gpu_name"),

@@ -134,6 +134,12 @@ class ProbeResult:
     wall_s: float = 0.0
     """Launch to last rank reaped."""
     import_s: float | None = None
+    """Spawn to the worker's code running (interpreter and imports; near zero when forked)."""
+    startup_s: float | None = None
+    """Spawn to ready to build the model: imports, CUDA, the process group, the engine (the
+    slowest rank's)."""
+    spawn: str | None = None
+    """How the ranks started: ``fresh`` interpreters or forks of a ``warm`` process."""
     build_s: float | None = None
     device: str = ""
     gpu_name: str | None = None
@@ -166,6 +172,8 @@ class ProbeResult:
             "num_params": self.num_params,
             "wall_s": self.wall_s,
             "import_s": self.import_s,
+            "startup_s": self.startup_s,
+            "spawn": self.spawn,
             "build_s": self.build_s,
             "sizes": [s.to_dict() for s in self.sizes],
             "exits": self.exits,
@@ -197,6 +205,8 @@ class ProbeResult:
             sizes=[SizeResult.from_dict(s) for s in data.get("sizes", [])],
             wall_s=data.get("wall_s", 0.0),
             import_s=data.get("import_s"),
+            startup_s=data.get("startup_s"),
+            spawn=data.get("spawn"),
             build_s=data.get("build_s"),
             device=data.get("device", ""),
             gpu_name=data.get("gpu_name"),

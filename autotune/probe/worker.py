@@ -32,7 +32,7 @@ import torch.distributed as dist
 from autotune.hardware import peak_flops_for
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.data import synthetic_batch
-from autotune.probe.engines import EngineContext, Trainee, build_trainee
+from autotune.probe.engines import EngineContext, Trainee, build_trainee, load_engine
 from autotune.probe.lifetime import PARENT_ENV, die_with_parent
 from autotune.probe.memory import LiveTensorBytes, MemoryMeter, apply_cuda_limit
 from autotune.probe.metrics import now, probe_throughput, synchronize
@@ -276,7 +276,12 @@ def _limit_memory(
 
 
 def _start(probe_dir: Path, stack: contextlib.ExitStack) -> _Probe | None:
-    """Read the spec, place this rank and cap its memory; None when that failed (reported)."""
+    """Start-up: read the spec, place this rank, cap its memory, join the process group and
+    load the engine's libraries (DeepSpeed and its ops); None when that failed (reported).
+
+    Reports ``import_s`` (spawn to this code running: the interpreter and its imports, near
+    zero for a rank forked from a warm process) and ``startup_s`` (spawn to ready to build
+    the model: CUDA, the process group and the engine included)."""
     started = float(os.environ.get("AUTOTUNE_SPAWN_TIME") or psutil.Process().create_time())
     spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
     rank_index = int(os.environ.get("RANK", "0"))
@@ -287,10 +292,13 @@ def _start(probe_dir: Path, stack: contextlib.ExitStack) -> _Probe | None:
         rank = _place_rank(spec, rank_index, world_size)
         report.update(device=str(rank.device))
         tracker = _limit_memory(spec, rank, stack)
+        _join_process_group(spec, rank)
+        load_engine(spec.config, rank.device.type)
     except Exception as error:
         report.update(traceback=traceback.format_exc())
         report.fail(_failure(error, Stage.STARTUP))
         return None
+    report.update(startup_s=time.time() - started)
     meter = MemoryMeter(
         device=rank.device, tracker=tracker, emulated_limit_bytes=spec.device_memory_bytes
     )
@@ -324,11 +332,10 @@ def _engine_context(spec: ProbeSpec, model: ModelSpec, rank: _Rank) -> EngineCon
 
 
 def _build(probe: _Probe) -> _Built | None:
-    """Join the process group and build the engine; None when that failed (reported)."""
+    """Build the model and the engine; None when that failed (reported)."""
     spec, rank, report = probe.spec, probe.rank, probe.report
     try:
         model = resolve_model(spec.model)
-        _join_process_group(spec, rank)
         began = now()
         trainee = build_trainee(_engine_context(spec, model, rank))
         synchronize(rank.device)

@@ -81,7 +81,7 @@ def probe_report(result: ProbeResult) -> RenderableType:
     timing = ", ".join(
         f"{name} {format_duration(value)}"
         for name, value in (
-            ("import", result.import_s),
+            ("start-up", result.startup_s),
             ("build", result.build_s),
             ("wall", result.wall_s),
         )

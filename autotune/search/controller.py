@@ -14,10 +14,10 @@ Ctrl-C (or SIGTERM, which the CLI turns into the same interruption) stops the ru
 (the device kills its process group), records its trials as failed with the reason, and ends
 the run with the best found so far.
 
-Before each probe the device is asked for a set-up step (:meth:`Device.setup`: building the
-DeepSpeed ops the probe will load, once). It runs as a step of its own: its time is the run's,
-not the probe's, so it counts in neither the probe's timeout nor the measured probe durations
-that scale the predicted costs.
+Before each probe the device is asked for its set-up steps (:meth:`Device.setup`: building
+the DeepSpeed ops the probe will load, once; starting the warm process its ranks fork from).
+Each runs as a step of its own: its time is the run's, not the probe's, so it counts in
+neither the probe's timeout nor the measured probe durations that scale the predicted costs.
 """
 
 from __future__ import annotations
@@ -173,6 +173,8 @@ class Controller:
         self._rows = {row.config: row for row in rows}
         self._model = resolve_model(template.model)
         self._setups: list[SetupResult] = []
+        self._setting_up: str | None = None
+        """The set-up step running now, if one is."""
 
     def elapsed(self) -> float:
         """Budget used so far, by the clock."""
@@ -279,7 +281,12 @@ class Controller:
                 )
         except KeyboardInterrupt as stop:
             interrupted = str(stop) or "Ctrl-C"
-            reason = f"interrupted ({interrupted}): the running probe was stopped and recorded"
+            reason = (
+                f"interrupted ({interrupted}) during the set-up step ({self._setting_up}): "
+                "it was stopped; no probe was running"
+                if self._setting_up
+                else f"interrupted ({interrupted}): the running probe was stopped and recorded"
+            )
         best = self.store.best()
         self.on_event(Event(kind="stop", best=best, probes=probes, message=reason))
         return RunSummary(
@@ -296,34 +303,34 @@ class Controller:
         )
 
     def _set_up(self, proposal: Proposal, probes: int) -> None:
-        """Run the device's set-up step for the proposal's probe, if it has one (charged to
+        """Run the device's set-up steps for the proposal's probe, if it has any (charged to
         the run's budget, never to a probe)."""
         spec = self.template.spec(
             proposal.config, proposal.micro_batch_sizes, timeout_s=self.probe_timeout_s
         )
-        step = self.device.setup(spec)
-        if step is None:
-            return
-        self.on_event(
-            Event(
-                kind="setup",
-                message=step.label,
-                probes=probes,
-                budget_left_s=self.budget_s - self.elapsed(),
+        for step in self.device.setup(spec):
+            self.on_event(
+                Event(
+                    kind="setup",
+                    message=step.label,
+                    probes=probes,
+                    budget_left_s=self.budget_s - self.elapsed(),
+                )
             )
-        )
-        done = step.run()
-        self.clock.charge(done.seconds)
-        self._setups.append(done)
-        self.on_event(
-            Event(
-                kind="setup_done",
-                setup=done,
-                message=done.message,
-                probes=probes,
-                budget_left_s=self.budget_s - self.elapsed(),
+            self._setting_up = step.label
+            done = step.run()
+            self._setting_up = None
+            self.clock.charge(done.seconds)
+            self._setups.append(done)
+            self.on_event(
+                Event(
+                    kind="setup_done",
+                    setup=done,
+                    message=done.message,
+                    probes=probes,
+                    budget_left_s=self.budget_s - self.elapsed(),
+                )
             )
-        )
 
     def _timeout(self, left_s: float) -> tuple[float, bool]:
         """The next probe's timeout, and whether the budget (not a hang guard) sets it."""

@@ -88,8 +88,9 @@ def test_a_probe_template_fills_in_what_varies() -> None:
 def test_only_a_local_deepspeed_probe_with_an_op_to_build_has_a_set_up_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The set-up step is asked before every probe: None unless a DeepSpeed op the probe
-    loads is missing (or has a torch lock); the simulated device never has one."""
+    """The set-up steps are asked before every probe: none unless a DeepSpeed op the probe
+    loads is missing (or has a torch lock), or the warm workers are not running; the
+    simulated device never has one."""
     from autotune.config import Engine
     from autotune.probe.ops import library_path, torch_lock_path
 
@@ -98,14 +99,17 @@ def test_only_a_local_deepspeed_probe_with_an_op_to_build_has_a_set_up_step(
         model="tiny", config=TrainConfig(engine=Engine.DEEPSPEED), device="cpu", num_processes=2
     )
     ddp = ProbeSpec(model="tiny", config=TrainConfig(engine=Engine.DDP), device="cpu")
-    assert SimulatedDevice.named("h100-80gb", seed=1).setup(deepspeed) is None
-    local = LocalDevice("cpu")
-    assert local.setup(ddp) is None
-    step = local.setup(deepspeed)
-    assert step is not None and step.label == "building DeepSpeed ops: deepspeed_shm_comm"
+    assert SimulatedDevice.named("h100-80gb", seed=1).setup(deepspeed) == []
+    local = LocalDevice("cpu", warm=False)
+    assert local.setup(ddp) == []
+    [step] = local.setup(deepspeed)
+    assert step.label == "building DeepSpeed ops: deepspeed_shm_comm"
     library = library_path(tmp_path, "deepspeed_shm_comm")
     library.parent.mkdir()
     library.touch()
-    assert local.setup(deepspeed) is None
+    assert local.setup(deepspeed) == []
     torch_lock_path(tmp_path, "deepspeed_shm_comm").touch()  # a probe killed while loading it
-    assert local.setup(deepspeed) is not None
+    assert len(local.setup(deepspeed)) == 1
+    # With warm workers (the default), starting them is a step of its own, after the build.
+    labels = [step.label for step in LocalDevice("cpu").setup(deepspeed)]
+    assert labels == ["building DeepSpeed ops: deepspeed_shm_comm", "starting warm probe workers"]

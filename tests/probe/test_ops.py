@@ -219,8 +219,7 @@ def test_ctrl_c_during_the_set_up_step_stops_its_process(
     the step's process before the interruption goes on (here: while it waits for a holder)."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     spec = ProbeSpec(**{**PROBE_DEFAULTS, "config": DEEPSPEED, "num_processes": 2})
-    step = LocalDevice("cpu", build_wait_s=120).setup(spec)
-    assert step is not None
+    [step] = LocalDevice("cpu", warm=False, build_wait_s=120).setup(spec)
     fd = _hold(tmp_path)
     main = threading.get_ident()
 
@@ -248,16 +247,15 @@ def test_a_failed_build_is_one_line_with_its_log_and_is_not_tried_again(
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     spec = ProbeSpec(**{**PROBE_DEFAULTS, "config": DEEPSPEED, "num_processes": 2})
-    device = LocalDevice("cpu")
-    step = device.setup(spec)
-    assert step is not None
+    device = LocalDevice("cpu", warm=False)
+    [step] = device.setup(spec)
     done = step.run()
     assert not done.ok
     assert done.message.startswith(f"error: building {SHM} failed: ")
     assert "\n" not in done.message
     log = Path(done.message.rsplit("output in ", 1)[1].rstrip(")"))
     assert log.is_file() and "Traceback" in log.read_text()
-    assert device.setup(spec) is None
+    assert device.setup(spec) == []
 
 
 def _naming(path: Path) -> list[psutil.Process]:
@@ -288,6 +286,8 @@ def extensions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 class _Recording:
     """Starts ranks through another spawner and keeps their pids (rank 0 leads the group)."""
+
+    kind = "warm"
 
     def __init__(self, inner: ForkServer) -> None:
         self.inner = inner
@@ -421,7 +421,7 @@ def test_a_build_killed_in_a_probe_is_finished_by_the_set_up_step_not_the_next_p
     assert f"set-up: building DeepSpeed ops: {SHM}" in log
     assert "  warning: removed a stale lock " in log and "  done in " in log
     # Before the next DeepSpeed probe there is nothing left to set up.
-    assert tuning.device.setup(result.spec) is None
+    assert tuning.device.setup(result.spec) == []
 
 
 @pytest.fixture(scope="module")

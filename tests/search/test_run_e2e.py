@@ -257,18 +257,19 @@ def run_tuner(setup: Setup, root: Path) -> tuple[int, dict[str, Any], str]:
 
 
 def processes_of(root: Path) -> list[psutil.Process]:
-    """Live processes of this test: the tuner (its storage URL) and probe ranks (their probe
-    folder) name ``root`` on their command line; anything in their process groups too."""
+    """Live processes of this test: the tuner (its storage URL) and fresh probe ranks (their
+    probe folder) name ``root`` on their command line; the tuner, its warm workers and ranks
+    forked from them run in ``root``; anything in their process groups too."""
     needle = str(root).rstrip("/")
     own_group = os.getpgid(0)
     found: dict[int, psutil.Process] = {}
     groups: set[int] = set()
-    procs = list(psutil.process_iter(["cmdline", "status"]))
+    procs = list(psutil.process_iter(["cmdline", "status", "cwd"]))
     for proc in procs:
         try:
             if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            parts = proc.info["cmdline"] or []
+            parts = [*(proc.info["cmdline"] or []), proc.info["cwd"] or ""]
             if any(part == needle or f"{needle}/" in part for part in parts):
                 found[proc.pid] = proc
                 groups.add(os.getpgid(proc.pid))
@@ -323,15 +324,15 @@ def trial_states(root: Path) -> list[str]:
 
 
 def running_probe_dir(root: Path) -> Path | None:
-    """A probe folder without a result whose rank 0 has been running for a second or more
-    (its command line names the folder), so the launcher is waiting on it."""
+    """A probe folder without a result whose rank 0 runs (its report exists) and was started
+    a second or more ago (the launcher wrote the folder's config just before), so the
+    launcher is waiting on it."""
     for folder in (root / "trials").glob("*/*"):
-        if (folder / "result.json").exists():
+        if (folder / "result.json").exists() or not (folder / "rank0.json").exists():
             continue
-        for proc in processes_of(folder):
-            with contextlib.suppress(psutil.Error):
-                if time.time() - proc.create_time() >= 1.0:
-                    return folder
+        with contextlib.suppress(OSError):
+            if time.time() - (folder / "config.json").stat().st_mtime >= 1.0:
+                return folder
     return None
 
 
@@ -603,6 +604,13 @@ def test_a_real_oom_is_recorded_and_the_search_ends_feasible(root: Path, setup: 
     assert size["outcome"] == "oom" and size["stage"] in ("forward", "backward"), size
     assert "OutOfMemoryError" in size["message"] and "emulated" in size["message"], size
     assert result["emulated_device_memory_bytes"] == setup.cap
+    # Its ranks were forked from the run's warm workers, which a set-up step started once.
+    assert result["spawn"] == "warm" and result["startup_s"] >= result["import_s"], result
+    assert (
+        "fork of autotune's warm worker process" in (Path(oom["probe_dir"]) / "cmd.txt").read_text()
+    )
+    steps = [(step["label"], step["ok"]) for step in summary["setup"]]
+    assert steps == [("starting warm probe workers", True)], summary["setup"]
     # The same configuration at a smaller size fits, measured.
     assert any(
         r["config"] == setup.config and r["feasible"] and r["micro_batch_size"] < setup.oom_size

@@ -9,7 +9,7 @@ import pytest
 
 from autotune.api import prepare
 from autotune.devices import Clock, Device, SimulatedDevice
-from autotune.devices.base import SetupStep
+from autotune.devices.base import SetupResult, SetupStep
 from autotune.probe import ProbeResult, ProbeSpec
 from autotune.search.controller import (
     FIRST_PROBE_GUESS_S,
@@ -62,8 +62,11 @@ class _Hooked:
         self.inner, self.hook, self.kind = inner, hook, inner.kind
         self.results: list[ProbeResult] = []
 
-    def setup(self, spec: ProbeSpec) -> SetupStep | None:
+    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
         return self.inner.setup(spec)
+
+    def close(self) -> None:
+        self.inner.close()
 
     def launch(self, spec: ProbeSpec, probe_dir: Path, **kwargs: object) -> ProbeResult:
         self.hook(spec)
@@ -181,6 +184,31 @@ def test_an_interrupted_probe_is_retried_once_on_resume(tmp_path: Path) -> None:
     complete = [(*m.key, m.repeat) for m in done.measurements if m.state == "COMPLETE"]
     assert not set(interrupted) & {point[:2] for point in complete}
     assert len(complete) == len(set(complete))
+
+
+class _StoppedInSetUp(_Hooked):
+    """A device whose second probe needs a set-up step, which a Ctrl-C stops."""
+
+    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
+        if len(self.results) < 1:
+            return []
+
+        def interrupted() -> SetupResult:
+            raise KeyboardInterrupt
+
+        return [SetupStep(label="starting warm probe workers", run=interrupted)]
+
+
+def test_a_ctrl_c_in_a_set_up_step_says_no_probe_was_running(tmp_path: Path) -> None:
+    controller, _, _ = _controller(tmp_path, SCENARIOS[0])
+    controller.device = _StoppedInSetUp(controller.device, lambda spec: None)
+    summary = controller.run()
+    assert summary.probes == 1 and summary.interrupted == "Ctrl-C"
+    assert summary.stop_reason == (
+        "interrupted (Ctrl-C) during the set-up step (starting warm probe workers): it was "
+        "stopped; no probe was running"
+    )
+    assert not [m for m in summary.measurements if m.state == "FAIL"]
 
 
 def test_probe_timeouts_follow_measured_probes_and_the_budget(tmp_path: Path) -> None:

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-from autotune.config import Engine
+import functools
+
+from autotune.config import Engine, TrainConfig
 from autotune.probe.engines.base import EngineContext, Trainee
+
+
+@functools.cache
+def load_engine(config: TrainConfig, device_type: str) -> None:
+    """Import the engine ``config`` names, with the libraries and compiled ops it loads (part
+    of a rank's start-up, so that :func:`build_trainee` measures the build alone); once per
+    process and configuration."""
+    if config.engine is Engine.DEEPSPEED:
+        from autotune.probe.engines.deepspeed import load_deepspeed
+
+        load_deepspeed(config, device_type)
+    elif config.engine is Engine.FSDP:
+        import autotune.probe.engines.fsdp
+    else:
+        import autotune.probe.engines.ddp  # noqa: F401
 
 
 def build_trainee(ctx: EngineContext) -> Trainee:
     """Build the engine named by ``ctx.config.engine`` (imports only that engine)."""
+    load_engine(ctx.config, ctx.device.type)
     engine = ctx.config.engine
     if engine in (Engine.SINGLE, Engine.DDP):
         from autotune.probe.engines.ddp import build_ddp
@@ -22,4 +40,4 @@ def build_trainee(ctx: EngineContext) -> Trainee:
     return build_deepspeed(ctx)
 
 
-__all__ = ["EngineContext", "Trainee", "build_trainee"]
+__all__ = ["EngineContext", "Trainee", "build_trainee", "load_engine"]

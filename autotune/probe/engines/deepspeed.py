@@ -113,6 +113,26 @@ def _initialize_partitioned(model: torch.nn.Module) -> None:
             init_weights(module)
 
 
+def load_deepspeed(config: TrainConfig, device_type: str) -> None:
+    """Import DeepSpeed and load the JIT-built ops it will use for ``config``.
+
+    The set-up step of ``autotune run`` has normally built them; they are loaded here under
+    the build lock, so DeepSpeed's own loads later reuse them, and a torch build lock left by
+    a killed probe is cleared instead of waited on forever.
+    """
+    import deepspeed  # noqa: F401
+
+    loads = load_ops(
+        deepspeed_ops(config, device_type),
+        extensions_dir(os.environ),
+        wait_s=None,  # the probe's timeout bounds it
+        say=lambda line: print(line, flush=True),
+    )
+    for load in loads:
+        if load.action == "built":  # in the probe's time: the set-up step did not run
+            print(load.line(), flush=True)
+
+
 def build_deepspeed(ctx: EngineContext) -> Trainee:
     """``deepspeed.initialize`` on the model; ZeRO-3 builds it partitioned from the start."""
     import deepspeed
@@ -126,18 +146,6 @@ def build_deepspeed(ctx: EngineContext) -> Trainee:
         lr=ctx.lr,
         cpu=ctx.device.type == "cpu",
     )
-    # The JIT-built ops DeepSpeed will load (built by the tuner's set-up step, normally), loaded
-    # here under the build lock: DeepSpeed's own loads below reuse them, and a torch build lock
-    # left by a killed probe is cleared instead of waited on forever.
-    loads = load_ops(
-        deepspeed_ops(ctx.config, ctx.device.type),
-        extensions_dir(os.environ),
-        wait_s=None,  # the probe's timeout bounds it
-        say=lambda line: print(line, flush=True),
-    )
-    for load in loads:
-        if load.action == "built":  # in the probe's time: the set-up step did not run
-            print(load.line(), flush=True)
     # deepspeed.comm wraps the process group the worker already created.
     deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
     torch.manual_seed(ctx.seed)
