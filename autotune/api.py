@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.config import Attention, ConfigError, Engine, Precision, TrainConfig
 from autotune.devices import Device, LocalDevice, SimulatedDevice
+from autotune.devices.base import SetupResult, SetupStep
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, usable_bytes
 from autotune.estimator.plan import plan as plan_rows
 from autotune.hardware import (
@@ -452,6 +453,7 @@ def probe(
     trials_dir: str | Path = "trials",
     folder: str = "probes",
     on_start: Callable[[ProbeSpec, Path], None] | None = None,
+    set_up: Callable[[SetupStep], SetupResult] | None = None,
 ) -> ProbeResult:
     """Run a few real training steps of one configuration at each micro-batch size.
 
@@ -466,6 +468,9 @@ def probe(
         trials_dir: Where the probe folder goes: a new ``trials_dir/folder/N``, made once
             the probe is known to be valid.
         on_start: Called with the spec and the folder just before the probe starts.
+        set_up: Runs each of the device's set-up steps (building DeepSpeed ops the probe
+            loads that are not built), before the probe and outside its timeout; default:
+            ``step.run()``. A live view wraps it in a spinner and prints its result.
     """
     resolve_model(model)  # fail fast on an unknown name
     config = config or TrainConfig()
@@ -494,6 +499,11 @@ def probe(
         timed_steps=timed_steps,
         timeout_s=_seconds(timeout, "the probe timeout"),
     )
+    for step in chosen.setup(spec):
+        if set_up is None:
+            step.run()
+        else:
+            set_up(step)
     probe_dir = new_probe_dir(Path(trials_dir), folder)
     if on_start is not None:
         on_start(spec, probe_dir)

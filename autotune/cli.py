@@ -119,6 +119,8 @@ def probe(
 ) -> None:
     """Run a few real training steps of one configuration and report OOM or throughput."""
     from autotune import api
+    from autotune.devices.base import SetupResult, SetupStep
+    from autotune.report.live import print_setup_done
     from autotune.report.tables import probe_report
 
     config = TrainConfig(
@@ -144,6 +146,16 @@ def probe(
                 console.status(f"probe running ({spec.num_processes} x {spec.device})")
             )
 
+    def set_up(step: SetupStep) -> SetupResult:
+        if json_output:
+            return step.run()
+        line = f"set-up: {step.label} (its own step, outside the probe's timeout)"
+        console.print(line, style="dim", markup=False, highlight=False)
+        with console.status(step.label):
+            done = step.run()
+        print_setup_done(console, done)
+        return done
+
     with running:
         result = api.probe(
             model,
@@ -160,6 +172,7 @@ def probe(
             trials_dir=trials_dir,
             folder=study,
             on_start=started,
+            set_up=set_up,
         )
     if json_output:
         _print_json(result.to_dict())

@@ -18,6 +18,7 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from autotune.devices.base import SetupResult
 from autotune.probe.result import SizeResult
 from autotune.search.controller import Event
 from autotune.study.fingerprint import Objective
@@ -43,6 +44,16 @@ def speed_text(m: Measurement | None) -> str:
     if m is None or not m.value:
         return "-"
     return f"{m.tokens_per_second or 0:,.0f} tokens/s" + (f", MFU {m.mfu:.1%}" if m.mfu else "")
+
+
+def print_setup_done(console: Console, done: SetupResult) -> None:
+    """A finished set-up step: its warnings, then how it ended, in how long."""
+    for warning in done.warnings:
+        console.print(f"  {warning}", style="yellow", markup=False, highlight=False)
+    line = f"  {'done' if done.ok else 'failed'} in {format_duration(done.seconds)}: "
+    console.print(
+        line + done.message, style="" if done.ok else "red", markup=False, highlight=False
+    )
 
 
 class RunView:
@@ -110,16 +121,7 @@ class RunView:
             line = f"set-up: {event.message} (its own step, in no probe)"
             self.console.print(line, style="dim", markup=False, highlight=False)
         elif event.kind == "setup_done" and event.setup:
-            done = event.setup
-            for warning in done.warnings:
-                self.console.print(f"  {warning}", style="yellow", markup=False, highlight=False)
-            line = f"  {'done' if done.ok else 'failed'} in {format_duration(done.seconds)}: "
-            self.console.print(
-                line + done.message,
-                style="" if done.ok else "red",
-                markup=False,
-                highlight=False,
-            )
+            print_setup_done(self.console, event.setup)
 
     def _budget_left(self) -> float:
         event = self._event

@@ -11,6 +11,7 @@ import pytest
 
 from autotune.config import TrainConfig
 from autotune.devices import Device, LocalDevice, ProbeClock, SimulatedDevice, WallClock
+from autotune.devices.base import SetupResult, SetupStep
 from autotune.probe import Outcome, ProbeResult, ProbeSpec
 from autotune.probe.forkserver import ForkServer
 
@@ -113,3 +114,50 @@ def test_only_a_local_deepspeed_probe_with_an_op_to_build_has_a_set_up_step(
     # With warm workers (the default), starting them is a step of its own, after the build.
     labels = [step.label for step in LocalDevice("cpu").setup(deepspeed)]
     assert labels == ["building DeepSpeed ops: deepspeed_shm_comm", "starting warm probe workers"]
+
+
+class _NeedsSetUp:
+    """The simulated GPU with one set-up step; records when the step and the probe ran."""
+
+    kind = "simulated"
+
+    def __init__(self, log: list[str]) -> None:
+        self.inner = SimulatedDevice.named("h100-80gb", seed=1)
+        self.log = log
+
+    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
+        def run() -> SetupResult:
+            self.log.append("set-up")
+            return SetupResult(label="building", ok=True, seconds=0.0, message="built")
+
+        return [SetupStep(label="building", run=run)]
+
+    def launch(self, spec: ProbeSpec, probe_dir: Path, **kwargs: object) -> ProbeResult:
+        self.log.append("probe")
+        return self.inner.launch(spec, probe_dir)
+
+    def clock(self) -> ProbeClock:
+        return ProbeClock()
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_single_probe_runs_its_set_up_steps_first(tmp_path: Path) -> None:
+    """`autotune probe` (api.probe) runs the device's set-up steps through the caller's hook,
+    before the probe and outside its timeout, as `autotune run` does."""
+    from autotune.api import probe
+
+    log: list[str] = []
+    seen: list[str] = []
+
+    def set_up(step: SetupStep) -> SetupResult:
+        seen.append(step.label)
+        return step.run()
+
+    result = probe(
+        "qwen2.5-1.5b", micro_batch_sizes=(1,), device=_NeedsSetUp(log),
+        trials_dir=tmp_path, set_up=set_up,
+    )  # fmt: skip
+    assert result.outcome is Outcome.OK
+    assert seen == ["building"] and log == ["set-up", "probe"]
