@@ -41,10 +41,11 @@ _CONSTRAINTS = "constraints"
 
 
 def sqlite_path(url: str) -> Path | None:
-    """The file of a ``sqlite:///`` URL (None for other databases and in-memory ones)."""
+    """The file of a ``sqlite:///`` URL, without the URL's options (None for other databases
+    and in-memory ones)."""
     if not url.startswith("sqlite:///"):
         return None
-    path = Path(url.removeprefix("sqlite:///"))
+    path = Path(url.removeprefix("sqlite:///").partition("?")[0])
     return None if str(path) in ("", ":memory:") else path.expanduser()
 
 

@@ -83,6 +83,15 @@ def test_another_schema_revision_is_read_through_optuna(tmp_path: Path) -> None:
     assert study.measurements == expected
 
 
+def test_a_sqlite_url_with_options_is_read_too(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/a.db"
+    store = TrialStore(_fingerprint(), storage=url)
+    _probe(store, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (1, 2))
+    [plain] = read_studies(url)
+    [with_options] = read_studies(url + "?timeout=30")
+    assert with_options == plain and plain.measurements == store.measurements()
+
+
 def test_a_missing_file_holds_no_study_and_is_not_created(tmp_path: Path) -> None:
     assert read_studies(f"sqlite:///{tmp_path}/none/autotune.db") == []
     assert not (tmp_path / "none").exists()
