@@ -18,7 +18,16 @@ from typing import Any
 from autotune.config import TrainConfig
 from autotune.study.fingerprint import Fingerprint
 
-__all__ = ["RETRYABLE", "Measurement", "StudyResult", "best_point", "decode", "pooled"]
+__all__ = [
+    "RETRYABLE",
+    "Measurement",
+    "StudyResult",
+    "best_group",
+    "best_point",
+    "decode",
+    "pool",
+    "pooled",
+]
 
 RETRYABLE = ("interrupted", "stale")
 """Outcomes of trials that failed through no fault of their configuration (Ctrl-C, a tuner
@@ -97,34 +106,39 @@ def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
     out of memory makes the point unreliable). The result is the point's latest measurement
     with the objective, tokens/s and MFU averaged, and ``repeats`` saying how many.
     """
+    return [pool(group) for group in _points(measurements)]
+
+
+def _points(measurements: Iterable[Measurement]) -> list[list[Measurement]]:
+    """The completed measurements of each feasible point, in the order the points appear."""
     groups: dict[tuple[TrainConfig, int], list[Measurement]] = {}
     for m in measurements:
         if m.state == "COMPLETE":
             groups.setdefault(m.key, []).append(m)
-    points = []
-    for group in groups.values():
-        if not all(m.feasible and m.value for m in group):
-            continue
-        last = max(group, key=lambda m: m.number)
-        tokens = _mean([m.tokens_per_second for m in group])
-        mfu = _mean([m.mfu for m in group])
-        points.append(
-            dataclasses.replace(
-                last,
-                value=_mean([m.value for m in group]),
-                tokens_per_second=tokens,
-                mfu=mfu,
-                repeats=len(group),
-                # The stored attributes as the JSON export shows them: pooled too.
-                attrs={
-                    **last.attrs,
-                    "objective_tokens_per_second": tokens,
-                    "objective_mfu": mfu,
-                    "repeats": len(group),
-                },
-            )
-        )
-    return points
+    return [group for group in groups.values() if all(m.feasible and m.value for m in group)]
+
+
+def pool(group: list[Measurement]) -> Measurement:
+    """One point's completed measurements as one: its latest, with the objective, tokens/s
+    and MFU averaged. Of the others only the number, objective, tokens/s and MFU are read
+    (``best_group`` reads their state, configuration and feasibility too)."""
+    last = max(group, key=lambda m: m.number)
+    tokens = _mean([m.tokens_per_second for m in group])
+    mfu = _mean([m.mfu for m in group])
+    return dataclasses.replace(
+        last,
+        value=_mean([m.value for m in group]),
+        tokens_per_second=tokens,
+        mfu=mfu,
+        repeats=len(group),
+        # The stored attributes as the JSON export shows them: pooled too.
+        attrs={
+            **last.attrs,
+            "objective_tokens_per_second": tokens,
+            "objective_mfu": mfu,
+            "repeats": len(group),
+        },
+    )
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -132,9 +146,19 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def best_group(measurements: Iterable[Measurement]) -> list[Measurement] | None:
+    """The completed measurements of the best point (see :func:`best_point`), if any."""
+    return max(
+        _points(measurements),
+        key=lambda group: _mean([m.value for m in group]) or 0.0,
+        default=None,
+    )
+
+
 def best_point(measurements: Iterable[Measurement]) -> Measurement | None:
     """The feasible point with the highest objective (the mean of its repeats), if any."""
-    return max(pooled(measurements), key=lambda m: m.value or 0.0, default=None)
+    group = best_group(measurements)
+    return None if group is None else pool(group)
 
 
 @functools.lru_cache(maxsize=1024)
