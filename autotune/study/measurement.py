@@ -19,6 +19,7 @@ from autotune.config import TrainConfig
 from autotune.study.fingerprint import Fingerprint
 
 __all__ = [
+    "POOLED_ATTRS",
     "RETRYABLE",
     "Measurement",
     "StudyResult",
@@ -99,6 +100,12 @@ class Measurement:
         }
 
 
+POOLED_ATTRS = ("objective_tokens_per_second", "objective_mfu")
+"""The user attributes pooling reads (besides state, params, constraints and value): a
+reader that only needs a study's best point fetches these of every trial, and every
+attribute of the few trials it shows."""
+
+
 def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
     """One measurement per feasible point: the mean of its repeats.
 
@@ -121,7 +128,8 @@ def _points(measurements: Iterable[Measurement]) -> list[list[Measurement]]:
 def pool(group: list[Measurement]) -> Measurement:
     """One point's completed measurements as one: its latest, with the objective, tokens/s
     and MFU averaged. Of the others only the number, objective, tokens/s and MFU are read
-    (``best_group`` reads their state, configuration and feasibility too)."""
+    (``best_group`` reads their state, configuration and feasibility too; see
+    ``POOLED_ATTRS``)."""
     last = max(group, key=lambda m: m.number)
     tokens = _mean([m.tokens_per_second for m in group])
     mfu = _mean([m.mfu for m in group])
@@ -214,16 +222,34 @@ def decode(
 
 @dataclass(frozen=True, kw_only=True)
 class StudyResult:
-    """One study of a trial database: its fingerprint, every trial decoded, and the best."""
+    """One study of a trial database: its fingerprint, its trials decoded, and the best."""
 
     fingerprint: Fingerprint
     measurements: list[Measurement]
+    """The study's trials: every one, or only the last few (by number) when read so."""
+    trial_count: int
+    """How many trials the study holds (withdrawn claims aside), whether ``measurements``
+    holds them all or not."""
+    best: Measurement | None
+    """The feasible point with the highest objective (the mean of its repeats), over every
+    trial."""
 
     @property
     def study_name(self) -> str:
         return self.fingerprint.study_name
 
-    @property
-    def best(self) -> Measurement | None:
-        """The feasible point with the highest objective (the mean of its repeats)."""
-        return best_point(self.measurements)
+    @classmethod
+    def of(
+        cls, fingerprint: Fingerprint, measurements: list[Measurement], *, last: int | None = None
+    ) -> StudyResult:
+        """From every trial of a study, keeping only its ``last`` trials by number (None:
+        all of them, in the order given)."""
+        shown = measurements
+        if last is not None:
+            shown = sorted(measurements, key=lambda m: m.number)[max(len(measurements) - last, 0) :]
+        return cls(
+            fingerprint=fingerprint,
+            measurements=shown,
+            trial_count=len(measurements),
+            best=best_point(measurements),
+        )
