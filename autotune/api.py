@@ -387,11 +387,11 @@ def tune(
 
 
 def _studies(
-    storage: str, model: str | None, gpu: str | None, last: int | None
+    storage: str, model: str | None, gpu: str | None, last: int | None, with_best: bool = True
 ) -> list[StudyResult]:
     from autotune.study.reader import read_studies
 
-    stores = read_studies(storage, last=last)
+    stores = read_studies(storage, last=last, best=with_best)
     if model:
         # A path names its study by the folder that holds the config, as `run` does.
         name = model if model in {s.fingerprint.model for s in stores} else None
@@ -434,10 +434,15 @@ def trials(
     gpu: str | None = None,
     storage: str = DEFAULT_STORAGE,
     last: int | None = None,
+    best: bool = True,
 ) -> list[StudyResult]:
-    """Every trial of each matching study, or its ``last`` trials by number (``best`` is
-    filled in too, over every trial)."""
-    return _studies(storage, model, gpu, last)
+    """Every trial of each matching study, or its ``last`` trials by number.
+
+    Args:
+        best: Fill in each study's ``best`` too, over every trial (else it is None, and a
+            read of the last trials of a large study is faster).
+    """
+    return _studies(storage, model, gpu, last, best)
 
 
 def probe(

@@ -376,7 +376,7 @@ def trials(
     from autotune import api
     from autotune.report.tables import trials_table
 
-    studies = api.trials(model=model, gpu=gpu, storage=storage, last=last)
+    studies = api.trials(model=model, gpu=gpu, storage=storage, last=last, best=False)
     shown = {s.study_name: sorted(s.measurements, key=lambda m: m.number) for s in studies}
     if json_output:
         _print_json(

@@ -232,7 +232,7 @@ class StudyResult:
     holds them all or not."""
     best: Measurement | None
     """The feasible point with the highest objective (the mean of its repeats), over every
-    trial."""
+    trial; None when there is none, or when the study was read without it."""
 
     @property
     def study_name(self) -> str:
@@ -240,10 +240,15 @@ class StudyResult:
 
     @classmethod
     def of(
-        cls, fingerprint: Fingerprint, measurements: list[Measurement], *, last: int | None = None
+        cls,
+        fingerprint: Fingerprint,
+        measurements: list[Measurement],
+        *,
+        last: int | None = None,
+        best: bool = True,
     ) -> StudyResult:
         """From every trial of a study, keeping only its ``last`` trials by number (None:
-        all of them, in the order given)."""
+        all of them, in the order given); ``best``: find the best point (else None)."""
         shown = measurements
         if last is not None:
             shown = sorted(measurements, key=lambda m: m.number)[max(len(measurements) - last, 0) :]
@@ -251,5 +256,5 @@ class StudyResult:
             fingerprint=fingerprint,
             measurements=shown,
             trial_count=len(measurements),
-            best=best_point(measurements),
+            best=best_point(measurements) if best else None,
         )

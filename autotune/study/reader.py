@@ -6,10 +6,11 @@ imports, the schema's version check) for a query of a few milliseconds, so this 
 plain SQL on Optuna's tables: through Python's own ``sqlite3`` for a SQLite file, through
 SQLAlchemy Core for PostgreSQL and any other URL.
 
-A study of 10,000 trials holds some 300,000 rows of user attributes. Counting the trials and
-pooling the best point read only a few attributes of each (``POOLED_ATTRS``); every attribute
-is read only for the trials shown (``read_studies(last=N)``) and the best point's latest
-trial.
+A study of 10,000 trials holds some 300,000 rows of user attributes. Every row of a trial is
+read only for the trials shown (``read_studies(last=N)``) and the best point's latest trial:
+pooling the best point reads the params, constraints and value of every trial but only a few
+of its attributes (``POOLED_ATTRS``), and counting the trials only which have a micro-batch
+size and which are withdrawn claims.
 
 It reads only the schema it knows (``KNOWN_SCHEMAS``, Optuna's Alembic revision); a database
 of any other revision, or one without Optuna's tables, is read through Optuna instead, which
@@ -34,6 +35,7 @@ from autotune.study.measurement import (
     Measurement,
     StudyResult,
     best_group,
+    best_point,
     decode,
     pool,
 )
@@ -45,6 +47,9 @@ KNOWN_SCHEMAS = frozenset({"v3.2.0.a"})
 
 FINGERPRINT_ATTR = "autotune_fingerprint"
 """The study user attribute that makes an Optuna study an autotune study."""
+
+MICRO_BATCH_SIZE = "micro_batch_size"
+"""The param every trial of a probed size has (other trials are not counted)."""
 
 WITHDRAWN = "withdrawn"
 """The user attribute of a claim withdrawn in a race with another worker (not counted)."""
@@ -72,13 +77,17 @@ def cannot_open(url: str, error: Exception) -> ConfigError:
     )
 
 
-def read_studies(url: str = DEFAULT_STORAGE, *, last: int | None = None) -> list[StudyResult]:
+def read_studies(
+    url: str = DEFAULT_STORAGE, *, last: int | None = None, best: bool = True
+) -> list[StudyResult]:
     """Every autotune study in a storage, in the order they were created.
 
     Args:
         last: Decode only the last ``last`` trials (by number) of each study; None: every
             one. The count and the best are over every trial either way, but a study's
             best and the trials shown are then the only ones whose every attribute is read.
+        best: Find each study's best point (else ``best`` is None, and with ``last`` the
+            trials not shown are only counted: ``autotune trials --last N``).
 
     Raises:
         ConfigError: When the storage cannot be opened (one line that says what to use), or
@@ -90,13 +99,15 @@ def read_studies(url: str = DEFAULT_STORAGE, *, last: int | None = None) -> list
     if path is not None and not path.is_file():
         return []
     if path is not None and "?" not in url:
-        studies = _read_sqlite_file(url, path, last)
+        studies = _read_sqlite_file(url, path, last, best)
     else:
-        studies = _read_through_sqlalchemy(url, last)
-    return _through_optuna(url, last) if studies is None else studies
+        studies = _read_through_sqlalchemy(url, last, best)
+    return _through_optuna(url, last, best) if studies is None else studies
 
 
-def _read_sqlite_file(url: str, path: Path, last: int | None) -> list[StudyResult] | None:
+def _read_sqlite_file(
+    url: str, path: Path, last: int | None, with_best: bool
+) -> list[StudyResult] | None:
     """A SQLite file through Python's own driver: SQLAlchemy's import alone takes a few
     tenths of a second. The queries run in one read transaction: one snapshot of the study,
     even while a tuner writes to it."""
@@ -106,7 +117,7 @@ def _read_sqlite_file(url: str, path: Path, last: int | None) -> list[StudyResul
         raise cannot_open(url, error) from None
     try:
         connection.execute("BEGIN")
-        return _read(lambda query: connection.execute(query).fetchall(), last)
+        return _read(lambda query: connection.execute(query).fetchall(), last, with_best)
     except sqlite3.OperationalError as error:
         if "no such table" in str(error):
             return None
@@ -117,7 +128,9 @@ def _read_sqlite_file(url: str, path: Path, last: int | None) -> list[StudyResul
         connection.close()
 
 
-def _read_through_sqlalchemy(url: str, last: int | None) -> list[StudyResult] | None:
+def _read_through_sqlalchemy(
+    url: str, last: int | None, with_best: bool
+) -> list[StudyResult] | None:
     """Any other database (PostgreSQL, a SQLite URL with options) through SQLAlchemy Core."""
     import sqlalchemy
 
@@ -130,7 +143,8 @@ def _read_through_sqlalchemy(url: str, last: int | None) -> list[StudyResult] | 
             if connection.dialect.name == "postgresql":
                 # One snapshot for every query, even while a tuner writes to the study.
                 connection.execution_options(isolation_level="REPEATABLE READ")
-            return _read(lambda query: connection.execute(sqlalchemy.text(query)).all(), last)
+            run = connection.execute
+            return _read(lambda query: run(sqlalchemy.text(query)).all(), last, with_best)
     except sqlalchemy.exc.OperationalError as error:
         if "no such table" in str(error.orig):
             return None
@@ -143,12 +157,12 @@ def _read_through_sqlalchemy(url: str, last: int | None) -> list[StudyResult] | 
         engine.dispose()
 
 
-def _through_optuna(url: str, last: int | None) -> list[StudyResult]:
+def _through_optuna(url: str, last: int | None, with_best: bool) -> list[StudyResult]:
     """Another schema revision, or none yet: Optuna checks, upgrades or says why."""
     from autotune.study.store import TrialStore
 
     return [
-        StudyResult.of(store.fingerprint, store.measurements(), last=last)
+        StudyResult.of(store.fingerprint, store.measurements(), last=last, best=with_best)
         for store in TrialStore.existing(url)
     ]
 
@@ -160,7 +174,7 @@ _CHUNK = 500
 """Trial ids per ``IN (...)`` list."""
 
 
-def _read(query: Query, last: int | None) -> list[StudyResult] | None:
+def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] | None:
     """The studies, or None when the schema is not one this reader knows.
 
     Every value spliced into the SQL is an integer read from the database or a constant of
@@ -185,54 +199,58 @@ def _read(query: Query, last: int | None) -> list[StudyResult] | None:
     )
     of_studies = f"trial_id IN (SELECT trial_id FROM trials WHERE study_id IN ({studies}))"
     rows = _TrialRows()
-    # Every attribute of every trial when all are shown, else only what counting and pooling
-    # read; the shown trials' other attributes follow below.
-    keys = "" if last is None else f" AND key IN ({_texts((WITHDRAWN, *POOLED_ATTRS))})"
-    for statement, add in (
-        ("SELECT trial_id, param_name, param_value, distribution_json FROM trial_params "
-         f"WHERE {of_studies}",
-         rows.add_param),
-        (f"SELECT trial_id, key, value_json FROM trial_user_attributes WHERE {of_studies}{keys}",
-         rows.add_user_attr),
-        ("SELECT trial_id, key, value_json FROM trial_system_attributes "
-         f"WHERE {of_studies} AND key LIKE '{_CONSTRAINTS}%'",
-         rows.add_constraint),
-        (f"SELECT trial_id, objective, value, value_type FROM trial_values WHERE {of_studies}",
-         rows.add_value),
-    ):  # fmt: skip
-        for row in query(statement):
-            add(*row)
-    # What a study counts: its trials with a micro-batch size, less withdrawn claims.
-    counted: dict[int, list[_Trial]] = {study_id: [] for study_id in fingerprints}
-    for trial_id, number, study_id, state in trials:
-        params = rows.params.get(trial_id)
-        if params is None or "micro_batch_size" not in params:
-            continue
-        if rows.user_attrs.get(trial_id, {}).get(WITHDRAWN):
-            continue
-        counted[study_id].append(_Trial(trial_id, number, str(getattr(state, "name", state))))
-    if last is None:
-        return [
-            StudyResult.of(fingerprints[study_id], [rows.decode(t) for t in counted[study_id]])
-            for study_id in fingerprints
-        ]
-    # Each study's best point, from its completed trials decoded with only the attributes
-    # pooling reads; the point's latest trial, which the pooled measurement is made of, is
-    # decoded again below with every attribute.
+    if last is None:  # every row of every trial
+        rows.read(query, of_studies)
+        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn())
+        results = []
+        for study_id, fingerprint in fingerprints.items():
+            measurements = [rows.decode(t) for t in counted[study_id]]
+            results.append(
+                StudyResult(
+                    fingerprint=fingerprint,
+                    measurements=measurements,
+                    trial_count=len(measurements),
+                    best=best_point(measurements) if with_best else None,
+                )
+            )
+        return results
     best: dict[int, tuple[list[Measurement], int, _Trial]] = {}
-    for study_id, kept in counted.items():
-        completed = [t for t in kept if t.state == "COMPLETE"]
-        decoded = [rows.decode(t) for t in completed]
-        group = best_group(decoded)
-        if group is not None:
-            top = max(group, key=lambda m: m.number)  # as pool() picks it
-            latest = next(i for i, m in enumerate(group) if m is top)
-            trial = next(t for m, t in zip(decoded, completed, strict=True) if m is top)
-            best[study_id] = (group, latest, trial)
+    if with_best:
+        # Each study's best point, from its completed trials decoded with only the attributes
+        # pooling reads; the point's latest trial, which the pooled measurement is made of,
+        # is decoded again below with every attribute.
+        rows.read(query, of_studies, keys=(WITHDRAWN, *POOLED_ATTRS))
+        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn())
+        for study_id, kept in counted.items():
+            completed = [t for t in kept if t.state == "COMPLETE"]
+            decoded = [rows.decode(t) for t in completed]
+            group = best_group(decoded)
+            if group is not None:
+                top = max(group, key=lambda m: m.number)  # as pool() picks it
+                latest = next(i for i, m in enumerate(group) if m is top)
+                trial = next(t for m, t in zip(decoded, completed, strict=True) if m is top)
+                best[study_id] = (group, latest, trial)
+    else:  # only which trials count
+        sized = {
+            trial_id
+            for (trial_id,) in query(
+                f"SELECT trial_id FROM trial_params WHERE {of_studies} "
+                f"AND param_name = '{MICRO_BATCH_SIZE}'"
+            )
+        }
+        withdrawn = {
+            trial_id
+            for trial_id, value in query(
+                "SELECT trial_id, value_json FROM trial_user_attributes "
+                f"WHERE {of_studies} AND key = '{WITHDRAWN}'"
+            )
+            if json.loads(value)
+        }
+        counted = _counted(fingerprints, trials, sized, withdrawn)
     shown = {study_id: kept[max(len(kept) - last, 0) :] for study_id, kept in counted.items()}
     full = {t.trial_id for kept in shown.values() for t in kept}
     full.update(trial.trial_id for _, _, trial in best.values())
-    rows.read_user_attrs(query, sorted(full))
+    rows.read_trials(query, sorted(full))
     results = []
     for study_id, fingerprint in fingerprints.items():
         point = None
@@ -248,6 +266,21 @@ def _read(query: Query, last: int | None) -> list[StudyResult] | None:
             )
         )
     return results
+
+
+def _counted(
+    fingerprints: Iterable[int],
+    trials: Iterable[Sequence[Any]],
+    sized: set[int],
+    withdrawn: set[int],
+) -> dict[int, list[_Trial]]:
+    """What each study counts, by number: its trials with a micro-batch size, less the claims
+    withdrawn in a race with another worker."""
+    counted: dict[int, list[_Trial]] = {study_id: [] for study_id in fingerprints}
+    for trial_id, number, study_id, state in trials:
+        if trial_id in sized and trial_id not in withdrawn:
+            counted[study_id].append(_Trial(trial_id, number, str(getattr(state, "name", state))))
+    return counted
 
 
 def _ints(values: Iterable[int]) -> str:
@@ -311,18 +344,40 @@ class _TrialRows:
         if key == _CONSTRAINTS and isinstance(decoded, list):
             self.constraints[trial_id].extend(float(v) for v in decoded)
 
-    def read_user_attrs(self, query: Query, trial_ids: list[int]) -> None:
-        """Every user attribute of these trials, in place of what was read of them so far."""
-        for trial_id in trial_ids:
-            self.user_attrs.pop(trial_id, None)
-        for start in range(0, len(trial_ids), _CHUNK):
-            chunk = _ints(trial_ids[start : start + _CHUNK])
-            statement = (
-                f"SELECT trial_id, key, value_json FROM trial_user_attributes "
-                f"WHERE trial_id IN ({chunk})"
-            )
+    def read(self, query: Query, where: str, keys: Iterable[str] | None = None) -> None:
+        """The rows of the trials ``where`` selects: their params, constraints and values,
+        and their user attributes (only ``keys`` when given)."""
+        attrs = "" if keys is None else f" AND key IN ({_texts(keys)})"
+        for statement, add in (
+            ("SELECT trial_id, param_name, param_value, distribution_json FROM trial_params "
+             f"WHERE {where}",
+             self.add_param),
+            (f"SELECT trial_id, key, value_json FROM trial_user_attributes WHERE {where}{attrs}",
+             self.add_user_attr),
+            ("SELECT trial_id, key, value_json FROM trial_system_attributes "
+             f"WHERE {where} AND key LIKE '{_CONSTRAINTS}%'",
+             self.add_constraint),
+            (f"SELECT trial_id, objective, value, value_type FROM trial_values WHERE {where}",
+             self.add_value),
+        ):  # fmt: skip
             for row in query(statement):
-                self.add_user_attr(*row)
+                add(*row)
+
+    def read_trials(self, query: Query, trial_ids: list[int]) -> None:
+        """Every row of these trials, in place of what was read of them so far."""
+        for trial_id in trial_ids:
+            for table in (self.params, self.user_attrs, self.constraints, self.values):
+                table.pop(trial_id, None)
+        for start in range(0, len(trial_ids), _CHUNK):
+            self.read(query, f"trial_id IN ({_ints(trial_ids[start : start + _CHUNK])})")
+
+    def sized(self) -> set[int]:
+        """The trials read with a micro-batch size."""
+        return {trial_id for trial_id, params in self.params.items() if MICRO_BATCH_SIZE in params}
+
+    def withdrawn(self) -> set[int]:
+        """The trials read that are withdrawn claims."""
+        return {trial_id for trial_id, attrs in self.user_attrs.items() if attrs.get(WITHDRAWN)}
 
     def decode(self, trial: _Trial) -> Measurement:
         """A trial from the rows read of it."""

@@ -6,6 +6,7 @@ revisions go through Optuna; nothing is created."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import sqlite3
 import subprocess
@@ -61,17 +62,17 @@ def check_same_as_through_optuna(url: str) -> list[TrialStore]:
     point with every attribute of its latest trial."""
     through_optuna = TrialStore.existing(url)
     assert through_optuna
-    for last in LASTS:
-        read = read_studies(url, last=last)
+    for last, best in itertools.product(LASTS, (True, False)):
+        read = read_studies(url, last=last, best=best)
         assert [s.fingerprint for s in read] == [s.fingerprint for s in through_optuna]
         for fast, slow in zip(read, through_optuna, strict=True):
             every = slow.measurements()
             expected = every
             if last is not None:
                 expected = sorted(every, key=lambda m: m.number)[max(len(every) - last, 0) :]
-            assert fast.measurements == expected, last
+            assert fast.measurements == expected, (last, best)
             assert fast.trial_count == len(every)
-            assert fast.best == slow.best(), last
+            assert fast.best == (slow.best() if best else None), (last, best)
     return through_optuna
 
 
@@ -174,10 +175,11 @@ def check_a_grown_study_reads_as_through_optuna(url: str, tmp_path: Path) -> Non
     _every_kind_of_trial(url, tmp_path)
     _grow(url, 1200)
     stores = check_same_as_through_optuna(url)
-    for last in (499, 500, 501, 700):
-        for fast, slow in zip(read_studies(url, last=last), stores, strict=True):
+    for last, best in itertools.product((499, 500, 501, 700), (True, False)):
+        for fast, slow in zip(read_studies(url, last=last, best=best), stores, strict=True):
             every = sorted(slow.measurements(), key=lambda m: m.number)
-            assert fast.measurements == every[-last:] and fast.best == slow.best()
+            assert fast.measurements == every[-last:]
+            assert fast.best == (slow.best() if best else None)
     top = stores[0].best()
     assert top is not None and top.repeats > 100
     expected_best = [
@@ -215,12 +217,14 @@ def test_another_schema_revision_is_read_through_optuna(tmp_path: Path) -> None:
         db.execute("UPDATE alembic_version SET version_num = 'v9.9.9.z'")
     with contextlib.closing(sqlite3.connect(tmp_path / "a.db")) as db:
         # not a schema the reader knows
-        assert reader_module._read(lambda query: db.execute(query).fetchall(), None) is None
+        assert reader_module._read(lambda query: db.execute(query).fetchall(), None, True) is None
     [study] = read_studies(url)
     assert study.measurements == expected
     [latest] = read_studies(url, last=1)
     assert latest.measurements == expected[-1:] and latest.trial_count == 2
     assert latest.best == study.best == store.best()
+    [unpooled] = read_studies(url, last=1, best=False)
+    assert unpooled.measurements == expected[-1:] and unpooled.best is None
 
 
 def test_a_sqlite_url_with_options_is_read_too(tmp_path: Path) -> None:
