@@ -33,10 +33,12 @@ from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint
 from autotune.study.measurement import (
     POOLED_ATTRS,
     Measurement,
+    Point,
     StudyResult,
     best_group,
     best_point,
     decode,
+    point,
     pool,
 )
 
@@ -214,22 +216,21 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
                 )
             )
         return results
-    best: dict[int, tuple[list[Measurement], int, _Trial]] = {}
+    best: dict[int, tuple[list[Point], _Trial]] = {}
     if with_best:
-        # Each study's best point, from its completed trials decoded with only the attributes
-        # pooling reads; the point's latest trial, which the pooled measurement is made of,
-        # is decoded again below with every attribute.
+        # Each study's best point, from its completed trials as pooling reads them; the
+        # point's latest trial, which the pooled measurement is made of, is decoded below
+        # with every attribute.
         rows.read(query, of_studies, keys=(WITHDRAWN, *POOLED_ATTRS))
         counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn())
         for study_id, kept in counted.items():
             completed = [t for t in kept if t.state == "COMPLETE"]
-            decoded = [rows.decode(t) for t in completed]
-            group = best_group(decoded)
+            points = [rows.point(t) for t in completed]
+            group = best_group(points)
             if group is not None:
-                top = max(group, key=lambda m: m.number)  # as pool() picks it
-                latest = next(i for i, m in enumerate(group) if m is top)
-                trial = next(t for m, t in zip(decoded, completed, strict=True) if m is top)
-                best[study_id] = (group, latest, trial)
+                top = max(group, key=lambda p: p.number)
+                trial = next(t for p, t in zip(points, completed, strict=True) if p is top)
+                best[study_id] = (group, trial)
     else:  # only which trials count
         sized = {
             trial_id
@@ -249,20 +250,20 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
         counted = _counted(fingerprints, trials, sized, withdrawn)
     shown = {study_id: kept[max(len(kept) - last, 0) :] for study_id, kept in counted.items()}
     full = {t.trial_id for kept in shown.values() for t in kept}
-    full.update(trial.trial_id for _, _, trial in best.values())
+    full.update(trial.trial_id for _, trial in best.values())
     rows.read_trials(query, sorted(full))
     results = []
     for study_id, fingerprint in fingerprints.items():
-        point = None
+        found = None
         if study_id in best:
-            group, latest, trial = best[study_id]
-            point = pool([*group[:latest], rows.decode(trial), *group[latest + 1 :]])
+            group, trial = best[study_id]
+            found = pool(group, rows.decode(trial))
         results.append(
             StudyResult(
                 fingerprint=fingerprint,
                 measurements=[rows.decode(t) for t in shown[study_id]],
                 trial_count=len(counted[study_id]),
-                best=point,
+                best=found,
             )
         )
     return results
@@ -382,6 +383,17 @@ class _TrialRows:
     def decode(self, trial: _Trial) -> Measurement:
         """A trial from the rows read of it."""
         return decode(
+            number=trial.number,
+            state=trial.state,
+            params=self.params[trial.trial_id],
+            user_attrs=self.user_attrs.get(trial.trial_id, {}),
+            constraints=self.constraints.get(trial.trial_id, ()),
+            value=self.values.get(trial.trial_id),
+        )
+
+    def point(self, trial: _Trial) -> Point:
+        """A trial as pooling reads it, from the rows read of it."""
+        return point(
             number=trial.number,
             state=trial.state,
             params=self.params[trial.trial_id],

@@ -21,6 +21,7 @@ import sqlalchemy
 from autotune.config import ConfigError, TrainConfig
 from autotune.study import TrialStore
 from autotune.study import reader as reader_module
+from autotune.study.measurement import decode, point
 from autotune.study.reader import read_studies
 
 from .test_store import _fingerprint, _probe
@@ -107,6 +108,27 @@ def check_reader_matches_optuna(url: str, tmp_path: Path) -> None:
 
 def test_the_reader_matches_optuna_on_sqlite(tmp_path: Path) -> None:
     check_reader_matches_optuna(f"sqlite:///{tmp_path}/a.db", tmp_path)
+
+
+def test_a_point_is_what_pooling_reads_of_a_measurement(tmp_path: Path) -> None:
+    store = _every_kind_of_trial(f"sqlite:///{tmp_path}/a.db", tmp_path)
+    trials = [t for t in store.study.get_trials() if "micro_batch_size" in t.params]
+    assert {t.state.name for t in trials} == {"COMPLETE", "RUNNING", "FAIL", "PRUNED"}
+    feasible = set()
+    for trial in trials:
+        fields: dict[str, Any] = {
+            "number": trial.number,
+            "state": trial.state.name,
+            "params": trial.params,
+            "user_attrs": trial.user_attrs,
+            "constraints": trial.constraints.values(),
+            "value": trial.value,
+        }
+        m = decode(**fields)
+        light = point(**fields)
+        assert light == (m.number, m.key, m.state, m.feasible, m.value, m.tokens_per_second, m.mfu)
+        feasible.add(light.feasible)
+    assert feasible == {True, False}
 
 
 _COPIED = {
