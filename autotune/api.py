@@ -399,10 +399,12 @@ def tune(
     return prepare(model, **options).run(on_event)
 
 
-def _studies(storage: str, model: str | None, gpu: str | None) -> list[StudyResult]:
+def _studies(
+    storage: str, model: str | None, gpu: str | None, last: int | None, with_best: bool = True
+) -> list[StudyResult]:
     from autotune.study.reader import read_studies
 
-    stores = read_studies(storage)
+    stores = read_studies(storage, last=last, best=with_best)
     if model:
         # A path names its study by the folder that holds the config, as `run` does.
         name = model if model in {s.fingerprint.model for s in stores} else None
@@ -420,21 +422,40 @@ def _studies(storage: str, model: str | None, gpu: str | None) -> list[StudyResu
 
 
 def best(
-    *, model: str | None = None, gpu: str | None = None, storage: str = DEFAULT_STORAGE
+    *,
+    model: str | None = None,
+    gpu: str | None = None,
+    storage: str = DEFAULT_STORAGE,
+    last: int | None = None,
 ) -> list[StudyResult]:
     """The best configuration of each matching study (what a training launcher reads).
+
+    Args:
+        last: Decode only each study's last ``last`` trials into ``measurements`` (0: none,
+            the fastest read of the best); None: every trial. ``best`` and ``trial_count``
+            are over every trial either way.
 
     Raises:
         ConfigError: When no study matches.
     """
-    return _studies(storage, model, gpu)
+    return _studies(storage, model, gpu, last)
 
 
 def trials(
-    *, model: str | None = None, gpu: str | None = None, storage: str = DEFAULT_STORAGE
+    *,
+    model: str | None = None,
+    gpu: str | None = None,
+    storage: str = DEFAULT_STORAGE,
+    last: int | None = None,
+    best: bool = True,
 ) -> list[StudyResult]:
-    """Every trial of each matching study (``best`` is filled in too)."""
-    return best(model=model, gpu=gpu, storage=storage)
+    """Every trial of each matching study, or its ``last`` trials by number.
+
+    Args:
+        best: Fill in each study's ``best`` too, over every trial (else it is None, and a
+            read of the last trials of a large study is faster).
+    """
+    return _studies(storage, model, gpu, last, best)
 
 
 def probe(

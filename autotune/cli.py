@@ -365,21 +365,21 @@ def best(
     from autotune import api
     from autotune.report.tables import best_table
 
-    studies = api.best(model=model, gpu=gpu, storage=storage)
+    studies = api.best(model=model, gpu=gpu, storage=storage, last=0)
     if json_output:
         _print_json(
             [
                 {
                     "study": s.study_name,
                     "fingerprint": s.fingerprint.to_dict(),
-                    "trials": len(s.measurements),
+                    "trials": s.trial_count,
                     "best": s.best.to_dict() if s.best else None,
                 }
                 for s in studies
             ]
         )
     else:
-        console.print(best_table((s.study_name, s.best, len(s.measurements)) for s in studies))
+        console.print(best_table((s.study_name, s.best, s.trial_count) for s in studies))
     raise typer.Exit(0 if any(s.best for s in studies) else 1)
 
 
@@ -397,11 +397,8 @@ def trials(
     from autotune import api
     from autotune.report.tables import trials_table
 
-    studies = api.trials(model=model, gpu=gpu, storage=storage)
-    shown = {
-        s.study_name: sorted(s.measurements, key=lambda m: m.number)[-last if last else 0 :]
-        for s in studies
-    }
+    studies = api.trials(model=model, gpu=gpu, storage=storage, last=last, best=False)
+    shown = {s.study_name: sorted(s.measurements, key=lambda m: m.number) for s in studies}
     if json_output:
         _print_json(
             [

@@ -11,14 +11,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from autotune.config import TrainConfig
 from autotune.study.fingerprint import Fingerprint
 
-__all__ = ["RETRYABLE", "Measurement", "StudyResult", "best_point", "decode", "pooled"]
+__all__ = [
+    "POOLED_ATTRS",
+    "RETRYABLE",
+    "Measurement",
+    "Point",
+    "Pooled",
+    "StudyResult",
+    "best_group",
+    "best_point",
+    "decode",
+    "point",
+    "pool",
+    "pooled",
+]
 
 RETRYABLE = ("interrupted", "stale")
 """Outcomes of trials that failed through no fault of their configuration (Ctrl-C, a tuner
@@ -90,6 +103,45 @@ class Measurement:
         }
 
 
+class Pooled(Protocol):
+    """What pooling reads of a trial: a :class:`Measurement`, or a lighter :class:`Point`."""
+
+    @property
+    def number(self) -> int: ...
+    @property
+    def key(self) -> tuple[TrainConfig, int]: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def feasible(self) -> bool: ...
+    @property
+    def value(self) -> float | None: ...
+    @property
+    def tokens_per_second(self) -> float | None: ...
+    @property
+    def mfu(self) -> float | None: ...
+
+
+P = TypeVar("P", bound=Pooled)
+
+
+class Point(NamedTuple):
+    """A trial as pooling reads it (:func:`point`): a fraction of a :class:`Measurement`'s
+    cost to decode, for finding the best point among thousands of trials."""
+
+    number: int
+    key: tuple[TrainConfig, int]
+    state: str
+    feasible: bool
+    value: float | None
+    tokens_per_second: float | None
+    mfu: float | None
+
+
+POOLED_ATTRS = ("objective_tokens_per_second", "objective_mfu")
+"""The user attributes pooling reads (besides state, params, constraints and value)."""
+
+
 def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
     """One measurement per feasible point: the mean of its repeats.
 
@@ -97,34 +149,42 @@ def pooled(measurements: Iterable[Measurement]) -> list[Measurement]:
     out of memory makes the point unreliable). The result is the point's latest measurement
     with the objective, tokens/s and MFU averaged, and ``repeats`` saying how many.
     """
-    groups: dict[tuple[TrainConfig, int], list[Measurement]] = {}
+    return [pool(group, _latest(group)) for group in _points(measurements)]
+
+
+def _points(measurements: Iterable[P]) -> list[list[P]]:
+    """The completed measurements of each feasible point, in the order the points appear."""
+    groups: dict[tuple[TrainConfig, int], list[P]] = {}
     for m in measurements:
         if m.state == "COMPLETE":
             groups.setdefault(m.key, []).append(m)
-    points = []
-    for group in groups.values():
-        if not all(m.feasible and m.value for m in group):
-            continue
-        last = max(group, key=lambda m: m.number)
-        tokens = _mean([m.tokens_per_second for m in group])
-        mfu = _mean([m.mfu for m in group])
-        points.append(
-            dataclasses.replace(
-                last,
-                value=_mean([m.value for m in group]),
-                tokens_per_second=tokens,
-                mfu=mfu,
-                repeats=len(group),
-                # The stored attributes as the JSON export shows them: pooled too.
-                attrs={
-                    **last.attrs,
-                    "objective_tokens_per_second": tokens,
-                    "objective_mfu": mfu,
-                    "repeats": len(group),
-                },
-            )
-        )
-    return points
+    return [group for group in groups.values() if all(m.feasible and m.value for m in group)]
+
+
+def _latest(group: list[P]) -> P:
+    return max(group, key=lambda m: m.number)
+
+
+def pool(group: Sequence[Pooled], latest: Measurement) -> Measurement:
+    """One point's completed measurements as one: ``latest``, the group's highest-numbered
+    trial decoded in full, with the objective, tokens/s and MFU averaged over the group and
+    ``repeats`` saying how many."""
+    tokens = _mean([m.tokens_per_second for m in group])
+    mfu = _mean([m.mfu for m in group])
+    return dataclasses.replace(
+        latest,
+        value=_mean([m.value for m in group]),
+        tokens_per_second=tokens,
+        mfu=mfu,
+        repeats=len(group),
+        # The stored attributes as the JSON export shows them: pooled too.
+        attrs={
+            **latest.attrs,
+            "objective_tokens_per_second": tokens,
+            "objective_mfu": mfu,
+            "repeats": len(group),
+        },
+    )
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -132,9 +192,20 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def best_group(measurements: Iterable[P]) -> list[P] | None:
+    """The completed measurements of the best point (see :func:`best_point`), if any; its
+    latest is the highest-numbered."""
+    return max(
+        _points(measurements),
+        key=lambda group: _mean([m.value for m in group]) or 0.0,
+        default=None,
+    )
+
+
 def best_point(measurements: Iterable[Measurement]) -> Measurement | None:
     """The feasible point with the highest objective (the mean of its repeats), if any."""
-    return max(pooled(measurements), key=lambda m: m.value or 0.0, default=None)
+    group = best_group(measurements)
+    return None if group is None else pool(group, _latest(group))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -142,6 +213,35 @@ def _config(items: tuple[tuple[str, Any], ...]) -> TrainConfig:
     """A configuration from its stored params. A study holds a few dozen configurations over
     thousands of trials; a configuration is immutable, so one object serves all its trials."""
     return TrainConfig.from_dict(dict(items))
+
+
+def _key(params: Mapping[str, Any]) -> tuple[TrainConfig, int]:
+    """A trial's configuration and micro-batch size, from its params."""
+    config = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+    return _config(config), int(params["micro_batch_size"])
+
+
+def point(
+    *,
+    number: int,
+    state: str,
+    params: Mapping[str, Any],
+    user_attrs: Mapping[str, Any],
+    constraints: Iterable[float],
+    value: float | None,
+) -> Point:
+    """A trial as pooling reads it, from the fields :func:`decode` takes, decoded alike (of
+    the user attributes only ``POOLED_ATTRS`` are read)."""
+    complete = state == "COMPLETE"
+    return Point(
+        number=number,
+        key=_key(params),
+        state=state,
+        feasible=complete and all(c <= 0 for c in constraints),
+        value=value if complete else None,
+        tokens_per_second=user_attrs.get("objective_tokens_per_second"),
+        mfu=user_attrs.get("objective_mfu"),
+    )
 
 
 def decode(
@@ -160,7 +260,7 @@ def decode(
         constraints: The trial's constraint values (feasible when all are at most 0).
         value: The trial's objective as stored (used only when it completed).
     """
-    config = tuple(sorted((k, v) for k, v in params.items() if k != "micro_batch_size"))
+    config, micro_batch_size = _key(params)
     # A copy in plain JSON types: the caller's values (lists, nested dicts) are not shared.
     attrs = {
         key: json.loads(json.dumps(v)) if isinstance(v, (list, tuple, dict)) else v
@@ -169,8 +269,8 @@ def decode(
     complete = state == "COMPLETE"
     return Measurement(
         number=number,
-        config=_config(config),
-        micro_batch_size=int(params["micro_batch_size"]),
+        config=config,
+        micro_batch_size=micro_batch_size,
         state=state,
         # A trial failed by the storage's heartbeat has no outcome: its tuner went stale.
         outcome=attrs.get("outcome", "stale" if state == "FAIL" else None),
@@ -190,16 +290,39 @@ def decode(
 
 @dataclass(frozen=True, kw_only=True)
 class StudyResult:
-    """One study of a trial database: its fingerprint, every trial decoded, and the best."""
+    """One study of a trial database: its fingerprint, its trials decoded, and the best."""
 
     fingerprint: Fingerprint
     measurements: list[Measurement]
+    """The study's trials: every one, or only the last few (by number) when read so."""
+    trial_count: int
+    """How many trials the study holds (withdrawn claims aside), whether ``measurements``
+    holds them all or not."""
+    best: Measurement | None
+    """The feasible point with the highest objective (the mean of its repeats), over every
+    trial; None when there is none, or when the study was read without it."""
 
     @property
     def study_name(self) -> str:
         return self.fingerprint.study_name
 
-    @property
-    def best(self) -> Measurement | None:
-        """The feasible point with the highest objective (the mean of its repeats)."""
-        return best_point(self.measurements)
+    @classmethod
+    def of(
+        cls,
+        fingerprint: Fingerprint,
+        measurements: list[Measurement],
+        *,
+        last: int | None = None,
+        best: bool = True,
+    ) -> StudyResult:
+        """From every trial of a study, keeping only its ``last`` trials by number (None:
+        all of them, in the order given); ``best``: find the best point (else None)."""
+        shown = measurements
+        if last is not None:
+            shown = sorted(measurements, key=lambda m: m.number)[max(len(measurements) - last, 0) :]
+        return cls(
+            fingerprint=fingerprint,
+            measurements=shown,
+            trial_count=len(measurements),
+            best=best_point(measurements) if best else None,
+        )

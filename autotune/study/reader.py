@@ -3,7 +3,14 @@
 ``autotune best`` and ``trials``, and the training launchers that read the best configuration,
 only read. Opening the database through Optuna costs most of a second (Optuna and Alembic
 imports, the schema's version check) for a query of a few milliseconds, so this reader runs
-plain SQL on Optuna's tables through SQLAlchemy Core, on SQLite and PostgreSQL alike.
+plain SQL on Optuna's tables: through Python's own ``sqlite3`` for a SQLite file, through
+SQLAlchemy Core for PostgreSQL and any other URL.
+
+A study of 10,000 trials holds some 300,000 rows of user attributes. Every row of a trial is
+read only for the trials shown (``read_studies(last=N)``) and the best point's latest trial:
+pooling the best point reads the params, constraints and value of every trial but only a few
+of its attributes (``POOLED_ATTRS``), and counting the trials only which have a micro-batch
+size and which are withdrawn claims.
 
 It reads only the schema it knows (``KNOWN_SCHEMAS``, Optuna's Alembic revision); a database
 of any other revision, or one without Optuna's tables, is read through Optuna instead, which
@@ -15,17 +22,25 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
-
-import sqlalchemy
-from sqlalchemy import bindparam, text
+from typing import Any, NamedTuple
 
 from autotune.config import ConfigError
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint
-from autotune.study.measurement import Measurement, StudyResult, decode
+from autotune.study.measurement import (
+    POOLED_ATTRS,
+    Measurement,
+    Point,
+    StudyResult,
+    best_group,
+    best_point,
+    decode,
+    point,
+    pool,
+)
 
 __all__ = ["KNOWN_SCHEMAS", "cannot_open", "read_studies", "sqlite_path"]
 
@@ -35,16 +50,23 @@ KNOWN_SCHEMAS = frozenset({"v3.2.0.a"})
 FINGERPRINT_ATTR = "autotune_fingerprint"
 """The study user attribute that makes an Optuna study an autotune study."""
 
+MICRO_BATCH_SIZE = "micro_batch_size"
+"""The param every trial of a probed size has (other trials are not counted)."""
+
+WITHDRAWN = "withdrawn"
+"""The user attribute of a claim withdrawn in a race with another worker (not counted)."""
+
 _CONSTRAINTS = "constraints"
 """Optuna keeps a trial's constraint values in system attributes named ``constraints:<name>``
 (Optuna 5) or in one list named ``constraints`` (before)."""
 
 
 def sqlite_path(url: str) -> Path | None:
-    """The file of a ``sqlite:///`` URL (None for other databases and in-memory ones)."""
+    """The file of a ``sqlite:///`` URL, without the URL's options (None for other databases
+    and in-memory ones)."""
     if not url.startswith("sqlite:///"):
         return None
-    path = Path(url.removeprefix("sqlite:///"))
+    path = Path(url.removeprefix("sqlite:///").partition("?")[0])
     return None if str(path) in ("", ":memory:") else path.expanduser()
 
 
@@ -57,122 +79,236 @@ def cannot_open(url: str, error: Exception) -> ConfigError:
     )
 
 
-def read_studies(url: str = DEFAULT_STORAGE) -> list[StudyResult]:
+def read_studies(
+    url: str = DEFAULT_STORAGE, *, last: int | None = None, best: bool = True
+) -> list[StudyResult]:
     """Every autotune study in a storage, in the order they were created.
 
+    Args:
+        last: Decode only the last ``last`` trials (by number) of each study; None: every
+            one. The count and the best are over every trial either way, but a study's
+            best and the trials shown are then the only ones whose every attribute is read.
+        best: Find each study's best point (else ``best`` is None, and with ``last`` the
+            trials not shown are only counted: ``autotune trials --last N``).
+
     Raises:
-        ConfigError: When the storage cannot be opened (one line that says what to use).
+        ConfigError: When the storage cannot be opened (one line that says what to use), or
+            ``last`` is negative.
     """
+    if last is not None and last < 0:
+        raise ConfigError(f"cannot show the last {last} trials: use 0 or more")
     path = sqlite_path(url)
     if path is not None and not path.is_file():
         return []
+    if path is not None and "?" not in url:
+        studies = _read_sqlite_file(url, path, last, best)
+    else:
+        studies = _read_through_sqlalchemy(url, last, best)
+    return _through_optuna(url, last, best) if studies is None else studies
+
+
+def _read_sqlite_file(
+    url: str, path: Path, last: int | None, with_best: bool
+) -> list[StudyResult] | None:
+    """A SQLite file through Python's own driver: SQLAlchemy's import alone takes a few
+    tenths of a second. The queries run in one read transaction: one snapshot of the study,
+    even while a tuner writes to it."""
+    try:
+        connection = sqlite3.connect(path, isolation_level=None)
+    except sqlite3.Error as error:
+        raise cannot_open(url, error) from None
+    try:
+        connection.execute("BEGIN")
+        return _read(lambda query: connection.execute(query).fetchall(), last, with_best)
+    except sqlite3.OperationalError as error:
+        if "no such table" in str(error):
+            return None
+        raise cannot_open(url, error) from None
+    except sqlite3.Error as error:  # "file is not a database", ...
+        raise cannot_open(url, error) from None
+    finally:
+        connection.close()
+
+
+def _read_through_sqlalchemy(
+    url: str, last: int | None, with_best: bool
+) -> list[StudyResult] | None:
+    """Any other database (PostgreSQL, a SQLite URL with options) through SQLAlchemy Core."""
+    import sqlalchemy
+
     try:
         engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
     except Exception as error:  # a malformed URL or a missing driver: both mean "cannot open"
         raise cannot_open(url, error) from None
     try:
         with engine.connect() as connection:
-            studies = _read(connection)
+            if connection.dialect.name == "postgresql":
+                # One snapshot for every query, even while a tuner writes to the study.
+                connection.execution_options(isolation_level="REPEATABLE READ")
+            run = connection.execute
+            return _read(lambda query: run(sqlalchemy.text(query)).all(), last, with_best)
     except sqlalchemy.exc.OperationalError as error:
-        if _no_tables(error):
-            studies = None
-        else:
-            raise cannot_open(url, error) from None
+        if "no such table" in str(error.orig):
+            return None
+        raise cannot_open(url, error) from None
     except sqlalchemy.exc.ProgrammingError:  # PostgreSQL: no such table
-        studies = None
+        return None
     except sqlalchemy.exc.SQLAlchemyError as error:
         raise cannot_open(url, error) from None
     finally:
         engine.dispose()
-    return _through_optuna(url) if studies is None else studies
 
 
-def _no_tables(error: sqlalchemy.exc.OperationalError) -> bool:
-    return "no such table" in str(error.orig)
-
-
-def _through_optuna(url: str) -> list[StudyResult]:
+def _through_optuna(url: str, last: int | None, with_best: bool) -> list[StudyResult]:
     """Another schema revision, or none yet: Optuna checks, upgrades or says why."""
     from autotune.study.store import TrialStore
 
     return [
-        StudyResult(fingerprint=store.fingerprint, measurements=store.measurements())
+        StudyResult.of(store.fingerprint, store.measurements(), last=last, best=with_best)
         for store in TrialStore.existing(url)
     ]
 
 
-def _read(connection: sqlalchemy.Connection) -> list[StudyResult] | None:
-    """The studies, or None when the schema is not one this reader knows."""
-    revisions = connection.execute(text("SELECT version_num FROM alembic_version"))
-    versions = {row[0] for row in revisions}
+Query = Callable[[str], Sequence[Sequence[Any]]]
+"""Runs one SQL statement (no parameters) and returns its rows."""
+
+_CHUNK = 500
+"""Trial ids per ``IN (...)`` list."""
+
+
+def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] | None:
+    """The studies, or None when the schema is not one this reader knows.
+
+    Every value spliced into the SQL is an integer read from the database or a constant of
+    this module.
+    """
+    versions = {row[0] for row in query("SELECT version_num FROM alembic_version")}
     if not versions or not versions <= KNOWN_SCHEMAS:
         return None
     fingerprints = {
         study_id: Fingerprint.from_dict(json.loads(value))
-        for study_id, value in connection.execute(
-            text(
-                "SELECT study_id, value_json FROM study_user_attributes WHERE key = :key "
-                "ORDER BY study_id"
-            ),
-            {"key": FINGERPRINT_ATTR},
+        for study_id, value in query(
+            "SELECT study_id, value_json FROM study_user_attributes "
+            f"WHERE key = '{FINGERPRINT_ATTR}' ORDER BY study_id"
         )
     }
     if not fingerprints:
         return []
-    ids = list(fingerprints)
-    trials = list(
-        connection.execute(
-            text(
-                "SELECT trial_id, number, study_id, state FROM trials "
-                "WHERE study_id IN :ids ORDER BY study_id, number"
-            ).bindparams(bindparam("ids", expanding=True)),
-            {"ids": ids},
-        )
+    studies = _ints(fingerprints)
+    trials = query(
+        "SELECT trial_id, number, study_id, state FROM trials "
+        f"WHERE study_id IN ({studies}) ORDER BY study_id, number"
     )
-    per_trial = _TrialRows()
-    of_studies = "WHERE trial_id IN (SELECT trial_id FROM trials WHERE study_id IN :ids)"
-    for query, add in (
-        ("SELECT trial_id, param_name, param_value, distribution_json FROM trial_params "
-         f"{of_studies}",
-         per_trial.add_param),
-        (f"SELECT trial_id, key, value_json FROM trial_user_attributes {of_studies}",
-         per_trial.add_user_attr),
-        (f"SELECT trial_id, key, value_json FROM trial_system_attributes {of_studies} "
-         "AND key LIKE 'constraints%'",
-         per_trial.add_constraint),
-        (f"SELECT trial_id, objective, value, value_type FROM trial_values {of_studies}",
-         per_trial.add_value),
-    ):  # fmt: skip
-        statement = text(query).bindparams(bindparam("ids", expanding=True))
-        for row in connection.execute(statement, {"ids": ids}).all():  # one fetch: fast
-            add(*row)
-    measurements: dict[int, list[Measurement]] = {study_id: [] for study_id in ids}
-    for trial_id, number, study_id, state in trials:
-        params = per_trial.params.get(trial_id, {})
-        attrs = per_trial.user_attrs.get(trial_id, {})
-        if "micro_batch_size" not in params or attrs.get("withdrawn"):
-            continue
-        measurements[study_id].append(
-            decode(
-                number=number,
-                state=str(getattr(state, "name", state)),
-                params=params,
-                user_attrs=attrs,
-                constraints=per_trial.constraints.get(trial_id, ()),
-                value=per_trial.values.get(trial_id),
+    of_studies = f"trial_id IN (SELECT trial_id FROM trials WHERE study_id IN ({studies}))"
+    rows = _TrialRows()
+    if last is None:  # every row of every trial
+        rows.read(query, of_studies)
+        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn())
+        results = []
+        for study_id, fingerprint in fingerprints.items():
+            measurements = [rows.decode(t) for t in counted[study_id]]
+            results.append(
+                StudyResult(
+                    fingerprint=fingerprint,
+                    measurements=measurements,
+                    trial_count=len(measurements),
+                    best=best_point(measurements) if with_best else None,
+                )
+            )
+        return results
+    best: dict[int, tuple[list[Point], _Trial]] = {}
+    if with_best:
+        # Each study's best point, from its completed trials as pooling reads them; the
+        # point's latest trial, which the pooled measurement is made of, is decoded below
+        # with every attribute.
+        rows.read(query, of_studies, keys=(WITHDRAWN, *POOLED_ATTRS))
+        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn())
+        for study_id, kept in counted.items():
+            completed = [t for t in kept if t.state == "COMPLETE"]
+            points = [rows.point(t) for t in completed]
+            group = best_group(points)
+            if group is not None:
+                top = max(group, key=lambda p: p.number)
+                trial = next(t for p, t in zip(points, completed, strict=True) if p is top)
+                best[study_id] = (group, trial)
+    else:  # only which trials count
+        sized = {
+            trial_id
+            for (trial_id,) in query(
+                f"SELECT trial_id FROM trial_params WHERE {of_studies} "
+                f"AND param_name = '{MICRO_BATCH_SIZE}'"
+            )
+        }
+        withdrawn = {
+            trial_id
+            for trial_id, value in query(
+                "SELECT trial_id, value_json FROM trial_user_attributes "
+                f"WHERE {of_studies} AND key = '{WITHDRAWN}'"
+            )
+            if json.loads(value)
+        }
+        counted = _counted(fingerprints, trials, sized, withdrawn)
+    shown = {study_id: kept[max(len(kept) - last, 0) :] for study_id, kept in counted.items()}
+    full = {t.trial_id for kept in shown.values() for t in kept}
+    full.update(trial.trial_id for _, trial in best.values())
+    rows.read_trials(query, sorted(full))
+    results = []
+    for study_id, fingerprint in fingerprints.items():
+        found = None
+        if study_id in best:
+            group, trial = best[study_id]
+            found = pool(group, rows.decode(trial))
+        results.append(
+            StudyResult(
+                fingerprint=fingerprint,
+                measurements=[rows.decode(t) for t in shown[study_id]],
+                trial_count=len(counted[study_id]),
+                best=found,
             )
         )
-    return [
-        StudyResult(fingerprint=fingerprints[study_id], measurements=measurements[study_id])
-        for study_id in ids
-    ]
+    return results
+
+
+def _counted(
+    fingerprints: Iterable[int],
+    trials: Iterable[Sequence[Any]],
+    sized: set[int],
+    withdrawn: set[int],
+) -> dict[int, list[_Trial]]:
+    """What each study counts, by number: its trials with a micro-batch size, less the claims
+    withdrawn in a race with another worker."""
+    counted: dict[int, list[_Trial]] = {study_id: [] for study_id in fingerprints}
+    for trial_id, number, study_id, state in trials:
+        if trial_id in sized and trial_id not in withdrawn:
+            counted[study_id].append(_Trial(trial_id, number, str(getattr(state, "name", state))))
+    return counted
+
+
+def _ints(values: Iterable[int]) -> str:
+    return ",".join(str(int(v)) for v in values)
+
+
+def _texts(values: Iterable[str]) -> str:
+    quoted = []
+    for value in values:
+        if not value.replace("_", "").isalnum():
+            raise ValueError(f"not a plain name: {value!r}")
+        quoted.append(f"'{value}'")
+    return ",".join(quoted)
+
+
+class _Trial(NamedTuple):
+    trial_id: int
+    number: int
+    state: str
 
 
 class _TrialRows:
     """The rows of Optuna's per-trial tables, gathered by trial and decoded.
 
     A study's trials repeat the same few distributions and attribute values thousands of
-    times: each distinct JSON text is decoded once. A decoded value may then be shared by
+    times: each distinct JSON text is decoded once (a distribution into the function that
+    reads its parameters). A decoded value may then be shared by
     several trials; :func:`~autotune.study.measurement.decode` copies the attributes it keeps.
     """
 
@@ -182,6 +318,7 @@ class _TrialRows:
         self.constraints: dict[int, list[float]] = defaultdict(list)
         self.values: dict[int, float] = {}
         self._decoded: dict[str, Any] = {}
+        self._externals: dict[str, Callable[[float], Any]] = {}
 
     def _loads(self, text: str) -> Any:
         try:
@@ -191,17 +328,79 @@ class _TrialRows:
             return value
 
     def add_param(self, trial_id: int, name: str, value: float, distribution: str) -> None:
-        self.params[trial_id][name] = _external(value, self._loads(distribution))
+        try:
+            external = self._externals[distribution]
+        except KeyError:
+            external = self._externals[distribution] = _external(json.loads(distribution))
+        self.params[trial_id][name] = external(value)
 
     def add_user_attr(self, trial_id: int, key: str, value: str) -> None:
         self.user_attrs[trial_id][key] = self._loads(value)
 
     def add_constraint(self, trial_id: int, key: str, value: str) -> None:
+        if key.startswith(_CONSTRAINTS + ":"):
+            self.constraints[trial_id].append(_number(value))
+            return
         decoded = json.loads(value)
         if key == _CONSTRAINTS and isinstance(decoded, list):
             self.constraints[trial_id].extend(float(v) for v in decoded)
-        elif key.startswith(_CONSTRAINTS + ":"):
-            self.constraints[trial_id].append(float(decoded))
+
+    def read(self, query: Query, where: str, keys: Iterable[str] | None = None) -> None:
+        """The rows of the trials ``where`` selects: their params, constraints and values,
+        and their user attributes (only ``keys`` when given)."""
+        attrs = "" if keys is None else f" AND key IN ({_texts(keys)})"
+        for statement, add in (
+            ("SELECT trial_id, param_name, param_value, distribution_json FROM trial_params "
+             f"WHERE {where}",
+             self.add_param),
+            (f"SELECT trial_id, key, value_json FROM trial_user_attributes WHERE {where}{attrs}",
+             self.add_user_attr),
+            ("SELECT trial_id, key, value_json FROM trial_system_attributes "
+             f"WHERE {where} AND key LIKE '{_CONSTRAINTS}%'",
+             self.add_constraint),
+            (f"SELECT trial_id, objective, value, value_type FROM trial_values WHERE {where}",
+             self.add_value),
+        ):  # fmt: skip
+            for row in query(statement):
+                add(*row)
+
+    def read_trials(self, query: Query, trial_ids: list[int]) -> None:
+        """Every row of these trials, in place of what was read of them so far."""
+        for trial_id in trial_ids:
+            for table in (self.params, self.user_attrs, self.constraints, self.values):
+                table.pop(trial_id, None)
+        for start in range(0, len(trial_ids), _CHUNK):
+            self.read(query, f"trial_id IN ({_ints(trial_ids[start : start + _CHUNK])})")
+
+    def sized(self) -> set[int]:
+        """The trials read with a micro-batch size."""
+        return {trial_id for trial_id, params in self.params.items() if MICRO_BATCH_SIZE in params}
+
+    def withdrawn(self) -> set[int]:
+        """The trials read that are withdrawn claims."""
+        return {trial_id for trial_id, attrs in self.user_attrs.items() if attrs.get(WITHDRAWN)}
+
+    def decode(self, trial: _Trial) -> Measurement:
+        """A trial from the rows read of it."""
+        return decode(
+            number=trial.number,
+            state=trial.state,
+            params=self.params[trial.trial_id],
+            user_attrs=self.user_attrs.get(trial.trial_id, {}),
+            constraints=self.constraints.get(trial.trial_id, ()),
+            value=self.values.get(trial.trial_id),
+        )
+
+    def point(self, trial: _Trial) -> Point:
+        """A trial as pooling reads it, from the rows read of it."""
+        return point(
+            number=trial.number,
+            state=trial.state,
+            params=self.params[trial.trial_id],
+            user_attrs=self.user_attrs.get(trial.trial_id, {}),
+            constraints=self.constraints.get(trial.trial_id, ()),
+            value=self.values.get(trial.trial_id),
+        )
 
     def add_value(self, trial_id: int, objective: int, value: float | None, kind: Any) -> None:
         if objective != 0:
@@ -212,12 +411,21 @@ class _TrialRows:
         )
 
 
-def _external(value: float, distribution: dict[str, Any]) -> Any:
-    """A parameter as the user set it: Optuna stores a categorical choice by its index."""
+def _external(distribution: dict[str, Any]) -> Callable[[float], Any]:
+    """How a parameter of this distribution reads as the user set it: Optuna stores a
+    categorical choice by its index."""
     name = distribution.get("name", "")
     if name == "CategoricalDistribution":
-        choices: Iterable[Any] = distribution["attributes"]["choices"]
-        return list(choices)[int(value)]
+        choices = list(distribution["attributes"]["choices"])
+        return lambda value: choices[int(value)]
     if "Int" in name:
-        return round(value)
-    return float(value)
+        return round
+    return float
+
+
+def _number(text: str) -> float:
+    """A stored JSON number (``0.25``, ``NaN``, ``Infinity``: all read by ``float``)."""
+    try:
+        return float(text)
+    except ValueError:
+        return float(json.loads(text))

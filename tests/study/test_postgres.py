@@ -23,7 +23,7 @@ from autotune.config import ConfigError, TrainConfig
 from autotune.study import TrialStore, open_storage
 from autotune.study import store as store_module
 
-from .test_reader import check_reader_matches_optuna
+from .test_reader import check_a_grown_study_reads_as_through_optuna, check_reader_matches_optuna
 from .test_store import (
     WORK,
     _fingerprint,
@@ -111,6 +111,12 @@ def test_trial_store_round_trip_on_postgresql(fresh_postgres_url: str, tmp_path:
 
 def test_the_reader_matches_optuna_on_postgresql(fresh_postgres_url: str, tmp_path: Path) -> None:
     check_reader_matches_optuna(fresh_postgres_url, tmp_path)
+
+
+def test_a_grown_study_reads_as_through_optuna_on_postgresql(
+    fresh_postgres_url: str, tmp_path: Path
+) -> None:
+    check_a_grown_study_reads_as_through_optuna(fresh_postgres_url, tmp_path)
 
 
 def test_running_trials_without_a_heartbeat_fail_as_stale_on_postgresql(

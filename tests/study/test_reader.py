@@ -1,14 +1,18 @@
 """The read-only reader (``autotune best``, ``trials``, launchers) against Optuna's own view of
-the same database: every trial decoded alike, on SQLite here and on PostgreSQL in
-``test_postgres.py``; other schema revisions go through Optuna; nothing is created."""
+the same database: every trial decoded alike, the best point and the last trials alike when
+only those are decoded, on SQLite here and on PostgreSQL in ``test_postgres.py``; other schema
+revisions go through Optuna; nothing is created."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -17,41 +21,72 @@ import sqlalchemy
 from autotune.config import ConfigError, TrainConfig
 from autotune.study import TrialStore
 from autotune.study import reader as reader_module
+from autotune.study.measurement import decode, point
 from autotune.study.reader import read_studies
 
 from .test_store import _fingerprint, _probe
 
+LASTS = (None, 0, 1, 2, 3, 10_000)
+"""How many of each study's last trials to decode (None: every one)."""
 
-def check_reader_matches_optuna(url: str, tmp_path: Path) -> None:
-    """A study with every kind of trial (ok, measured and inferred OOMs, a repeat, a claim in
-    flight, withdrawn claims, an interruption), a second empty study and a foreign Optuna
-    study: the reader's decoding equals the store's, trial for trial."""
+
+def _every_kind_of_trial(url: str, tmp_path: Path) -> TrialStore:
+    """A study with every kind of trial (ok, measured and inferred OOMs, a repeat, a point
+    whose repeat ran out of memory, a claim in flight, withdrawn claims, an interruption), a
+    second study with trials of its own, an empty one and a foreign Optuna study."""
     store = TrialStore(_fingerprint(), storage=url)
     fsdp = TrainConfig(engine="fsdp", zero_stage=3)
     _probe(store, tmp_path, fsdp, (1, 2, 4, 8))
     _probe(store, tmp_path, fsdp, (2,), repeat=1)
+    ddp = TrainConfig(engine="ddp", ac_every=1)
+    _probe(store, tmp_path, ddp, (1,))
+    peak = next(m.peak_bytes for m in store.measurements() if m.key == (ddp, 1))
+    _probe(store, tmp_path, ddp, (1,), repeat=1, device_memory_bytes=(peak or 2) - 1)  # OOM
     store.ask(TrainConfig(engine="deepspeed", zero_stage=2, offload="optimizer"), 4)  # running
     other = TrialStore(_fingerprint(), storage=url)
     assert other.claim(fsdp, [2]) is None  # measured already: withdrawn, and hidden
     cut = store.claim(TrainConfig(engine="deepspeed", zero_stage=1, ac_every=1), [2, 4])
     assert cut is not None
     store.interrupt(cut, tmp_path / "cut", "interrupted")
-    TrialStore(_fingerprint(gpus=16), storage=url)  # a second study, with no trials yet
+    second = TrialStore(_fingerprint(gpus=16), storage=url)
+    _probe(second, tmp_path, TrainConfig(engine="fsdp", zero_stage=2), (1, 2))
+    TrialStore(_fingerprint(gpus=32), storage=url)  # a third study, with no trials yet
     optuna.create_study(storage=store.storage, study_name="not-autotune").optimize(
         lambda t: t.suggest_float("x", 0, 1), n_trials=2
     )
+    return store
 
-    read = read_studies(url)
+
+def check_same_as_through_optuna(url: str) -> list[TrialStore]:
+    """Every study read by the reader equals the same study read through Optuna, whether
+    every trial is decoded or only the last few: the trials shown, their count, and the best
+    point with every attribute of its latest trial."""
     through_optuna = TrialStore.existing(url)
-    assert [s.study_name for s in read] == [s.fingerprint.study_name for s in through_optuna]
+    assert through_optuna
+    for last, best in itertools.product(LASTS, (True, False)):
+        read = read_studies(url, last=last, best=best)
+        assert [s.fingerprint for s in read] == [s.fingerprint for s in through_optuna]
+        for fast, slow in zip(read, through_optuna, strict=True):
+            every = slow.measurements()
+            expected = every
+            if last is not None:
+                expected = sorted(every, key=lambda m: m.number)[max(len(every) - last, 0) :]
+            assert fast.measurements == expected, (last, best)
+            assert fast.trial_count == len(every)
+            assert fast.best == (slow.best() if best else None), (last, best)
+    return through_optuna
+
+
+def check_reader_matches_optuna(url: str, tmp_path: Path) -> None:
+    """The reader's decoding equals the store's, trial for trial, on every kind of trial."""
+    _every_kind_of_trial(url, tmp_path)
+    check_same_as_through_optuna(url)
+    read = read_studies(url)
     assert [s.study_name for s in read] == [
         _fingerprint().study_name,
         _fingerprint(gpus=16).study_name,
+        _fingerprint(gpus=32).study_name,
     ]
-    for fast, slow in zip(read, through_optuna, strict=True):
-        assert fast.fingerprint == slow.fingerprint
-        assert fast.measurements == slow.measurements()
-        assert fast.best == slow.best()
     measurements = read[0].measurements
     states = sorted({(m.state, m.outcome) for m in measurements}, key=str)
     assert states == sorted(
@@ -60,12 +95,139 @@ def check_reader_matches_optuna(url: str, tmp_path: Path) -> None:
     )
     assert any(m.repeat == 1 for m in measurements)
     assert any(m.config.offload.value == "optimizer" for m in measurements)  # choices decoded
-    assert read[0].best is not None and read[0].best.repeats == 2
-    assert read[1].measurements == [] and read[1].best is None
+    best = read[0].best
+    assert best is not None and best.repeats == 2 and best.config.engine.value == "fsdp"
+    # Its latest trial is not among the last ones shown: read again with every attribute.
+    [shown] = read_studies(url, last=1)[0].measurements
+    assert shown.number > best.number and read_studies(url, last=1)[0].best == best
+    assert best.probe_dir and best.attrs["probe_dir"] == best.probe_dir
+    assert best.attrs["repeats"] == 2 and "device" in best.attrs
+    assert read[1].best is not None and read[1].trial_count == 2
+    assert read[2].measurements == [] and read[2].best is None and read[2].trial_count == 0
 
 
 def test_the_reader_matches_optuna_on_sqlite(tmp_path: Path) -> None:
     check_reader_matches_optuna(f"sqlite:///{tmp_path}/a.db", tmp_path)
+
+
+def test_a_point_is_what_pooling_reads_of_a_measurement(tmp_path: Path) -> None:
+    store = _every_kind_of_trial(f"sqlite:///{tmp_path}/a.db", tmp_path)
+    trials = [t for t in store.study.get_trials() if "micro_batch_size" in t.params]
+    assert {t.state.name for t in trials} == {"COMPLETE", "RUNNING", "FAIL", "PRUNED"}
+    feasible = set()
+    for trial in trials:
+        fields: dict[str, Any] = {
+            "number": trial.number,
+            "state": trial.state.name,
+            "params": trial.params,
+            "user_attrs": trial.user_attrs,
+            "constraints": trial.constraints.values(),
+            "value": trial.value,
+        }
+        m = decode(**fields)
+        light = point(**fields)
+        assert light == (m.number, m.key, m.state, m.feasible, m.value, m.tokens_per_second, m.mfu)
+        feasible.add(light.feasible)
+    assert feasible == {True, False}
+
+
+_COPIED = {
+    "trial_params": "param_name, param_value, distribution_json",
+    "trial_values": "objective, value, value_type",
+    "trial_user_attributes": "key, value_json",
+    "trial_system_attributes": "key, value_json",
+}
+
+
+def _grow(url: str, trials: int) -> None:
+    """Every trial of the database added again, renumbered after the last, until it holds
+    ``trials`` trials: as Optuna stores them, through SQL (Optuna's API takes minutes). Each
+    trial's objective is then nudged by a part in 10 million per trial id."""
+    engine = sqlalchemy.create_engine(url)
+    with engine.begin() as db:
+        ids = [i for (i,) in db.execute(sqlalchemy.text("SELECT trial_id FROM trials"))]
+        count = len(ids)
+        while count < trials:
+            top_id, top_number = db.execute(
+                sqlalchemy.text("SELECT MAX(trial_id), MAX(number) FROM trials")
+            ).one()
+            batch = ids[: trials - count]
+            chosen = sqlalchemy.bindparam("batch", expanding=True)
+            values = {"batch": batch, "top_id": top_id, "after": top_number + 1}
+            db.execute(
+                sqlalchemy.text(
+                    "INSERT INTO trials (trial_id, number, study_id, state, datetime_start, "
+                    "datetime_complete) SELECT trial_id + :top_id, number + :after, study_id, "
+                    "state, datetime_start, datetime_complete FROM trials "
+                    "WHERE trial_id IN :batch"
+                ).bindparams(chosen),
+                values,
+            )
+            for table, columns in _COPIED.items():
+                db.execute(
+                    sqlalchemy.text(
+                        f"INSERT INTO {table} (trial_id, {columns}) SELECT trial_id + :top_id, "
+                        f"{columns} FROM {table} WHERE trial_id IN :batch"
+                    ).bindparams(chosen),
+                    values,
+                )
+            count += len(batch)
+        # Each copy's objective a little off its original's, as a re-measurement's would be:
+        # a point's mean then depends on the order its measurements are added in.
+        db.execute(sqlalchemy.text("UPDATE trial_values SET value = value * (1 + trial_id * 1e-7)"))
+    engine.dispose()
+
+
+def _cli(*args: str) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def check_a_grown_study_reads_as_through_optuna(url: str, tmp_path: Path) -> None:
+    """A study of 1,200 trials (every kind, its points measured hundreds of times): the
+    reader, ``autotune best`` and ``autotune trials --last N`` answer as Optuna's view does,
+    also when more trials are shown than one query names (500)."""
+    _every_kind_of_trial(url, tmp_path)
+    _grow(url, 1200)
+    stores = check_same_as_through_optuna(url)
+    for last, best in itertools.product((499, 500, 501, 700), (True, False)):
+        for fast, slow in zip(read_studies(url, last=last, best=best), stores, strict=True):
+            every = sorted(slow.measurements(), key=lambda m: m.number)
+            assert fast.measurements == every[-last:]
+            assert fast.best == (slow.best() if best else None)
+    top = stores[0].best()
+    assert top is not None and top.repeats > 100
+    expected_best = [
+        {
+            "study": s.fingerprint.study_name,
+            "fingerprint": s.fingerprint.to_dict(),
+            "trials": len(s.measurements()),
+            "best": best.to_dict() if (best := s.best()) else None,
+        }
+        for s in stores
+    ]
+    assert _cli("best", "--storage", url) == json.loads(json.dumps(expected_best, default=str))
+    expected_trials = [
+        {
+            "study": s.fingerprint.study_name,
+            "trials": [m.to_dict() for m in sorted(s.measurements(), key=lambda m: m.number)[-7:]],
+        }
+        for s in stores
+    ]
+    listed = _cli("trials", "--storage", url, "--last", "7")
+    assert listed == json.loads(json.dumps(expected_trials, default=str))
+    assert [len(s["trials"]) for s in listed] == [7, 7, 0]
+
+
+def test_a_grown_study_reads_as_through_optuna_on_sqlite(tmp_path: Path) -> None:
+    check_a_grown_study_reads_as_through_optuna(f"sqlite:///{tmp_path}/a.db", tmp_path)
 
 
 def test_another_schema_revision_is_read_through_optuna(tmp_path: Path) -> None:
@@ -75,12 +237,25 @@ def test_another_schema_revision_is_read_through_optuna(tmp_path: Path) -> None:
     expected = store.measurements()
     with sqlite3.connect(tmp_path / "a.db") as db:
         db.execute("UPDATE alembic_version SET version_num = 'v9.9.9.z'")
-    engine = sqlalchemy.create_engine(url)
-    with engine.connect() as connection:
-        assert reader_module._read(connection) is None  # not a schema the reader knows
-    engine.dispose()
+    with contextlib.closing(sqlite3.connect(tmp_path / "a.db")) as db:
+        # not a schema the reader knows
+        assert reader_module._read(lambda query: db.execute(query).fetchall(), None, True) is None
     [study] = read_studies(url)
     assert study.measurements == expected
+    [latest] = read_studies(url, last=1)
+    assert latest.measurements == expected[-1:] and latest.trial_count == 2
+    assert latest.best == study.best == store.best()
+    [unpooled] = read_studies(url, last=1, best=False)
+    assert unpooled.measurements == expected[-1:] and unpooled.best is None
+
+
+def test_a_sqlite_url_with_options_is_read_too(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/a.db"
+    store = TrialStore(_fingerprint(), storage=url)
+    _probe(store, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (1, 2))
+    [plain] = read_studies(url)
+    [with_options] = read_studies(url + "?timeout=30")
+    assert with_options == plain and plain.measurements == store.measurements()
 
 
 def test_a_missing_file_holds_no_study_and_is_not_created(tmp_path: Path) -> None:
@@ -102,16 +277,17 @@ def test_a_storage_that_cannot_be_opened_is_one_clear_line(tmp_path: Path) -> No
     assert (tmp_path / "notes.db").read_text().startswith("not a database")  # left as it was
 
 
-def test_reading_studies_back_loads_neither_optuna_nor_torch(tmp_path: Path) -> None:
+def test_reading_a_sqlite_file_loads_neither_optuna_sqlalchemy_nor_torch(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/a.db"
     store = TrialStore(_fingerprint(), storage=url)
     _probe(store, tmp_path, TrainConfig(engine="fsdp", zero_stage=3), (1, 2))
     code = f"""
 import json, sys
 import autotune
-[study] = autotune.best(storage={url!r})
+[study] = autotune.best(storage={url!r}, last=0)
 assert study.best is not None and study.best.micro_batch_size == 2
-heavy = ("optuna", "alembic", "torch", "transformers", "deepspeed")
+assert study.trial_count == 2 and study.measurements == []
+heavy = ("optuna", "alembic", "sqlalchemy", "torch", "transformers", "deepspeed")
 print(json.dumps(sorted(m for m in heavy if m in sys.modules)))
 """
     done = subprocess.run(
@@ -119,3 +295,8 @@ print(json.dumps(sorted(m for m in heavy if m in sys.modules)))
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_a_negative_number_of_trials_to_show_is_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="use 0 or more"):
+        read_studies(f"sqlite:///{tmp_path}/a.db", last=-1)
