@@ -24,6 +24,7 @@ __all__ = [
     "Measurement",
     "Point",
     "Pooled",
+    "StoredTrial",
     "StudyResult",
     "best_group",
     "best_point",
@@ -221,61 +222,56 @@ def _key(params: Mapping[str, Any]) -> tuple[TrainConfig, int]:
     return _config(config), int(params["micro_batch_size"])
 
 
-def point(
-    *,
-    number: int,
-    state: str,
-    params: Mapping[str, Any],
-    user_attrs: Mapping[str, Any],
-    constraints: Iterable[float],
-    value: float | None,
-) -> Point:
-    """A trial as pooling reads it, from the fields :func:`decode` takes, decoded alike (of
-    the user attributes only ``POOLED_ATTRS`` are read)."""
-    complete = state == "COMPLETE"
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoredTrial:
+    """A trial's fields as the storage keeps them: what :func:`decode` and :func:`point` read
+    (from Optuna's ``FrozenTrial`` or from its tables)."""
+
+    number: int
+    state: str
+    """Optuna's state name (``COMPLETE``, ``FAIL``, ...)."""
+    params: Mapping[str, Any]
+    """In their external form: choices, not indices."""
+    user_attrs: Mapping[str, Any]
+    constraints: Iterable[float]
+    """The trial's constraint values (feasible when all are at most 0)."""
+    value: float | None
+    """The objective as stored (used only when the trial completed)."""
+
+
+def point(trial: StoredTrial) -> Point:
+    """A trial as pooling reads it, decoded as :func:`decode` does (of the user attributes
+    only ``POOLED_ATTRS`` are read)."""
+    complete = trial.state == "COMPLETE"
     return Point(
-        number=number,
-        key=_key(params),
-        state=state,
-        feasible=complete and all(c <= 0 for c in constraints),
-        value=value if complete else None,
-        tokens_per_second=user_attrs.get("objective_tokens_per_second"),
-        mfu=user_attrs.get("objective_mfu"),
+        number=trial.number,
+        key=_key(trial.params),
+        state=trial.state,
+        feasible=complete and all(c <= 0 for c in trial.constraints),
+        value=trial.value if complete else None,
+        tokens_per_second=trial.user_attrs.get("objective_tokens_per_second"),
+        mfu=trial.user_attrs.get("objective_mfu"),
     )
 
 
-def decode(
-    *,
-    number: int,
-    state: str,
-    params: Mapping[str, Any],
-    user_attrs: Mapping[str, Any],
-    constraints: Iterable[float],
-    value: float | None,
-) -> Measurement:
-    """A trial from its stored fields (params in their external form: choices, not indices).
-
-    Args:
-        state: Optuna's state name (``COMPLETE``, ``FAIL``, ...).
-        constraints: The trial's constraint values (feasible when all are at most 0).
-        value: The trial's objective as stored (used only when it completed).
-    """
-    config, micro_batch_size = _key(params)
+def decode(trial: StoredTrial) -> Measurement:
+    """A trial as a measurement, its user attributes copied."""
+    config, micro_batch_size = _key(trial.params)
     # A copy in plain JSON types: the caller's values (lists, nested dicts) are not shared.
     attrs = {
         key: json.loads(json.dumps(v)) if isinstance(v, (list, tuple, dict)) else v
-        for key, v in user_attrs.items()
+        for key, v in trial.user_attrs.items()
     }
-    complete = state == "COMPLETE"
+    complete = trial.state == "COMPLETE"
     return Measurement(
-        number=number,
+        number=trial.number,
         config=config,
         micro_batch_size=micro_batch_size,
-        state=state,
+        state=trial.state,
         # A trial failed by the storage's heartbeat has no outcome: its tuner went stale.
-        outcome=attrs.get("outcome", "stale" if state == "FAIL" else None),
-        feasible=complete and all(c <= 0 for c in constraints),
-        value=value if complete else None,
+        outcome=attrs.get("outcome", "stale" if trial.state == "FAIL" else None),
+        feasible=complete and all(c <= 0 for c in trial.constraints),
+        value=trial.value if complete else None,
         repeat=int(attrs.get("repeat", 0)),
         tokens_per_second=attrs.get("objective_tokens_per_second"),
         mfu=attrs.get("objective_mfu"),

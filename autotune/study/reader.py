@@ -34,6 +34,7 @@ from autotune.study.measurement import (
     POOLED_ATTRS,
     Measurement,
     Point,
+    StoredTrial,
     StudyResult,
     best_group,
     best_point,
@@ -380,9 +381,9 @@ class _TrialRows:
         """The trials read that are withdrawn claims."""
         return {trial_id for trial_id, attrs in self.user_attrs.items() if attrs.get(WITHDRAWN)}
 
-    def decode(self, trial: _Trial) -> Measurement:
-        """A trial from the rows read of it."""
-        return decode(
+    def stored(self, trial: _Trial) -> StoredTrial:
+        """A trial's fields, from the rows read of it."""
+        return StoredTrial(
             number=trial.number,
             state=trial.state,
             params=self.params[trial.trial_id],
@@ -391,16 +392,13 @@ class _TrialRows:
             value=self.values.get(trial.trial_id),
         )
 
+    def decode(self, trial: _Trial) -> Measurement:
+        """A trial from the rows read of it."""
+        return decode(self.stored(trial))
+
     def point(self, trial: _Trial) -> Point:
         """A trial as pooling reads it, from the rows read of it."""
-        return point(
-            number=trial.number,
-            state=trial.state,
-            params=self.params[trial.trial_id],
-            user_attrs=self.user_attrs.get(trial.trial_id, {}),
-            constraints=self.constraints.get(trial.trial_id, ()),
-            value=self.values.get(trial.trial_id),
-        )
+        return point(self.stored(trial))
 
     def add_value(self, trial_id: int, objective: int, value: float | None, kind: Any) -> None:
         if objective != 0:

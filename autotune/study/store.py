@@ -48,7 +48,7 @@ from autotune.probe.metrics import throughput
 from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
-from autotune.study.measurement import Measurement, best_point, decode
+from autotune.study.measurement import Measurement, StoredTrial, best_point, decode
 from autotune.study.reader import FINGERPRINT_ATTR, cannot_open, sqlite_path
 
 __all__ = ["TrialStore", "open_storage"]
@@ -427,12 +427,17 @@ def _measured(entry: SizeResult) -> dict[str, Any]:
     return attrs
 
 
-def _decode(trial: FrozenTrial) -> Measurement:
-    return decode(
+def stored(trial: FrozenTrial) -> StoredTrial:
+    """The fields of an Optuna trial that autotune decodes."""
+    return StoredTrial(
         number=trial.number,
         state=trial.state.name,
         params=trial.params,
         user_attrs=trial.user_attrs,
-        constraints=trial.constraints.values(),
+        constraints=tuple(trial.constraints.values()),
         value=trial.value,
     )
+
+
+def _decode(trial: FrozenTrial) -> Measurement:
+    return decode(stored(trial))

@@ -23,6 +23,7 @@ from autotune.study import TrialStore
 from autotune.study import reader as reader_module
 from autotune.study.measurement import decode, point
 from autotune.study.reader import read_studies
+from autotune.study.store import stored
 
 from .test_store import _fingerprint, _probe
 
@@ -116,16 +117,9 @@ def test_a_point_is_what_pooling_reads_of_a_measurement(tmp_path: Path) -> None:
     assert {t.state.name for t in trials} == {"COMPLETE", "RUNNING", "FAIL", "PRUNED"}
     feasible = set()
     for trial in trials:
-        fields: dict[str, Any] = {
-            "number": trial.number,
-            "state": trial.state.name,
-            "params": trial.params,
-            "user_attrs": trial.user_attrs,
-            "constraints": trial.constraints.values(),
-            "value": trial.value,
-        }
-        m = decode(**fields)
-        light = point(**fields)
+        fields = stored(trial)
+        m = decode(fields)
+        light = point(fields)
         assert light == (m.number, m.key, m.state, m.feasible, m.value, m.tokens_per_second, m.mfu)
         feasible.add(light.feasible)
     assert feasible == {True, False}
