@@ -7,68 +7,11 @@ from typing import Any
 
 import torch
 
-from autotune.config import Offload, Precision, TrainConfig
+from autotune.config import TrainConfig
+from autotune.launch import deepspeed_config
 from autotune.probe.engines.base import EngineContext, Trainee
 from autotune.probe.modeling import apply_activation_checkpointing, build_model, materialize
 from autotune.probe.ops import deepspeed_ops, extensions_dir, load_ops
-
-
-def deepspeed_config(
-    config: TrainConfig,
-    *,
-    micro_batch_size: int,
-    grad_accum: int,
-    world_size: int,
-    hidden_size: int,
-    lr: float = 1e-4,
-    cpu: bool = False,
-) -> dict[str, Any]:
-    """The DeepSpeed JSON for a configuration (also what the exporter writes for users).
-
-    Bucket sizes follow the Hugging Face integration's ``auto`` values, which scale with the
-    model's hidden size instead of DeepSpeed's fixed 500M-element defaults (a 1 GB bf16 buffer
-    even for a small model).
-
-    On the CPU, ``torch_adam`` keeps DeepSpeed from JIT-building its fused and CPU Adam ops
-    (about a minute each); on GPUs DeepSpeed's own optimizers are used, as in training.
-    """
-    zero: dict[str, Any] = {"stage": config.zero_stage}
-    if config.zero_stage >= 1:
-        zero.update(
-            overlap_comm=not cpu,
-            contiguous_gradients=True,
-            reduce_bucket_size=hidden_size * hidden_size,
-            allgather_bucket_size=hidden_size * hidden_size,
-        )
-    if config.zero_stage == 3:
-        zero.update(
-            stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),
-            stage3_param_persistence_threshold=10 * hidden_size,
-        )
-    pin = not cpu
-    if config.offload in (Offload.OPTIMIZER, Offload.PARAMS):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
-    if config.offload is Offload.PARAMS:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    optimizer_params: dict[str, Any] = {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.0}
-    if cpu:
-        optimizer_params["torch_adam"] = True
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": grad_accum,
-        "train_batch_size": micro_batch_size * grad_accum * world_size,
-        "bf16": {"enabled": config.precision is Precision.BF16_MIXED},
-        "fp16": {
-            "enabled": config.precision is Precision.FP16_MIXED,
-            "loss_scale": 0,  # dynamic
-            "initial_scale_power": 16,
-        },
-        "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": optimizer_params},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
 
 
 class _DeepSpeedTrainee(Trainee):

@@ -1,0 +1,507 @@
+"""A measured configuration as a trainer's own configuration: the one home of what autotune
+hands to DeepSpeed, accelerate, the Hugging Face Trainer, torchrun and a hand-written FSDP2
+loop.
+
+Pure functions from a :class:`Launch` (the model, the configuration, the micro-batch size, the
+accumulation and the GPUs) to text. The probes build their DeepSpeed engine from the same
+:func:`deepspeed_config`, and the ``fsdp`` snippet applies FSDP2 as the probe's engine does,
+so what is exported is what was measured. Nothing here imports torch, transformers or
+DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
+
+__all__ = ["Format", "Launch", "deepspeed_config", "hf_fields", "render", "torchrun_args"]
+
+
+class Format(enum.StrEnum):
+    """What ``autotune export`` writes."""
+
+    DEEPSPEED = "deepspeed"
+    """A DeepSpeed config JSON (``ds_config.json``)."""
+    ACCELERATE = "accelerate"
+    """An ``accelerate launch --config_file`` YAML."""
+    HF = "hf"
+    """Keyword arguments of ``transformers.TrainingArguments``, as JSON."""
+    TORCHRUN = "torchrun"
+    """The ``torchrun`` line and its environment, as shell text."""
+    FSDP = "fsdp"
+    """A Python snippet that applies the FSDP2 settings to a Hugging Face causal LM."""
+
+
+def deepspeed_config(
+    config: TrainConfig,
+    *,
+    micro_batch_size: int,
+    grad_accum: int,
+    world_size: int,
+    hidden_size: int,
+    lr: float = 1e-4,
+    cpu: bool = False,
+) -> dict[str, Any]:
+    """The DeepSpeed JSON for a configuration: what a probe starts its engine from, and what
+    ``autotune export --format deepspeed`` writes (with ``cpu`` false).
+
+    Bucket sizes follow the Hugging Face integration's ``auto`` values, which scale with the
+    model's hidden size instead of DeepSpeed's fixed 500M-element defaults (a 1 GB bf16 buffer
+    even for a small model).
+
+    On the CPU, ``torch_adam`` keeps DeepSpeed from JIT-building its fused and CPU Adam ops
+    (about a minute each); on GPUs DeepSpeed's own optimizers are used, as in training.
+    """
+    zero: dict[str, Any] = {"stage": config.zero_stage}
+    if config.zero_stage >= 1:
+        zero.update(
+            overlap_comm=not cpu,
+            contiguous_gradients=True,
+            reduce_bucket_size=hidden_size * hidden_size,
+            allgather_bucket_size=hidden_size * hidden_size,
+        )
+    if config.zero_stage == 3:
+        zero.update(
+            stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),
+            stage3_param_persistence_threshold=10 * hidden_size,
+        )
+    pin = not cpu
+    if config.offload in (Offload.OPTIMIZER, Offload.PARAMS):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if config.offload is Offload.PARAMS:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    optimizer_params: dict[str, Any] = {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.0}
+    if cpu:
+        optimizer_params["torch_adam"] = True
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch_size * grad_accum * world_size,
+        "bf16": {"enabled": config.precision is Precision.BF16_MIXED},
+        "fp16": {
+            "enabled": config.precision is Precision.FP16_MIXED,
+            "loss_scale": 0,  # dynamic
+            "initial_scale_power": 16,
+        },
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": optimizer_params},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Launch:
+    """One measured configuration, with everything a trainer's configuration needs."""
+
+    model: str
+    """The model's name (a preset, or the folder of its config.json)."""
+    hidden_size: int
+    """The model's hidden size (DeepSpeed's bucket sizes scale with it)."""
+    config: TrainConfig
+    micro_batch_size: int
+    """Sequences per rank per micro-step."""
+    grad_accum: int
+    """Micro-steps per optimizer step."""
+    world_size: int
+    """Ranks (GPUs) in all."""
+    nodes: int = 1
+    seq_len: int
+    transformers: str | None = None
+    """The transformers version the configuration was measured with (the ``hf`` format's
+    field names follow it); None: the newest names."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "micro_batch_size", "grad_accum", "world_size", "nodes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be at least 1")
+        if self.world_size % self.nodes:
+            raise ConfigError(
+                f"{self.world_size} GPUs do not split evenly over {self.nodes} nodes: use a "
+                "multiple of the node count"
+            )
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all ranks."""
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+    @property
+    def per_node(self) -> int:
+        """Ranks on each node."""
+        return self.world_size // self.nodes
+
+    def summary(self) -> str:
+        """One line: ``llama-7b: fsdp z3 ac:every at micro-batch 4, accumulation 2 (global
+        batch 64 of seq 2048 on 8 GPUs)``."""
+        gpus = f"{self.world_size} GPU{'s' if self.world_size > 1 else ''}"
+        if self.nodes > 1:
+            gpus += f" on {self.nodes} nodes"
+        return (
+            f"{self.model}: {self.config.label()} at micro-batch {self.micro_batch_size}, "
+            f"accumulation {self.grad_accum} (global batch {self.global_batch} of seq "
+            f"{self.seq_len} on {gpus})"
+        )
+
+
+def render(launch: Launch, fmt: Format | str) -> str:
+    """The text of ``launch`` in format ``fmt`` (ends with a newline).
+
+    Raises:
+        ConfigError: For an unknown format, or one that cannot express the configuration
+            (``deepspeed`` for an FSDP configuration, say).
+    """
+    try:
+        chosen = Format(fmt)
+    except ValueError:
+        choices = ", ".join(f.value for f in Format)
+        raise ConfigError(f"unknown export format {fmt!r}: use one of {choices}") from None
+    return _RENDERERS[chosen](launch)
+
+
+def _needs(launch: Launch, engine: Engine, fmt: Format) -> None:
+    if launch.config.engine is not engine:
+        others = [
+            f.value
+            for f in Format
+            if f is not fmt
+            and not (f is Format.DEEPSPEED and launch.config.engine is not Engine.DEEPSPEED)
+            and not (f is Format.FSDP and launch.config.engine is not Engine.FSDP)
+        ]
+        raise ConfigError(
+            f"--format {fmt.value} needs a {engine.value} configuration, and this one is "
+            f"{launch.config.label()}: use --format {', '.join(others[:-1])} or {others[-1]}"
+        )
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
+def _deepspeed_json(launch: Launch) -> str:
+    _needs(launch, Engine.DEEPSPEED, Format.DEEPSPEED)
+    return _json(_deepspeed_for(launch))
+
+
+def _deepspeed_for(launch: Launch) -> dict[str, Any]:
+    return deepspeed_config(
+        launch.config,
+        micro_batch_size=launch.micro_batch_size,
+        grad_accum=launch.grad_accum,
+        world_size=launch.world_size,
+        hidden_size=launch.hidden_size,
+    )
+
+
+def _checkpointing_note(ac_every: int) -> str:
+    if ac_every == 0:
+        return "none"
+    if ac_every == 1:
+        return "every decoder block (non-reentrant)"
+    return f"decoder blocks 0, {ac_every}, {2 * ac_every}, ... (every {ac_every}-th, non-reentrant)"
+
+
+# ---- accelerate ------------------------------------------------------------------------------
+
+_MIXED_PRECISION = {
+    Precision.BF16_MIXED: "bf16",
+    Precision.FP16_MIXED: "fp16",
+    Precision.BF16: "no",
+    Precision.FP32: "no",
+}
+
+
+def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value))  # a double-quoted YAML scalar: "no" stays a string
+
+
+def _yaml(data: dict[str, Any], indent: int = 0) -> list[str]:
+    lines = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines.append(f"{' ' * indent}{key}:")
+            lines.extend(_yaml(value, indent + 2))
+        else:
+            lines.append(f"{' ' * indent}{key}: {_yaml_scalar(value)}")
+    return lines
+
+
+def _accelerate(launch: Launch) -> str:
+    config = launch.config
+    notes = [f"autotune: {launch.summary()}"]
+    data: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": {
+            Engine.SINGLE: "NO",
+            Engine.DDP: "MULTI_GPU",
+            Engine.FSDP: "FSDP",
+            Engine.DEEPSPEED: "DEEPSPEED",
+        }[config.engine],
+        "mixed_precision": _MIXED_PRECISION[config.precision],
+        "num_machines": launch.nodes,
+        "num_processes": launch.world_size,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "use_cpu": False,
+    }
+    if config.precision is Precision.BF16:
+        notes.append("pure bf16: cast the model to torch.bfloat16 before accelerator.prepare")
+    if config.engine is Engine.DEEPSPEED:
+        stage3 = config.zero_stage == 3
+        data["deepspeed_config"] = {
+            "gradient_accumulation_steps": launch.grad_accum,
+            "zero_stage": config.zero_stage,
+            "offload_optimizer_device": "cpu" if config.offload is not Offload.NONE else "none",
+            "offload_param_device": "cpu" if config.offload is Offload.PARAMS else "none",
+            "zero3_init_flag": stage3,
+        }
+        notes.append(
+            "the measured buckets and DeepSpeed AdamW: autotune export --format deepspeed "
+            "-o ds_config.json, then deepspeed_config_file: ds_config.json in place of these keys"
+        )
+    elif config.engine is Engine.FSDP:
+        fsdp: dict[str, Any] = {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_reshard_after_forward": config.zero_stage == 3,
+            "fsdp_offload_params": config.offload is Offload.PARAMS,
+            "fsdp_activation_checkpointing": config.ac_every == 1,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True,
+        }
+        data["fsdp_config"] = fsdp
+        if config.precision is Precision.BF16_MIXED:
+            notes.append("autotune measured gradients reduced in fp32 (see --format fsdp)")
+    if config.engine is not Engine.DEEPSPEED:
+        notes.append(
+            f"in the script: Accelerator(gradient_accumulation_steps={launch.grad_accum}), "
+            f"batch size {launch.micro_batch_size} per process"
+        )
+    if config.ac_every and not (config.engine is Engine.FSDP and config.ac_every == 1):
+        every = f"every_n_layers={config.ac_every}, " if config.ac_every > 1 else ""
+        notes.append(
+            f"activation checkpointing of {_checkpointing_note(config.ac_every)}: "
+            f"model.gradient_checkpointing_enable({every}"
+            'gradient_checkpointing_kwargs={"use_reentrant": False})'
+        )
+    if launch.nodes > 1:
+        notes.append("set machine_rank, main_process_ip and main_process_port on each node")
+    return "\n".join([*(f"# {n}" for n in notes), *_yaml(data)]) + "\n"
+
+
+# ---- Hugging Face TrainingArguments -------------------------------------------------------
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return (10**6,)
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+
+_ACTIVATION_CHECKPOINTING_NAMES = (5, 23)
+"""The transformers release whose TrainingArguments call it ``activation_checkpointing``
+(``gradient_checkpointing`` before, a deprecated alias since)."""
+
+
+def hf_fields(launch: Launch) -> dict[str, Any]:
+    """The keyword arguments of ``transformers.TrainingArguments`` for ``launch``."""
+    config = launch.config
+    fields: dict[str, Any] = {
+        "per_device_train_batch_size": launch.micro_batch_size,
+        "gradient_accumulation_steps": launch.grad_accum,
+        "bf16": config.precision in (Precision.BF16_MIXED, Precision.BF16),
+        "fp16": config.precision is Precision.FP16_MIXED,
+    }
+    # FSDP checkpoints every block through its own wrapper (as the probe does); any other
+    # pattern through the model's checkpointing.
+    fsdp_checkpointing = config.engine is Engine.FSDP and config.ac_every == 1
+    if config.ac_every and not fsdp_checkpointing:
+        new = _version(launch.transformers) >= _ACTIVATION_CHECKPOINTING_NAMES
+        name = "activation_checkpointing" if new else "gradient_checkpointing"
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if config.ac_every > 1:
+            kwargs["every_n_layers"] = config.ac_every
+        fields[name] = True
+        fields[f"{name}_kwargs"] = kwargs
+    if config.engine is Engine.DEEPSPEED:
+        ds = copy.deepcopy(_deepspeed_for(launch))
+        # The Trainer fills "auto" from its own arguments (learning_rate, adam_beta*,
+        # weight_decay), where a fixed value would have to match them.
+        ds["optimizer"]["params"] = {"lr": "auto", "betas": "auto", "weight_decay": "auto"}
+        fields["deepspeed"] = ds
+    elif config.engine is Engine.FSDP:
+        fields["fsdp"] = True
+        fields["fsdp_config"] = {
+            "version": 2,
+            "reshard_after_forward": config.zero_stage == 3,
+            "cpu_offload": config.offload is Offload.PARAMS,
+            "activation_checkpointing": fsdp_checkpointing,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "state_dict_type": "SHARDED_STATE_DICT",
+        }
+    return fields
+
+
+def _hf(launch: Launch) -> str:
+    return _json(hf_fields(launch))
+
+
+# ---- torchrun ---------------------------------------------------------------------------------
+
+
+def torchrun_args(launch: Launch, script: str = "train.py") -> list[str]:
+    """The ``torchrun`` command line (``torchrun`` first) that starts every rank of a node."""
+    args = ["torchrun", f"--nnodes={launch.nodes}", f"--nproc-per-node={launch.per_node}"]
+    if launch.nodes > 1:
+        args += [
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=$MASTER_ADDR:29500",
+            "--rdzv-id=autotune",
+        ]
+    return [*args, script]
+
+
+def _torchrun(launch: Launch) -> str:
+    config = launch.config
+    line = " ".join(
+        arg if arg.startswith("--rdzv-endpoint=$") else shlex.quote(arg)
+        for arg in torchrun_args(launch)
+    )
+    settings = {
+        "engine": config.engine.value,
+        "zero stage": str(config.zero_stage),
+        "precision": config.precision.value,
+        "offload": config.offload.value,
+        "activation checkpointing": _checkpointing_note(config.ac_every),
+        "attention": config.attention.value,
+        "micro-batch per rank": str(launch.micro_batch_size),
+        "accumulation steps": str(launch.grad_accum),
+    }
+    engine_format = {Engine.DEEPSPEED: "deepspeed", Engine.FSDP: "fsdp"}.get(config.engine)
+    lines = [
+        f"# autotune: {launch.summary()}",
+        *(f"#   {key}: {value}" for key, value in settings.items()),
+    ]
+    if engine_format:
+        lines.append(f"# the engine's settings: autotune export --format {engine_format}")
+    if launch.nodes > 1:
+        lines.append("# run on every node, with MASTER_ADDR the first node's address")
+    lines += [
+        f"export NNODES={launch.nodes}",
+        f"export NPROC_PER_NODE={launch.per_node}",
+        line,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ---- FSDP2 snippet ----------------------------------------------------------------------------
+
+_FSDP_SNIPPET = '''"""FSDP2 as autotune measured it: {summary}.
+
+On every rank, after torch.distributed.init_process_group and before the optimizer is built:
+    model = apply_fsdp(model)
+then train with {micro_batch} sequences per rank per micro-step and {grad_accum} micro-steps per
+optimizer step (model.set_requires_gradient_sync(False) on all micro-steps but the last).
+"""
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+MICRO_BATCH_SIZE = {micro_batch}
+GRAD_ACCUM = {grad_accum}
+CHECKPOINT_EVERY = {ac_every}  # checkpoint decoder blocks 0, k, 2k, ...; 0: none
+RESHARD_AFTER_FORWARD = {reshard}  # ZeRO stage {stage}
+PURE_BF16 = {pure_bf16}  # the weights themselves in bf16 (else fp32 master weights)
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder blocks of a Hugging Face causal LM (llama, mistral, qwen2, gpt2, ...)."""
+    for path in ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers"):
+        module = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+            if module is None:
+                break
+        if isinstance(module, torch.nn.ModuleList):
+            return module
+    raise ValueError(f"cannot find the decoder blocks of {{type(model).__name__}}")
+
+
+def apply_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """Checkpoint, then shard each decoder block and the root with fully_shard."""
+    blocks = decoder_blocks(model)
+    if CHECKPOINT_EVERY:
+        for index, block in enumerate(blocks):
+            if index % CHECKPOINT_EVERY == 0:
+                blocks[index] = checkpoint_wrapper(
+                    block, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+                )
+    if PURE_BF16:
+        model.to(torch.bfloat16)
+    mp_policy = MixedPrecisionPolicy({mp_args})
+    offload = {offload}
+    for block in blocks:
+        fully_shard(
+            block,
+            mp_policy=mp_policy,
+            offload_policy=offload,
+            reshard_after_forward=RESHARD_AFTER_FORWARD,
+        )
+    # The root's parameters (embeddings, final norm, head) are needed right at the backward's
+    # start: never re-sharded after the forward.
+    fully_shard(model, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
+    return model
+'''
+
+
+def _fsdp(launch: Launch) -> str:
+    _needs(launch, Engine.FSDP, Format.FSDP)
+    config = launch.config
+    mixed = config.precision is Precision.BF16_MIXED
+    return _FSDP_SNIPPET.format(
+        summary=launch.summary(),
+        micro_batch=launch.micro_batch_size,
+        grad_accum=launch.grad_accum,
+        ac_every=config.ac_every,
+        reshard=config.zero_stage == 3,
+        stage=config.zero_stage,
+        pure_bf16=config.precision is Precision.BF16,
+        # Gradients reduced in fp32, as the probe does.
+        mp_args="param_dtype=torch.bfloat16, reduce_dtype=torch.float32" if mixed else "",
+        offload=(
+            # Pinned host memory needs an accelerator.
+            "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())"
+            if config.offload is Offload.PARAMS
+            else "OffloadPolicy()"
+        ),
+    )
+
+
+_RENDERERS = {
+    Format.DEEPSPEED: _deepspeed_json,
+    Format.ACCELERATE: _accelerate,
+    Format.HF: _hf,
+    Format.TORCHRUN: _torchrun,
+    Format.FSDP: _fsdp,
+}
