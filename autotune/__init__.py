@@ -15,13 +15,27 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autotune.api import Plan, StudyResult, Tuning, best, plan, prepare, probe, trials, tune
+    from autotune.api import (
+        Export,
+        Plan,
+        StudyResult,
+        Tuning,
+        best,
+        export,
+        plan,
+        prepare,
+        probe,
+        trials,
+        tune,
+    )
 
 __all__ = [
+    "Export",
     "Plan",
     "StudyResult",
     "Tuning",
     "best",
+    "export",
     "plan",
     "prepare",
     "probe",

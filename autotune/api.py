@@ -4,6 +4,7 @@
   configuration that fits, recording every probe in the study;
 - :func:`plan`: every configuration ranked by the estimator, without a GPU;
 - :func:`best` and :func:`trials`: read a trial database back;
+- :func:`export`: the best configuration (or a trial's) as a trainer's own configuration;
 - :func:`probe`: run one configuration for real.
 
 Sizes and durations take units as text (``"20GiB"``, ``"1h30m"``) or plain numbers (bytes,
@@ -31,13 +32,14 @@ from autotune.hardware import (
     gpu_spec,
     host_memory_bytes,
 )
+from autotune.launch import Format, Launch, render
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.space import Workload
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
-from autotune.study.measurement import StudyResult
+from autotune.study.measurement import Measurement, StudyResult
 from autotune.units import parse_duration, parse_fraction, parse_size
 
 if TYPE_CHECKING:
@@ -48,10 +50,12 @@ if TYPE_CHECKING:
 # use them: `autotune plan` and `--help` never open a study, and answer faster without them.
 
 __all__ = [
+    "Export",
     "Plan",
     "StudyResult",
     "Tuning",
     "best",
+    "export",
     "plan",
     "prepare",
     "probe",
@@ -529,3 +533,132 @@ def probe(
     if on_start is not None:
         on_start(spec, probe_dir)
     return chosen.launch(spec, probe_dir)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Export:
+    """A measured configuration in a trainer's format: the text, and what it was made of."""
+
+    study: str
+    """The study's name."""
+    measurement: Measurement
+    """The trial exported (the best point's latest trial, pooled, unless one was named)."""
+    launch: Launch
+    format: Format
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "study": self.study,
+            "trial": self.measurement.number,
+            "format": self.format.value,
+            "model": self.launch.model,
+            "config": self.launch.config.to_dict(),
+            "label": self.launch.config.label(),
+            "micro_batch_size": self.launch.micro_batch_size,
+            "grad_accum": self.launch.grad_accum,
+            "world_size": self.launch.world_size,
+            "nodes": self.launch.nodes,
+            "seq_len": self.launch.seq_len,
+            "global_batch": self.launch.global_batch,
+            "text": self.text,
+        }
+
+
+def export(
+    format: Format | str,
+    *,
+    model: str | None = None,
+    gpu: str | None = None,
+    study: str | None = None,
+    storage: str = DEFAULT_STORAGE,
+    trial: int | None = None,
+) -> Export:
+    """The best configuration of the matching study, as a trainer's own configuration.
+
+    Args:
+        format: ``deepspeed``, ``accelerate``, ``hf``, ``torchrun`` or ``fsdp`` (see
+            :class:`~autotune.launch.Format`).
+        model: Only studies of this model (a preset name, or the path its study was run
+            with: the model's shape is read from it).
+        gpu: Only studies on this GPU key.
+        study: The study's name, where several match.
+        trial: Export this trial (by number) instead of the best; it must have fit.
+
+    Raises:
+        ConfigError: When the format is unknown or cannot express the configuration, when no
+            study or several match, or when the trial is missing or did not fit.
+    """
+    try:
+        chosen = Format(format)
+    except ValueError:
+        choices = ", ".join(f.value for f in Format)
+        raise ConfigError(f"unknown export format {format!r}: use one of {choices}") from None
+    studies = _studies(storage, model, gpu, None if trial is not None else 0)
+    if study is not None:
+        studies = [s for s in studies if s.study_name == study]
+        if not studies:
+            raise ConfigError(
+                f"no study named {study!r} matches in {storage}: autotune best lists them"
+            )
+    if len(studies) > 1:
+        names = ", ".join(s.study_name for s in studies)
+        raise ConfigError(f"{len(studies)} studies match ({names}): pick one with --study NAME")
+    [found] = studies
+    measurement = found.best if trial is None else _trial(found, trial)
+    if measurement is None:
+        raise ConfigError(
+            f"no configuration of {found.study_name} fits yet: run autotune run, or pick a "
+            "trial with --trial N"
+        )
+    fingerprint = found.fingerprint
+    spec = _model_of(fingerprint.model, model)
+    workload = fingerprint.workload
+    launch = Launch(
+        model=fingerprint.model,
+        hidden_size=spec.hidden_size,
+        config=measurement.config,
+        micro_batch_size=measurement.micro_batch_size,
+        grad_accum=measurement.grad_accum or workload.grad_accum(measurement.micro_batch_size),
+        world_size=fingerprint.gpus,
+        nodes=fingerprint.nodes,
+        seq_len=fingerprint.seq_len,
+        transformers=fingerprint.software.get("transformers"),
+    )
+    return Export(
+        study=found.study_name,
+        measurement=measurement,
+        launch=launch,
+        format=chosen,
+        text=render(launch, chosen),
+    )
+
+
+def _trial(found: StudyResult, number: int) -> Measurement:
+    """Trial ``number`` of a study, which must have fit."""
+    match = next((m for m in found.measurements if m.number == number), None)
+    if match is None:
+        raise ConfigError(
+            f"{found.study_name} has no trial {number}: autotune trials lists its trials"
+        )
+    if not match.feasible:
+        raise ConfigError(
+            f"trial {number} of {found.study_name} did not fit ({match.outcome or match.state}): "
+            "export a trial that fit, or the best without --trial"
+        )
+    return match
+
+
+def _model_of(name: str, given: str | None) -> ModelSpec:
+    """The shape of a study's model: from the path it was run with, else its preset."""
+    for candidate in (given, name):
+        if candidate is None:
+            continue
+        try:
+            return resolve_model(candidate)
+        except ValueError:
+            continue
+    raise ConfigError(
+        f"the study's model {name!r} is not a preset: pass --model path/to/config.json, the "
+        "config it was run with"
+    )

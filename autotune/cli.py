@@ -412,6 +412,67 @@ def trials(
 
 
 @app.command()
+def export(
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            help="deepspeed, accelerate, hf, torchrun or fsdp.",
+            show_default=False,
+        ),
+    ],
+    model: FilterModel = None,
+    gpu: FilterGpu = None,
+    study: Annotated[
+        str | None, typer.Option(help="The study's name, where several match (see best).")
+    ] = None,
+    storage: StorageOption = DEFAULT_STORAGE,
+    trial: Annotated[
+        int | None, typer.Option(min=0, help="Export this trial instead of the best.")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write this file (default: stdout).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the -o file.")] = False,
+    json_output: JsonOption = False,
+) -> None:
+    """The best configuration as a trainer's own config: DeepSpeed JSON, accelerate YAML,
+    TrainingArguments, a torchrun line, or FSDP2 code."""
+    from autotune import api
+    from autotune.launch import Format
+
+    if format not in set(Format):
+        choices = ", ".join(f.value for f in Format)
+        raise UsageError(f"unknown export format {format!r}: use one of {choices}")
+    if output is not None and output.exists() and not force:
+        raise UsageError(f"{output} exists: add --force to overwrite it, or pick another -o")
+    found = api.export(format, model=model, gpu=gpu, study=study, storage=storage, trial=trial)
+    if output is not None:
+        try:
+            with output.open("w" if force else "x", encoding="utf-8") as file:
+                file.write(found.text)
+        except FileExistsError:
+            raise UsageError(
+                f"{output} exists: add --force to overwrite it, or pick another -o"
+            ) from None
+        except OSError as error:
+            raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
+    if json_output:
+        _print_json({**found.to_dict(), "output": str(output) if output else None})
+    elif output is None:
+        sys.stdout.write(found.text)
+    else:
+        errors.print(
+            f"wrote {output}: {found.format.value} for {found.launch.config.label()} at "
+            f"micro-batch {found.launch.micro_batch_size} (trial {found.measurement.number} of "
+            f"{found.study})",
+            markup=False,
+            highlight=False,
+        )
+
+
+@app.command()
 def models(json_output: JsonOption = False) -> None:
     """List the model presets with their parameter counts."""
     from autotune.models import preset_names, resolve_model
