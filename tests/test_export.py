@@ -1,0 +1,589 @@
+"""``autotune export``: every format read back by the library it is for, the DeepSpeed config
+and the FSDP2 snippet training a tiny model for real, and the command line's exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_cli import autotune
+
+import autotune as library
+from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
+from autotune.launch import Format, Launch, deepspeed_config, hf_fields, render
+from autotune.models import resolve_model
+from autotune.probe.ops import op_environment
+
+TINY = resolve_model("tiny")
+
+
+def launch(config: TrainConfig, *, world_size: int = 8, nodes: int = 1, **rest: int) -> Launch:
+    """A launch of llama-7b's shape unless told otherwise."""
+    fields = {"micro_batch_size": 2, "grad_accum": 4, "hidden_size": 4096, **rest}
+    return Launch(
+        model="llama-7b",
+        config=config,
+        world_size=world_size,
+        nodes=nodes,
+        seq_len=2048,
+        **fields,
+    )
+
+
+DEEPSPEED_CONFIGS = [
+    TrainConfig(engine=Engine.DEEPSPEED, zero_stage=0),
+    TrainConfig(engine=Engine.DEEPSPEED, zero_stage=1, precision=Precision.FP16_MIXED),
+    TrainConfig(engine=Engine.DEEPSPEED, zero_stage=2, offload=Offload.OPTIMIZER, ac_every=1),
+    TrainConfig(engine=Engine.DEEPSPEED, zero_stage=3, offload=Offload.PARAMS, ac_every=2),
+]
+FSDP_CONFIGS = [
+    TrainConfig(engine=Engine.FSDP, zero_stage=3, ac_every=2),
+    TrainConfig(engine=Engine.FSDP, zero_stage=2, offload=Offload.PARAMS, ac_every=1),
+    TrainConfig(engine=Engine.FSDP, zero_stage=3, precision=Precision.BF16),
+]
+
+
+def run_python(code: str, tmp_path: Path, timeout: float = 240) -> str:
+    """Run ``code`` in a fresh interpreter as rank 0 of a one-process world (its own port),
+    with the DeepSpeed ops already built in this environment found, not rebuilt."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = op_environment(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        OMP_NUM_THREADS="1",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
+
+
+# ---- DeepSpeed --------------------------------------------------------------------------------
+
+
+def test_deepspeed_configs_are_accepted_by_deepspeeds_config_class(tmp_path: Path) -> None:
+    """DeepSpeedConfig validates each export for the 8 ranks it is for (the batch sizes must
+    agree with them), and the probes build their engine from the very same function."""
+    exports = {
+        config.label(): json.loads(render(launch(config), Format.DEEPSPEED))
+        for config in DEEPSPEED_CONFIGS
+    }
+    (tmp_path / "exports.json").write_text(json.dumps(exports))
+    out = run_python(
+        """
+        import json
+        import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        import autotune.launch
+        from autotune.probe.engines import deepspeed as engine
+
+        assert engine.deepspeed_config is autotune.launch.deepspeed_config
+
+        class DataParallel:  # the 8 ranks the export is for, in a one-process world
+            def get_data_parallel_world_size(self):
+                return 8
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        seen = {}
+        for label, exported in json.load(open("exports.json")).items():
+            config = DeepSpeedConfig(exported, mpu=DataParallel())
+            seen[label] = [
+                config.train_batch_size,
+                config.train_micro_batch_size_per_gpu,
+                config.gradient_accumulation_steps,
+                int(config.zero_optimization_stage),
+                config.bfloat16_config.enabled,
+                config.float16_config.enabled,
+                str(config.zero_config.offload_optimizer.device)
+                if config.zero_config.offload_optimizer else None,
+                str(config.zero_config.offload_param.device)
+                if config.zero_config.offload_param else None,
+            ]
+        print(json.dumps(seen))
+        """,
+        tmp_path,
+    )
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen == {
+        "deepspeed ac:off": [64, 2, 4, 0, True, False, None, None],
+        "deepspeed z1 ac:off fp16-mixed": [64, 2, 4, 1, False, True, None, None],
+        "deepspeed z2 off:optimizer ac:every": [64, 2, 4, 2, True, False, "cpu", None],
+        "deepspeed z3 off:params ac:every-2": [64, 2, 4, 3, True, False, "cpu", "cpu"],
+    }
+
+
+def test_deepspeed_export_is_what_the_probe_uses_on_gpus() -> None:
+    config = DEEPSPEED_CONFIGS[3]
+    exported = json.loads(render(launch(config), Format.DEEPSPEED))
+    assert exported == deepspeed_config(
+        config, micro_batch_size=2, grad_accum=4, world_size=8, hidden_size=4096
+    )
+    zero = exported["zero_optimization"]
+    assert zero["overlap_comm"] is True
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert "torch_adam" not in exported["optimizer"]["params"]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrainConfig(engine=Engine.DEEPSPEED, zero_stage=2, ac_every=1),
+        TrainConfig(engine=Engine.DEEPSPEED, zero_stage=3, offload=Offload.OPTIMIZER),
+    ],
+    ids=lambda c: c.label(),
+)
+def test_a_cpu_deepspeed_engine_trains_from_the_export(config: TrainConfig, tmp_path: Path) -> None:
+    """deepspeed.initialize on the tiny model from the exported JSON, one rank on gloo, and
+    two optimizer steps. One field is changed: ``torch_adam``, because on the CPU DeepSpeed's
+    own Adam ops would have to be built first (the probes set it on the CPU too)."""
+    exported = json.loads(
+        render(
+            Launch(
+                model="tiny",
+                hidden_size=TINY.hidden_size,
+                config=config,
+                micro_batch_size=2,
+                grad_accum=2,
+                world_size=1,
+                seq_len=16,
+            ),
+            Format.DEEPSPEED,
+        )
+    )
+    exported["optimizer"]["params"]["torch_adam"] = True
+    (tmp_path / "ds_config.json").write_text(json.dumps(exported))
+    out = run_python(
+        f"""
+        import json, math
+        import deepspeed, torch
+        from transformers import AutoModelForCausalLM
+
+        from autotune.models import resolve_model
+        from autotune.probe.modeling import apply_activation_checkpointing, hf_config
+
+        ds_config = json.load(open("ds_config.json"))
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_config(resolve_model("tiny")))
+        apply_activation_checkpointing(model, {config.ac_every})
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=list(model.parameters()), config=ds_config
+        )
+        losses = []
+        for _ in range(2 * ds_config["gradient_accumulation_steps"]):
+            ids = torch.randint(0, 256, (ds_config["train_micro_batch_size_per_gpu"], 16))
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        print(json.dumps([engine.global_steps, engine.zero_optimization_stage(), losses]))
+        """,
+        tmp_path,
+    )
+    steps, stage, losses = json.loads(out.strip().splitlines()[-1])
+    assert steps == 2
+    assert stage == config.zero_stage
+    assert all(0 < loss < 20 for loss in losses)
+
+
+# ---- accelerate -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        *DEEPSPEED_CONFIGS,
+        *FSDP_CONFIGS,
+        TrainConfig(engine=Engine.DDP, ac_every=2),
+        TrainConfig(engine=Engine.SINGLE),
+    ],
+    ids=lambda c: c.label(),
+)
+def test_accelerate_loads_the_yaml(config: TrainConfig, tmp_path: Path) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    world = 1 if config.engine is Engine.SINGLE else 16
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(
+        render(launch(config, world_size=world, nodes=2 if world > 1 else 1), "accelerate")
+    )
+    loaded = load_config_from_file(str(path))
+    assert type(loaded).__name__ == "ClusterConfig"
+    assert loaded.num_processes == world
+    assert loaded.num_machines == (2 if world > 1 else 1)
+    expected = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(config.precision.value, "no")
+    assert loaded.mixed_precision == expected
+    kind = {"single": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}
+    assert loaded.distributed_type.value == kind[config.engine.value]
+    if config.engine is Engine.DEEPSPEED:
+        ds = loaded.deepspeed_config
+        assert ds["zero_stage"] == config.zero_stage
+        assert ds["gradient_accumulation_steps"] == 4
+        assert ds["offload_param_device"] == ("cpu" if config.offload is Offload.PARAMS else "none")
+    if config.engine is Engine.FSDP:
+        fsdp = loaded.fsdp_config
+        assert fsdp["fsdp_version"] == 2
+        assert fsdp["fsdp_reshard_after_forward"] is (config.zero_stage == 3)
+        assert fsdp["fsdp_offload_params"] is (config.offload is Offload.PARAMS)
+        assert fsdp["fsdp_activation_checkpointing"] is (config.ac_every == 1)
+
+
+# ---- Hugging Face TrainingArguments ------------------------------------------------------------
+
+
+def test_training_arguments_accept_the_fields(tmp_path: Path) -> None:
+    """``TrainingArguments(**fields)`` for DeepSpeed and FSDP exports (in a fresh process:
+    TrainingArguments set accelerate's environment variables)."""
+    exports = {
+        config.label(): hf_fields(launch(config)) for config in (*DEEPSPEED_CONFIGS, *FSDP_CONFIGS)
+    }
+    for label, fields in exports.items():
+        assert json.loads(render(launch(TrainConfig.from_dict(_config(label))), "hf")) == fields
+    (tmp_path / "fields.json").write_text(json.dumps(exports))
+    out = run_python(
+        """
+        import json, warnings
+        from transformers import TrainingArguments
+
+        seen = {}
+        for label, fields in json.load(open("fields.json")).items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FutureWarning)  # no deprecated names
+                # use_cpu: this machine has no GPU; the exported fields are unchanged.
+                args = TrainingArguments(output_dir="out", use_cpu=True, **fields)
+            seen[label] = {
+                "batch": args.per_device_train_batch_size,
+                "accumulation": args.gradient_accumulation_steps,
+                "bf16": args.bf16,
+                "fp16": args.fp16,
+                "checkpointing": args.activation_checkpointing,
+                "every": (args.activation_checkpointing_kwargs or {}).get("every_n_layers"),
+                "zero": args.hf_deepspeed_config.config["zero_optimization"]["stage"]
+                if args.deepspeed else None,
+                "fsdp": bool(args.fsdp),
+                "reshard": args.fsdp_plugin_args["reshard_after_forward"]
+                if args.fsdp else None,
+                "fsdp_ac": args.fsdp_plugin_args.get("activation_checkpointing")
+                if args.fsdp else None,
+            }
+        print(json.dumps(seen))
+        """,
+        tmp_path,
+    )
+    seen = json.loads(out.strip().splitlines()[-1])
+    common = {"batch": 2, "accumulation": 4}
+    assert seen["deepspeed z3 off:params ac:every-2"] == {
+        **common,
+        "bf16": True,
+        "fp16": False,
+        "checkpointing": True,
+        "every": 2,
+        "zero": 3,
+        "fsdp": False,
+        "reshard": None,
+        "fsdp_ac": None,
+    }
+    assert seen["deepspeed z1 ac:off fp16-mixed"]["fp16"] is True
+    assert seen["deepspeed z1 ac:off fp16-mixed"]["checkpointing"] is False
+    # FSDP checkpoints every block with its own wrapper, as the probe does; every other
+    # block through the model's checkpointing.
+    assert seen["fsdp z2 off:params ac:every"] == {
+        **common,
+        "bf16": True,
+        "fp16": False,
+        "checkpointing": False,
+        "every": None,
+        "zero": None,
+        "fsdp": True,
+        "reshard": False,
+        "fsdp_ac": True,
+    }
+    assert seen["fsdp z3 ac:every-2"]["checkpointing"] is True
+    assert seen["fsdp z3 ac:every-2"]["every"] == 2
+    assert seen["fsdp z3 ac:every-2"]["reshard"] is True
+
+
+def _config(label: str) -> dict[str, object]:
+    found = {c.label(): c for c in (*DEEPSPEED_CONFIGS, *FSDP_CONFIGS)}
+    return found[label].to_dict()
+
+
+def test_older_transformers_get_the_older_field_names() -> None:
+    config = TrainConfig(engine=Engine.DDP, ac_every=1)
+    old = Launch(**{**_launch_fields(launch(config)), "transformers": "4.57.1"})
+    fields = hf_fields(old)
+    assert fields["gradient_checkpointing"] is True
+    assert "activation_checkpointing" not in fields
+    assert "activation_checkpointing" in hf_fields(launch(config))
+
+
+def _launch_fields(value: Launch) -> dict[str, object]:
+    return {name: getattr(value, name) for name in Launch.__slots__}  # type: ignore[attr-defined]
+
+
+# ---- torchrun ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_parses_the_line(nodes: int) -> None:
+    from torch.distributed.run import get_args_parser
+
+    text = render(
+        launch(TrainConfig(engine=Engine.FSDP, zero_stage=3), world_size=16, nodes=nodes),
+        "torchrun",
+    )
+    [line] = [line for line in text.splitlines() if line.startswith("torchrun ")]
+    env = dict(
+        line.removeprefix("export ").split("=", 1)
+        for line in text.splitlines()
+        if line.startswith("export ")
+    )
+    assert env == {"NNODES": str(nodes), "NPROC_PER_NODE": str(16 // nodes)}
+    args = get_args_parser().parse_args(shlex.split(line)[1:])
+    assert args.nnodes == str(nodes)
+    assert args.nproc_per_node == str(16 // nodes)
+    assert args.training_script == "train.py"
+    if nodes > 1:
+        assert args.rdzv_backend == "c10d"
+        assert args.rdzv_endpoint == "$MASTER_ADDR:29500"  # the shell expands it
+    assert "micro-batch per rank: 2" in text
+    assert "accumulation steps: 4" in text
+
+
+# ---- FSDP2 snippet ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", FSDP_CONFIGS, ids=lambda c: c.label())
+def test_fsdp_snippet_shards_and_trains_a_tiny_model(config: TrainConfig, tmp_path: Path) -> None:
+    """The snippet, executed on the tiny model in a one-rank gloo group on the CPU: every
+    block and the root sharded (DTensor parameters), the blocks checkpointed as configured,
+    the dtypes and offload as the probe sets them, and an optimizer step that trains."""
+    snippet = render(
+        Launch(
+            model="tiny",
+            hidden_size=TINY.hidden_size,
+            config=config,
+            micro_batch_size=2,
+            grad_accum=1,
+            world_size=1,
+            seq_len=16,
+        ),
+        Format.FSDP,
+    )
+    (tmp_path / "fsdp_settings.py").write_text(snippet)
+    out = run_python(
+        """
+        import json
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+        from torch.distributed.tensor import DTensor
+        from transformers import AutoModelForCausalLM
+
+        from autotune.models import resolve_model
+        from autotune.probe.modeling import hf_config
+        import fsdp_settings
+
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)
+        model = fsdp_settings.apply_fsdp(
+            AutoModelForCausalLM.from_config(hf_config(resolve_model("tiny")))
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, 256, (fsdp_settings.MICRO_BATCH_SIZE, 16))
+        losses = []
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        blocks = fsdp_settings.decoder_blocks(model)
+        print(json.dumps({
+            "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+            "checkpointed": [isinstance(b, CheckpointWrapper) for b in blocks],
+            "dtype": str(next(model.parameters()).dtype),
+            "device": next(model.parameters()).device.type,
+            "losses": losses,
+        }))
+        dist.destroy_process_group()
+        """,
+        tmp_path,
+    )
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["sharded"] is True
+    layers = len(seen["checkpointed"])
+    expected = [bool(config.ac_every) and i % config.ac_every == 0 for i in range(layers)]
+    assert seen["checkpointed"] == expected
+    assert seen["dtype"] == (
+        "torch.bfloat16" if config.precision is Precision.BF16 else "torch.float32"
+    )
+    assert seen["losses"][1] < seen["losses"][0]  # the same batch twice: the step trained
+
+
+# ---- Formats that cannot express the configuration ----------------------------------------------
+
+
+def test_formats_refuse_other_engines_and_unknown_names() -> None:
+    fsdp = launch(FSDP_CONFIGS[0])
+    with pytest.raises(ConfigError, match="use --format accelerate, hf, torchrun or fsdp"):
+        render(fsdp, "deepspeed")
+    with pytest.raises(ConfigError, match="needs a fsdp configuration"):
+        render(launch(DEEPSPEED_CONFIGS[0]), "fsdp")
+    with pytest.raises(ConfigError, match="unknown export format 'yaml'"):
+        render(fsdp, "yaml")
+    with pytest.raises(ConfigError, match="do not split evenly"):
+        launch(FSDP_CONFIGS[0], world_size=12, nodes=8)
+
+
+# ---- The command line and the library, on a real study ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A study of llama-7b on 8 simulated H100s, made by ``autotune run``."""
+    folder = tmp_path_factory.mktemp("study")
+    storage = f"sqlite:///{folder}/t.db"
+    done = autotune(
+        "run",
+        "--simulate",
+        "h100-80gb",
+        "--gpus",
+        "8",
+        "--model",
+        "llama-7b",
+        "--budget",
+        "10m",
+        "--storage",
+        storage,
+        "--trials-dir",
+        str(folder / "trials"),
+        "--json",
+        cwd=folder,
+    )
+    assert done.returncode == 0, done.stderr
+    return storage
+
+
+def test_the_library_exports_the_best_or_a_named_trial(study: str) -> None:
+    [best] = library.best(storage=study)
+    assert best.best is not None
+    found = library.export("hf", storage=study, model="llama-7b")
+    assert found.study == best.study_name
+    assert found.launch.config == best.best.config
+    assert found.launch.micro_batch_size == best.best.micro_batch_size
+    assert found.launch.global_batch == 64
+    assert json.loads(found.text)["per_device_train_batch_size"] == best.best.micro_batch_size
+    [everything] = library.trials(storage=study)
+    deepspeed = next(
+        m for m in everything.measurements if m.feasible and m.config.engine is Engine.DEEPSPEED
+    )
+    chosen = library.export("deepspeed", storage=study, trial=deepspeed.number)
+    assert chosen.measurement.number == deepspeed.number
+    assert json.loads(chosen.text)["train_micro_batch_size_per_gpu"] == deepspeed.micro_batch_size
+    infeasible = next((m for m in everything.measurements if not m.feasible), None)
+    if infeasible is not None:
+        with pytest.raises(ConfigError, match="did not fit"):
+            library.export("hf", storage=study, trial=infeasible.number)
+    with pytest.raises(ConfigError, match="has no trial 100000"):
+        library.export("hf", storage=study, trial=100000)
+    with pytest.raises(ConfigError, match="no autotune study"):
+        library.export("hf", storage=study, model="tiny")
+
+
+def test_cli_prints_writes_and_refuses_to_overwrite(study: str, tmp_path: Path) -> None:
+    printed = autotune("export", "--storage", study, "--format", "accelerate", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    assert "distributed_type:" in printed.stdout
+    target = tmp_path / "ds.yaml"
+    wrote = autotune(
+        "export", "--storage", study, "--format", "accelerate", "-o", str(target), cwd=tmp_path
+    )
+    assert wrote.returncode == 0, wrote.stderr
+    assert target.read_text() == printed.stdout
+    target.write_text("mine\n")
+    again = autotune(
+        "export", "--storage", study, "--format", "hf", "-o", str(target), cwd=tmp_path
+    )
+    assert again.returncode == 2
+    assert "exists: add --force" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    assert target.read_text() == "mine\n"
+    forced = autotune(
+        "export",
+        "--storage",
+        study,
+        "--format",
+        "hf",
+        "-o",
+        str(target),
+        "--force",
+        "--json",
+        cwd=tmp_path,
+    )
+    assert forced.returncode == 0, forced.stderr
+    data = json.loads(forced.stdout)
+    assert target.read_text() == data["text"]
+    assert data["output"] == str(target)
+    assert data["format"] == "hf"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--format", "yaml"), "unknown export format 'yaml'"),
+        (("--format", "hf", "--trial", "100000"), "has no trial 100000"),
+        (("--format", "hf", "--study", "nope"), "no study named 'nope'"),
+        (("--format", "hf", "--model", "tiny"), "no autotune study"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(
+    study: str, tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    done = autotune("export", "--storage", study, *args, cwd=tmp_path)
+    assert done.returncode == 2
+    assert says in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_cli_trial_exports_that_trial(study: str, tmp_path: Path) -> None:
+    [everything] = library.trials(storage=study)
+    fsdp = next(m for m in everything.measurements if m.feasible and m.config.engine is Engine.FSDP)
+    done = autotune(
+        "export",
+        "--storage",
+        study,
+        "--format",
+        "torchrun",
+        "--trial",
+        str(fsdp.number),
+        "--json",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["trial"] == fsdp.number
+    assert data["config"] == fsdp.config.to_dict()
+    assert "torchrun --nnodes=1 --nproc-per-node=8 train.py" in data["text"]
