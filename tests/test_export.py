@@ -146,6 +146,19 @@ def test_deepspeed_export_is_what_the_probe_uses_on_gpus() -> None:
     assert "torch_adam" not in exported["optimizer"]["params"]
 
 
+def _tiny(config: TrainConfig, *, grad_accum: int) -> Launch:
+    """The tiny model on one rank, micro-batch 2, sequence length 16."""
+    return Launch(
+        model="tiny",
+        hidden_size=TINY.hidden_size,
+        config=config,
+        micro_batch_size=2,
+        grad_accum=grad_accum,
+        world_size=1,
+        seq_len=16,
+    )
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -158,20 +171,7 @@ def test_a_cpu_deepspeed_engine_trains_from_the_export(config: TrainConfig, tmp_
     """deepspeed.initialize on the tiny model from the exported JSON, one rank on gloo, and
     two optimizer steps. One field is changed: ``torch_adam``, because on the CPU DeepSpeed's
     own Adam ops would have to be built first (the probes set it on the CPU too)."""
-    exported = json.loads(
-        render(
-            Launch(
-                model="tiny",
-                hidden_size=TINY.hidden_size,
-                config=config,
-                micro_batch_size=2,
-                grad_accum=2,
-                world_size=1,
-                seq_len=16,
-            ),
-            Format.DEEPSPEED,
-        )
-    )
+    exported = json.loads(render(_tiny(config, grad_accum=2), Format.DEEPSPEED))
     exported["optimizer"]["params"]["torch_adam"] = True
     (tmp_path / "ds_config.json").write_text(json.dumps(exported))
     out = run_python(
@@ -380,18 +380,7 @@ def test_fsdp_snippet_shards_and_trains_a_tiny_model(config: TrainConfig, tmp_pa
     """The snippet, executed on the tiny model in a one-rank gloo group on the CPU: every
     block and the root sharded (DTensor parameters), the blocks checkpointed as configured,
     the dtypes and offload as the probe sets them, and an optimizer step that trains."""
-    snippet = render(
-        Launch(
-            model="tiny",
-            hidden_size=TINY.hidden_size,
-            config=config,
-            micro_batch_size=2,
-            grad_accum=1,
-            world_size=1,
-            seq_len=16,
-        ),
-        Format.FSDP,
-    )
+    snippet = render(_tiny(config, grad_accum=1), Format.FSDP)
     (tmp_path / "fsdp_settings.py").write_text(snippet)
     out = run_python(
         """
