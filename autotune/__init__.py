@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from autotune.api import (
         Export,
         Plan,
+        Report,
         StudyResult,
         Tuning,
         best,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
         plan,
         prepare,
         probe,
+        report,
         trials,
         tune,
     )
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Export",
     "Plan",
+    "Report",
     "StudyResult",
     "Tuning",
     "best",
@@ -39,6 +42,7 @@ __all__ = [
     "plan",
     "prepare",
     "probe",
+    "report",
     "trials",
     "tune",
 ]

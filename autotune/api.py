@@ -5,6 +5,7 @@
 - :func:`plan`: every configuration ranked by the estimator, without a GPU;
 - :func:`best` and :func:`trials`: read a trial database back;
 - :func:`export`: the best configuration (or a trial's) as a trainer's own configuration;
+- :func:`report`: a study as one self-contained HTML page of charts and tables;
 - :func:`probe`: run one configuration for real.
 
 Sizes and durations take units as text (``"20GiB"``, ``"1h30m"``) or plain numbers (bytes,
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Export",
     "Plan",
+    "Report",
     "StudyResult",
     "Tuning",
     "best",
@@ -59,6 +61,7 @@ __all__ = [
     "plan",
     "prepare",
     "probe",
+    "report",
     "trials",
     "tune",
 ]
@@ -594,7 +597,29 @@ def export(
     except ValueError:
         choices = ", ".join(f.value for f in Format)
         raise ConfigError(f"unknown export format {format!r}: use one of {choices}") from None
-    studies = _studies(storage, model, gpu, None if trial is not None else 0)
+    found = _one_study(storage, model, gpu, study, None if trial is not None else 0)
+    measurement = found.best if trial is None else _trial(found, trial)
+    if measurement is None:
+        raise ConfigError(
+            f"no configuration of {found.study_name} fits yet: run autotune run, or pick a "
+            "trial with --trial N"
+        )
+    launch = _launch(found, measurement, _model_of(found.fingerprint.model, model))
+    return Export(
+        study=found.study_name,
+        measurement=measurement,
+        launch=launch,
+        format=chosen,
+        text=render(launch, chosen),
+    )
+
+
+def _one_study(
+    storage: str, model: str | None, gpu: str | None, study: str | None, last: int | None
+) -> StudyResult:
+    """The one study that matches (by model, GPU and name), as ``export`` and ``report``
+    select it."""
+    studies = _studies(storage, model, gpu, last)
     if study is not None:
         studies = [s for s in studies if s.study_name == study]
         if not studies:
@@ -604,34 +629,99 @@ def export(
     if len(studies) > 1:
         names = ", ".join(s.study_name for s in studies)
         raise ConfigError(f"{len(studies)} studies match ({names}): pick one with --study NAME")
-    [found] = studies
-    measurement = found.best if trial is None else _trial(found, trial)
-    if measurement is None:
-        raise ConfigError(
-            f"no configuration of {found.study_name} fits yet: run autotune run, or pick a "
-            "trial with --trial N"
-        )
+    return studies[0]
+
+
+def _launch(found: StudyResult, measurement: Measurement, spec: ModelSpec) -> Launch:
+    """How to launch a measured configuration of a study."""
     fingerprint = found.fingerprint
-    spec = _model_of(fingerprint.model, model)
-    workload = fingerprint.workload
-    launch = Launch(
+    return Launch(
         model=fingerprint.model,
         hidden_size=spec.hidden_size,
         config=measurement.config,
         micro_batch_size=measurement.micro_batch_size,
-        grad_accum=measurement.grad_accum or workload.grad_accum(measurement.micro_batch_size),
+        grad_accum=measurement.grad_accum
+        or fingerprint.workload.grad_accum(measurement.micro_batch_size),
         world_size=fingerprint.gpus,
         nodes=fingerprint.nodes,
         seq_len=fingerprint.seq_len,
         transformers=fingerprint.software.get("transformers"),
     )
-    return Export(
-        study=found.study_name,
-        measurement=measurement,
-        launch=launch,
-        format=chosen,
-        text=render(launch, chosen),
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """An HTML report written: where, and of which study."""
+
+    path: Path
+    study: str
+    """The study's name."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "study": self.study}
+
+
+def report(
+    output: str | Path,
+    *,
+    model: str | None = None,
+    gpu: str | None = None,
+    study: str | None = None,
+    storage: str = DEFAULT_STORAGE,
+    budget: str | float | None = None,
+    force: bool = False,
+) -> Report:
+    """Write the matching study as one self-contained HTML page (works offline): memory per
+    GPU of each configuration (predicted breakdown and measured peak), tokens/s and MFU
+    against micro-batch, the search's path, the best configuration with its launch, and
+    every probe with a link to its folder.
+
+    Args:
+        output: The HTML file to write.
+        model: Only studies of this model (a preset name, or the path its study was run
+            with).
+        gpu: Only studies on this GPU key.
+        study: The study's name, where several match.
+        budget: The search's budget (``"30m"``), drawn on the search's chart.
+        force: Overwrite ``output`` if it exists.
+
+    Raises:
+        ConfigError: When no study or several match, ``output`` exists without ``force``,
+            or it cannot be written.
+    """
+    from autotune.report.html import read_trial_times, render_html
+
+    path = Path(output)
+    if path.exists() and not force:
+        raise ConfigError(f"{path} exists: add --force to overwrite it, or pick another -o")
+    budget_s = None if budget is None else _seconds(budget, "the budget")
+    found = _one_study(storage, model, gpu, study, None)
+    spec = _model_of(found.fingerprint.model, model)
+    launches: dict[str, str] = {}
+    if found.best is not None:
+        launch = _launch(found, found.best, spec)
+        for fmt in Format:
+            try:
+                launches[fmt.value] = render(launch, fmt)
+            except ConfigError:
+                continue  # a format that cannot express this engine
+    text = render_html(
+        found,
+        model=spec,
+        launches=launches,
+        times=read_trial_times(storage, found.study_name),
+        budget_s=budget_s,
     )
+    try:
+        with path.open("w" if force else "x", encoding="utf-8") as file:
+            file.write(text)
+    except FileExistsError:
+        raise ConfigError(
+            f"{path} exists: add --force to overwrite it, or pick another -o"
+        ) from None
+    except OSError as error:
+        raise ConfigError(f"cannot write {path}: {error.strerror or error}") from None
+    return Report(path=path, study=found.study_name)
 
 
 def _trial(found: StudyResult, number: int) -> Measurement:

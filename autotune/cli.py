@@ -473,6 +473,39 @@ def export(
 
 
 @app.command()
+def report(
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The HTML file to write.", show_default=False)
+    ],
+    model: FilterModel = None,
+    gpu: FilterGpu = None,
+    study: Annotated[
+        str | None, typer.Option(help="The study's name, where several match (see best).")
+    ] = None,
+    storage: StorageOption = DEFAULT_STORAGE,
+    budget: Annotated[
+        str | None, typer.Option(help="The search's budget, e.g. 30m, drawn on its chart.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the -o file.")] = False,
+    json_output: JsonOption = False,
+) -> None:
+    """One self-contained HTML page of a study (works offline): memory per GPU, tokens/s and
+    MFU against micro-batch, the search's path, the best configuration and its launch, and
+    every probe."""
+    from autotune import api
+
+    if output.exists() and not force:
+        raise UsageError(f"{output} exists: add --force to overwrite it, or pick another -o")
+    done = api.report(
+        output, model=model, gpu=gpu, study=study, storage=storage, budget=budget, force=force
+    )
+    if json_output:
+        _print_json(done.to_dict())
+    else:
+        errors.print(f"wrote {done.path}: {done.study}", markup=False, highlight=False)
+
+
+@app.command()
 def models(json_output: JsonOption = False) -> None:
     """List the model presets with their parameter counts."""
     from autotune.models import preset_names, resolve_model
