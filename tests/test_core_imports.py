@@ -45,6 +45,7 @@ CORE = (
     "autotune.search.controller",
     "autotune.report.live",
     "autotune.report.tables",
+    "autotune.report.html",
     *TUNER_SIDE_OF_PROBE,
 )
 
