@@ -26,9 +26,9 @@ if TYPE_CHECKING:
         plan,
         prepare,
         probe,
-        report,
         trials,
         tune,
+        write_report,
     )
 
 __all__ = [
@@ -42,9 +42,9 @@ __all__ = [
     "plan",
     "prepare",
     "probe",
-    "report",
     "trials",
     "tune",
+    "write_report",
 ]
 
 

@@ -5,7 +5,7 @@
 - :func:`plan`: every configuration ranked by the estimator, without a GPU;
 - :func:`best` and :func:`trials`: read a trial database back;
 - :func:`export`: the best configuration (or a trial's) as a trainer's own configuration;
-- :func:`report`: a study as one self-contained HTML page of charts and tables;
+- :func:`write_report`: a study as one self-contained HTML page of charts and tables;
 - :func:`probe`: run one configuration for real.
 
 Sizes and durations take units as text (``"20GiB"``, ``"1h30m"``) or plain numbers (bytes,
@@ -61,9 +61,9 @@ __all__ = [
     "plan",
     "prepare",
     "probe",
-    "report",
     "trials",
     "tune",
+    "write_report",
 ]
 
 PER_GPU_BATCH = 8
@@ -661,7 +661,7 @@ class Report:
         return {"path": str(self.path), "study": self.study}
 
 
-def report(
+def write_report(
     output: str | Path,
     *,
     model: str | None = None,

@@ -496,7 +496,7 @@ def report(
 
     if output.exists() and not force:
         raise UsageError(f"{output} exists: add --force to overwrite it, or pick another -o")
-    done = api.report(
+    done = api.write_report(
         output, model=model, gpu=gpu, study=study, storage=storage, budget=budget, force=force
     )
     if json_output:

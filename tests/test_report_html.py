@@ -11,14 +11,13 @@ import re
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import optuna
 import pytest
 
 import autotune
-from autotune.report.html import read_trial_times
+from autotune.report.html import _search_clock, read_trial_times
 
 CHARTS = ("memory", "tokens", "mfu", "search")
 EVIL = "<script>alert(1)</script>"
@@ -67,9 +66,10 @@ def _dump_dom(browser: str, page: Path, tmp_path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def storage(tmp_path_factory: pytest.TempPathFactory) -> str:
+def searched(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, float]:
     """A simulated search with an out-of-memory probe, and one more trial whose message and
-    probe folder hold markup (a failed probe, added through Optuna as the store would)."""
+    probe folder hold markup (a failed probe, added through Optuna as the store would): the
+    storage, and the time the search charged to its budget."""
     tmp = tmp_path_factory.mktemp("study")
     url = f"sqlite:///{tmp}/t.db"
     summary = autotune.tune(
@@ -94,7 +94,12 @@ def storage(tmp_path_factory: pytest.TempPathFactory) -> str:
             },
         )
     )
-    return url
+    return url, summary.elapsed_s
+
+
+@pytest.fixture(scope="module")
+def storage(searched: tuple[str, float]) -> str:
+    return searched[0]
 
 
 def test_the_report_draws_every_chart_and_shows_markup_as_text(
@@ -102,7 +107,7 @@ def test_the_report_draws_every_chart_and_shows_markup_as_text(
 ) -> None:
     browser = _chromium()
     page = tmp_path / "report.html"
-    done = autotune.report(page, model="llama-7b", storage=storage, budget="10m")
+    done = autotune.write_report(page, model="llama-7b", storage=storage, budget="10m")
     assert done.path == page and done.study.startswith("llama-7b/")
     source = page.read_text()
     # Self-contained: plotly inlined, no script or style loaded from elsewhere.
@@ -126,17 +131,16 @@ def test_the_report_draws_every_chart_and_shows_markup_as_text(
     assert has(dom, r'<a href="file:///[^"]+/trials/')
 
 
-def test_the_search_goes_by_time_and_the_name_is_callable_after_an_import(
+def test_the_search_goes_by_time_and_the_api_writes_after_the_package_loaded(
     storage: str, tmp_path: Path
 ) -> None:
     [study] = autotune.trials(model="llama-7b", storage=storage)
     times = read_trial_times(storage, study.study_name)
     assert set(times) == {m.number for m in study.measurements}
     assert all(t.start is not None for t in times.values())
-    importlib.import_module("autotune.report.tables")  # autotune.report: now the package
-    assert isinstance(autotune.report, types.ModuleType)
+    importlib.import_module("autotune.report.tables")  # the package, beside the function
 
-    again = autotune.report(tmp_path / "again.html", storage=storage)
+    again = autotune.write_report(tmp_path / "again.html", storage=storage)
     assert again.path.stat().st_size > 1_000_000  # plotly's JavaScript, inlined
 
 
@@ -164,3 +168,16 @@ def test_the_command_refuses_to_overwrite_and_prints_json(storage: str, tmp_path
     out = json.loads(written.stdout)
     assert out["path"] == str(page) and out["study"].startswith("llama-7b/")
     assert page.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_the_search_chart_runs_on_the_budget_clock(searched: tuple[str, float]) -> None:
+    """The simulated search's chart ends where its budget's clock stopped: each probe counted
+    once, though it measured several sizes (trials)."""
+    url, elapsed_s = searched
+    [study] = autotune.trials(model="llama-7b", storage=url)
+    trials = sorted(study.measurements, key=lambda m: m.number)[:-1]  # the added trial: no run
+    assert len({m.probe_dir for m in trials}) < len(trials)
+    xs, title = _search_clock(trials, {})
+    assert title.startswith("probe time spent")
+    assert xs == sorted(xs) and xs[0] > 0
+    assert xs[-1] == pytest.approx(elapsed_s, rel=1e-6)

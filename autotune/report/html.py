@@ -212,21 +212,45 @@ def _speed_figure(study: StudyResult, go: Any, which: str) -> Any:
     return fig
 
 
+def _search_clock(
+    trials: Sequence[Measurement], times: Mapping[int, TrialTimes]
+) -> tuple[list[float], str]:
+    """Where each trial (by number) stands on the search's chart, and the axis's title.
+
+    The budget's own clock where every trial recorded its probe's wall time: the probes'
+    times summed, each probe counted once (one probe measures several sizes), so a simulated
+    search shows the time it charged. Otherwise the trials' start and end times, and the
+    trial number where those are missing too.
+    """
+    walls = [m.attrs.get("probe_wall_s") for m in trials]
+    if trials and all(isinstance(w, int | float) for w in walls):
+        spent = 0.0
+        seen: dict[str, float] = {}
+        xs = []
+        for m, wall in zip(trials, walls, strict=True):
+            probe = m.probe_dir or f"trial {m.number}"
+            if probe not in seen:
+                spent += float(wall)  # type: ignore[arg-type]
+                seen[probe] = spent
+            xs.append(seen[probe])
+        return xs, "probe time spent (s), as the budget counts it"
+    starts = [times.get(m.number, TrialTimes(None, None)).start for m in trials]
+    first = min((s for s in starts if s is not None), default=None)
+    if first is None or any(s is None for s in starts):
+        return [float(m.number) for m in trials], "trial number"
+    xs = []
+    for m, start in zip(trials, starts, strict=True):
+        end = times[m.number].complete or start
+        xs.append(((end or first) - first).total_seconds())
+    return xs, "seconds since the first probe started"
+
+
 def _search_figure(
     study: StudyResult, go: Any, times: Mapping[int, TrialTimes], budget_s: float | None
 ) -> Any:
     trials = sorted(study.measurements, key=lambda m: m.number)
-    starts = [times.get(m.number, TrialTimes(None, None)).start for m in trials]
-    first = min((s for s in starts if s is not None), default=None)
-    by_time = first is not None and all(s is not None for s in starts)
-
-    def x_of(i: int) -> float:
-        if by_time:
-            end = times[trials[i].number].complete or starts[i]
-            return ((end or first) - first).total_seconds()  # type: ignore[operator]
-        return float(trials[i].number)
-
-    xs = [x_of(i) for i in range(len(trials))]
+    xs, x_title = _search_clock(trials, times)
+    by_time = x_title != "trial number"
     goal = study.fingerprint.objective.value
     fig = go.Figure()
     ok = [i for i, m in enumerate(trials) if m.feasible and m.value]
@@ -279,7 +303,7 @@ def _search_figure(
             annotation_text=f"budget {format_duration(budget_s)}",
         )
     fig.update_layout(
-        xaxis_title="seconds since the first probe started" if by_time else "trial number",
+        xaxis_title=x_title,
         yaxis_title=f"objective ({goal})",
         height=420,
     )

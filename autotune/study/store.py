@@ -287,6 +287,8 @@ class TrialStore:
             "device": result.device,
             "simulated": result.device.startswith("simulated"),
             "grad_accum": self.workload.grad_accum(mbs),
+            # The whole probe's wall time (every size it ran), as the budget charged it.
+            "probe_wall_s": result.wall_s,
         }
         if entry is None and result.outcome is Outcome.HOST_OOM:
             # Killed by the host's OOM killer before any size ran: the configuration does not
