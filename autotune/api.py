@@ -712,6 +712,17 @@ def write_report(
         times=read_trial_times(storage, found.study_name),
         budget_s=budget_s,
     )
+    write_new_file(path, text, force=force)
+    return Report(path=path, study=found.study_name)
+
+
+def write_new_file(path: Path, text: str, *, force: bool = False) -> None:
+    """Write an output file (``-o``): created exclusively, so that an existing file is never
+    overwritten unless ``force``, even one that appeared since it was last checked.
+
+    Raises:
+        ConfigError: When ``path`` exists without ``force``, or cannot be written.
+    """
     try:
         with path.open("w" if force else "x", encoding="utf-8") as file:
             file.write(text)
@@ -721,7 +732,6 @@ def write_report(
         ) from None
     except OSError as error:
         raise ConfigError(f"cannot write {path}: {error.strerror or error}") from None
-    return Report(path=path, study=found.study_name)
 
 
 def _trial(found: StudyResult, number: int) -> Measurement:

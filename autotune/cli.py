@@ -65,6 +65,10 @@ StorageOption = Annotated[str, typer.Option(help="Optuna storage URL.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 FilterModel = Annotated[str | None, typer.Option(help="Only studies of this model.")]
 FilterGpu = Annotated[str | None, typer.Option(help="Only studies on this GPU key.")]
+FilterStudy = Annotated[
+    str | None, typer.Option(help="The study's name, where several match (see best).")
+]
+ForceOption = Annotated[bool, typer.Option("--force", help="Overwrite the -o file.")]
 EngineOption = Annotated[
     str | None, typer.Option(help="Only these engines, comma-separated: fsdp,deepspeed.")
 ]
@@ -424,9 +428,7 @@ def export(
     ],
     model: FilterModel = None,
     gpu: FilterGpu = None,
-    study: Annotated[
-        str | None, typer.Option(help="The study's name, where several match (see best).")
-    ] = None,
+    study: FilterStudy = None,
     storage: StorageOption = DEFAULT_STORAGE,
     trial: Annotated[
         int | None, typer.Option(min=0, help="Export this trial instead of the best.")
@@ -434,7 +436,7 @@ def export(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write this file (default: stdout).")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite the -o file.")] = False,
+    force: ForceOption = False,
     json_output: JsonOption = False,
 ) -> None:
     """The best configuration as a trainer's own config: DeepSpeed JSON, accelerate YAML,
@@ -449,15 +451,7 @@ def export(
         raise UsageError(f"{output} exists: add --force to overwrite it, or pick another -o")
     found = api.export(format, model=model, gpu=gpu, study=study, storage=storage, trial=trial)
     if output is not None:
-        try:
-            with output.open("w" if force else "x", encoding="utf-8") as file:
-                file.write(found.text)
-        except FileExistsError:
-            raise UsageError(
-                f"{output} exists: add --force to overwrite it, or pick another -o"
-            ) from None
-        except OSError as error:
-            raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
+        api.write_new_file(output, found.text, force=force)
     if json_output:
         _print_json({**found.to_dict(), "output": str(output) if output else None})
     elif output is None:
@@ -479,14 +473,12 @@ def report(
     ],
     model: FilterModel = None,
     gpu: FilterGpu = None,
-    study: Annotated[
-        str | None, typer.Option(help="The study's name, where several match (see best).")
-    ] = None,
+    study: FilterStudy = None,
     storage: StorageOption = DEFAULT_STORAGE,
     budget: Annotated[
         str | None, typer.Option(help="The search's budget, e.g. 30m, drawn on its chart.")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite the -o file.")] = False,
+    force: ForceOption = False,
     json_output: JsonOption = False,
 ) -> None:
     """One self-contained HTML page of a study (works offline): memory per GPU, tokens/s and
