@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,6 +59,14 @@ class RunProbe(Protocol):
         spawner: str = "forkserver",
         **overrides: Any,
     ) -> ProbeResult: ...
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as a terminal delivers it, however the suite was started: a shell starts a
+    background job (``make test &``, ``nohup``) with SIGINT ignored, which its children
+    inherit, and the tests that send SIGINT to a tuner or to this process would see nothing."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def probe_processes(result: ProbeResult) -> list[psutil.Process]:
