@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autotune.api import (
         Export,
+        JobResult,
         Plan,
         Report,
         StudyResult,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Export",
+    "JobResult",
     "Plan",
     "Report",
     "StudyResult",

@@ -15,6 +15,7 @@ message says what to do. Nothing here imports torch: only the ranks of a real pr
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -33,17 +34,24 @@ from autotune.hardware import (
     gpu_spec,
     host_memory_bytes,
 )
+from autotune.jobs import JobResult
 from autotune.launch import Format, Launch, render
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.space import Workload
-from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
+from autotune.study.fingerprint import (
+    DEFAULT_STORAGE,
+    Fingerprint,
+    Objective,
+    software_versions,
+)
 from autotune.study.measurement import Measurement, StudyResult
 from autotune.units import parse_duration, parse_fraction, parse_size
 
 if TYPE_CHECKING:
+    from autotune.jobs import Freshness, Job
     from autotune.search.controller import Controller, Event, RunSummary
     from autotune.study.store import TrialStore
 
@@ -52,6 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Export",
+    "JobResult",
     "Plan",
     "Report",
     "StudyResult",
@@ -334,6 +343,10 @@ def prepare(
         )
     on_cpu = chosen.kind == "cpu"
     capacity = cap if cap is not None else usable_bytes(gpu)
+    software = software_versions()
+    detected = detect_gpus() if chosen.kind == "cuda" else None
+    if detected is not None and detected.driver:
+        software["driver"] = detected.driver  # a new driver is another study
     fingerprint = Fingerprint(
         model=spec.name,
         seq_len=workload.seq_len,
@@ -343,6 +356,7 @@ def prepare(
         gpus=world,
         device=chosen.kind,
         objective=goal,
+        software=software,
     )
     from autotune.study.store import TrialStore
 
@@ -404,6 +418,89 @@ def tune(
         Why the search stopped, the best measurement and every measurement of the study.
     """
     return prepare(model, **options).run(on_event)
+
+
+def tune_jobs(
+    path: str | Path,
+    *,
+    max_age: str | float | None = None,
+    on_job: Callable[[Job, Tuning, Freshness], Callable[[Event], None] | None] | None = None,
+    on_result: Callable[[JobResult], None] | None = None,
+    now: dt.datetime | None = None,
+    **defaults: Any,
+) -> list[JobResult]:
+    """Tune every workload of a job file in turn, each only when something changed.
+
+    A workload is skipped, with the reason, while its study's fingerprint (versions, GPU,
+    driver, GPU and node count) is unchanged and holds a configuration that fits, no older
+    than ``max_age``. One that cannot run is recorded as failed and the next one goes on;
+    Ctrl-C or SIGTERM stops the running probe and the whole job.
+
+    Args:
+        path: The job file (YAML, a ``workloads:`` list; see :mod:`autotune.jobs`).
+        max_age: Tune again a result older than this (``"7d"``); None: any age stands.
+        on_job: Called before a workload is tuned, with its tuning and why; it may return
+            the ``on_event`` of that run (a live view).
+        on_result: Called with each workload's result as it ends.
+        now: The time results are aged against (default: now, the tuner's local time, as
+            Optuna stores trial times).
+        **defaults: :func:`prepare`'s options (``budget``, ``storage``, ``simulate``, ...),
+            for every workload that does not set them.
+
+    Raises:
+        ConfigError: When the job file is bad (one line naming file, line and field):
+            nothing is run then.
+    """
+    from autotune.jobs import freshness, read_jobs
+    from autotune.study.reader import read_studies
+
+    limit = None if max_age is None else _seconds(max_age, "--max-age")
+    jobs = read_jobs(Path(path), defaults)
+    results = []
+    for job in jobs:
+        options = dict(job.options)
+        model = options.pop("model")
+        if "engine" in options:
+            options["engines"] = [Engine(name) for name in options.pop("engine").split(",")]
+        storage = options.get("storage", DEFAULT_STORAGE)
+        try:
+            studies = read_studies(storage, last=0)
+            tuning = prepare(model, **options)
+        except ConfigError as error:
+            result = JobResult(job=job, status="failed", why=str(error))
+        else:
+            fresh = freshness(
+                tuning.fingerprint, studies, now=now or dt.datetime.now(), max_age_s=limit
+            )
+            study = tuning.fingerprint.study_name
+            if not fresh.tune:
+                tuning.device.close()
+                kept = next(s.best for s in studies if s.study_name == study)
+                result = JobResult(job=job, status="skipped", why=fresh.why, study=study, best=kept)
+            else:
+                on_event = on_job(job, tuning, fresh) if on_job is not None else None
+                summary = tuning.run(on_event)
+                status = (
+                    "interrupted"
+                    if summary.interrupted
+                    else "tuned"
+                    if summary.best is not None
+                    else "no fit"
+                )
+                result = JobResult(
+                    job=job,
+                    status=status,
+                    why=fresh.why,
+                    study=study,
+                    summary=summary,
+                    best=summary.best,
+                )
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+        if result.status == "interrupted":
+            break
+    return results
 
 
 def _studies(

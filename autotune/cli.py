@@ -11,9 +11,9 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -28,6 +28,11 @@ from autotune.config import (
     parse_ac,
 )
 from autotune.study.fingerprint import DEFAULT_STORAGE
+
+if TYPE_CHECKING:
+    from autotune import api
+    from autotune.jobs import Freshness, Job, JobResult
+    from autotune.search.controller import Event
 
 app = typer.Typer(
     add_completion=False,
@@ -253,7 +258,10 @@ def plan(
 
 @app.command()
 def run(
-    model: ModelOption = "llama-7b",
+    model: Annotated[
+        str | None,
+        typer.Option(help="Preset name or path to a config.json (default: llama-7b)."),
+    ] = None,
     budget: Annotated[str, typer.Option(help="Wall-clock budget: 30m, 1h30m, 90s.")] = "30m",
     seq_len: SeqLenOption = 2048,
     global_batch: GlobalBatchOption = None,
@@ -283,6 +291,21 @@ def run(
             "each rank a fresh interpreter."
         ),
     ] = True,
+    jobs: Annotated[
+        Path | None,
+        typer.Option(
+            help="A job file (YAML, workloads: list): tune each workload in turn, the other "
+            "options applying to those that do not set them.",
+            show_default=False,
+        ),
+    ] = None,
+    max_age: Annotated[
+        str | None,
+        typer.Option(
+            help="With --jobs: tune again a result older than this, e.g. 7d (default: a "
+            "result stands while nothing changed)."
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable summary.")] = False,
 ) -> None:
     """Find the fastest configuration that fits: probe, escalate, record every trial."""
@@ -291,8 +314,33 @@ def run(
     from autotune.report.tables import ranking_table
 
     _quiet_optuna()
+    if jobs is not None:
+        if model is not None:
+            raise UsageError("--model and --jobs: name each workload's model in the job file")
+        _run_jobs(
+            jobs,
+            max_age=max_age,
+            json_output=json_output,
+            budget=budget,
+            seq_len=seq_len,
+            global_batch=global_batch,
+            gpus=gpus,
+            engine=engine,
+            simulate=simulate,
+            device=device,
+            device_memory=device_memory,
+            headroom=headroom,
+            host_memory=host_memory,
+            objective=objective,
+            storage=storage,
+            trials_dir=str(trials_dir),
+            seed=seed,
+            warm=warm,
+        )
+    if max_age is not None:
+        raise UsageError("--max-age applies to --jobs: a single run always tunes")
     tuning = api.prepare(
-        model,
+        model or "llama-7b",
         budget=budget,
         seq_len=seq_len,
         global_batch=global_batch,
@@ -341,6 +389,57 @@ def run(
     if summary.interrupted:
         raise typer.Exit(143 if summary.interrupted == "SIGTERM" else 130)
     raise typer.Exit(0 if summary.best else 1)
+
+
+def _run_jobs(path: Path, *, max_age: str | None, json_output: bool, **defaults: Any) -> NoReturn:
+    """``autotune run --jobs``: each workload in turn, a line on why it is tuned or skipped,
+    its live view, a table at the end; exit 1 when one failed or found nothing that fits."""
+    from autotune import api
+    from autotune.report.live import RunView
+    from autotune.report.tables import jobs_table
+
+    views = contextlib.ExitStack()
+
+    def started(job: Job, tuning: api.Tuning, fresh: Freshness) -> Callable[[Event], None] | None:
+        if json_output:
+            return None
+        console.print(
+            f"[bold]workload {job.index}[/] ({path}:{job.line}) {job.label()}: tuning, "
+            f"{fresh.why}; study {tuning.fingerprint.study_name}",
+            highlight=False,
+        )
+        view = RunView(
+            console,
+            budget_s=tuning.budget_s,
+            simulated=tuning.device.kind == "simulated",
+            objective=tuning.fingerprint.objective,
+        )
+        return views.enter_context(view)
+
+    def ended(result: JobResult) -> None:
+        views.close()
+        if json_output or result.status == "tuned":
+            return
+        line = f"workload {result.job.index} ({path}:{result.job.line}) {result.job.label()}"
+        colour = "red" if result.failed or result.status == "interrupted" else "cyan"
+        console.print(f"[{colour}]{line}: {result.status}[/], {result.why}", highlight=False)
+
+    with _sigterm_interrupts():
+        results = api.tune_jobs(path, max_age=max_age, on_job=started, on_result=ended, **defaults)
+    if json_output:
+        _print_json(
+            {
+                "jobs": str(path),
+                "workloads": [r.to_dict() for r in results],
+                "failed": sum(r.failed for r in results),
+            }
+        )
+    else:
+        console.print(jobs_table(results))
+    stopped = next((r for r in results if r.status == "interrupted"), None)
+    if stopped is not None and stopped.summary is not None:
+        raise typer.Exit(143 if stopped.summary.interrupted == "SIGTERM" else 130)
+    raise typer.Exit(1 if any(r.failed for r in results) else 0)
 
 
 @contextlib.contextmanager

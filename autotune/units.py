@@ -204,7 +204,7 @@ def format_bytes(n: int | float) -> str:
 def format_duration(seconds: float) -> str:
     """Format a duration compactly; the output is accepted by :func:`parse_duration`.
 
-    Examples: ``250ms``, ``45.2s``, ``2m05s``, ``1h30m``.
+    Examples: ``250ms``, ``45.2s``, ``2m05s``, ``1h30m``, ``30h00m``, ``7d``, ``3d5h``.
 
     Args:
         seconds: The duration; negative values get a leading minus sign.
@@ -226,4 +226,8 @@ def format_duration(seconds: float) -> str:
         return f"{minutes}m{secs:02d}s"
     # Past an hour the seconds are noise for a tuning budget; round to the minute.
     hours, minutes = divmod(round(seconds / 60), 60)
-    return f"{hours}h{minutes:02d}m"
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    # Past two days (a result's age), to the hour.
+    days, hours = divmod(round(seconds / 3600), 24)
+    return f"{days}d{hours}h" if hours else f"{days}d"

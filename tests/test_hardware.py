@@ -167,6 +167,7 @@ def _fake_pynvml(
         nvmlDeviceGetHandleByUUID=by_uuid,
         nvmlDeviceGetName=lambda handle: name,
         nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(total=85520809984),
+        nvmlSystemGetDriverVersion=lambda: "580.159.04",  # the H100 node's (measurements)
         calls=calls,
     )
 
@@ -182,6 +183,7 @@ def test_detect_gpus_with_fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
         count=8,
         peak_flops=gpu_spec("h100-80gb").peak_flops,
         catalogue_key="H100-SXM",
+        driver="580.159.04",
     )
     assert info is not None and info.spec is gpu_spec("h100-80gb")
     # The catalogue holds the driver reading, so the detected size matches it exactly.

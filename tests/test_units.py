@@ -122,6 +122,8 @@ def test_format_bytes(n: int | float, expected: str) -> None:
         (59.97, "1m00s"),  # rounds up into the minutes form, not "60.0s"
         (3599.6, "1h00m"),
         (3600 * 26 + 60, "26h01m"),
+        (86400 * 7, "7d"),
+        (86400 * 3 + 3600 * 5 + 600, "3d5h"),
         (-90, "-1m30s"),
     ],
 )
@@ -129,7 +131,7 @@ def test_format_duration(seconds: float, expected: str) -> None:
     assert format_duration(seconds) == expected
 
 
-@pytest.mark.parametrize("seconds", [0.25, 7.5, 45.2, 125, 5400, 86400 * 2])
+@pytest.mark.parametrize("seconds", [0.25, 7.5, 45.2, 125, 5400, 86400 * 2, 86400 * 9.5])
 def test_format_duration_round_trips(seconds: float) -> None:
     assert parse_duration(format_duration(seconds)) == pytest.approx(seconds, rel=0.01)
 

@@ -32,6 +32,8 @@ class GpuInfo:
     """Dense peak FLOP/s by dtype (``bf16``, ``fp16``, ``tf32``, ``fp32``); empty if unknown."""
     catalogue_key: str | None = None
     """Family key from ``lookup_gpu`` (``H100-SXM``, ...), or None for an unknown GPU."""
+    driver: str | None = None
+    """The NVIDIA driver's version (``580.159.04``), or None where NVML does not say."""
 
     @property
     def spec(self) -> GpuSpec | None:
@@ -95,6 +97,8 @@ def detect_gpus() -> GpuInfo | None:
         # Older nvidia-ml-py releases return bytes.
         name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
         memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        raw_driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = raw_driver.decode() if isinstance(raw_driver, bytes) else str(raw_driver)
     except pynvml.NVMLError:
         return None
     finally:
@@ -105,7 +109,12 @@ def detect_gpus() -> GpuInfo | None:
     spec = driver_spec(name, memory)
     peaks = dict(spec.peak_flops) if spec is not None else {}
     return GpuInfo(
-        name=name, memory_bytes=memory, count=len(entries), peak_flops=peaks, catalogue_key=key
+        name=name,
+        memory_bytes=memory,
+        count=len(entries),
+        peak_flops=peaks,
+        catalogue_key=key,
+        driver=driver or None,
     )
 
 

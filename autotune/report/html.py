@@ -27,7 +27,7 @@ from typing import Any
 
 from autotune.estimator.memory import CATEGORIES, estimate_memory
 from autotune.models import ModelSpec
-from autotune.study.measurement import Measurement, StudyResult
+from autotune.study.measurement import Measurement, StudyResult, parse_time
 from autotune.study.reader import sqlite_path
 from autotune.units import format_bytes, format_duration
 
@@ -44,15 +44,6 @@ class TrialTimes:
 
     start: dt.datetime | None
     complete: dt.datetime | None
-
-
-def _parse_time(value: Any) -> dt.datetime | None:
-    if value is None or isinstance(value, dt.datetime):
-        return value
-    try:
-        return dt.datetime.fromisoformat(str(value))
-    except ValueError:
-        return None
 
 
 _TIMES_QUERY = (
@@ -85,7 +76,7 @@ def read_trial_times(storage: str, study_name: str) -> dict[int, TrialTimes]:
                 engine.dispose()
     except Exception:  # the times only choose the chart's axis
         return {}
-    return {int(n): TrialTimes(_parse_time(s), _parse_time(c)) for n, s, c in rows}
+    return {int(n): TrialTimes(parse_time(s), parse_time(c)) for n, s, c in rows}
 
 
 def _e(value: object) -> str:

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune.estimator.plan import PlanRow
+from autotune.jobs import JobResult
 from autotune.models import ModelSpec
 from autotune.probe.result import ProbeResult
 from autotune.study.measurement import Measurement, pooled
@@ -182,6 +183,32 @@ def best_table(studies: Iterable[tuple[str, Measurement | None, int]]) -> Table:
             _fmt(m.mfu, ".1%"),
             _bytes(m.peak_bytes),
             str(count),
+        )
+    return table
+
+
+def jobs_table(results: Iterable[JobResult]) -> Table:
+    """What became of each workload of a job file: tuned, skipped (and why), failed."""
+    table = Table(title="workloads", title_justify="left", header_style="bold")
+    for name in ("", "workload", "status", "why", "best", "tokens/s", "probes", "time"):
+        table.add_column(
+            name, justify="right" if name in ("", "tokens/s", "probes", "time") else "left"
+        )
+    colours = {"tuned": "green", "skipped": "cyan", "failed": "red", "no fit": "red"}
+    for r in results:
+        best = r.best
+        run = r.summary
+        status = r.status
+        colour = colours.get(status)
+        table.add_row(
+            str(r.job.index),
+            r.job.label(),
+            f"[{colour}]{status}[/]" if colour else status,
+            Text(r.why),
+            "-" if best is None else f"{best.config.label()} mbs {best.micro_batch_size}",
+            _fmt(None if best is None else best.tokens_per_second, ",.0f"),
+            "-" if run is None else str(run.probes),
+            "-" if run is None else format_duration(run.elapsed_s),
         )
     return table
 

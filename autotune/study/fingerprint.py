@@ -69,6 +69,7 @@ class Fingerprint:
     device: str = "cuda"
     """``cuda``, ``cpu`` (real CPU probes) or ``simulated`` (the estimator)."""
     software: dict[str, str] = dataclasses.field(default_factory=software_versions)
+    """torch, DeepSpeed and transformers versions, and on GPUs the NVIDIA driver's."""
 
     def __post_init__(self) -> None:
         try:
@@ -97,7 +98,7 @@ class Fingerprint:
         name = f"{self.model}/seq{self.seq_len}/gbs{self.global_batch}@{hardware}"
         if self.objective is not Objective.TOKENS:
             name += f"/{self.objective}"
-        short = {"torch": "torch", "deepspeed": "ds", "transformers": "tf"}
+        short = {"torch": "torch", "deepspeed": "ds", "transformers": "tf", "driver": "drv"}
         versions = "+".join(
             f"{short.get(k, k)}{self.software[k]}"
             for k in sorted(self.software, key=lambda k: (*_SOFTWARE, k).index(k))

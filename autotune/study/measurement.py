@@ -9,6 +9,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -284,6 +285,17 @@ def decode(trial: StoredTrial) -> Measurement:
     )
 
 
+def parse_time(value: Any) -> dt.datetime | None:
+    """A time as a database hands it back: a ``datetime`` (PostgreSQL), ISO text (SQLite), or
+    None; text that is not a time is None too."""
+    if value is None or isinstance(value, dt.datetime):
+        return value
+    try:
+        return dt.datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class StudyResult:
     """One study of a trial database: its fingerprint, its trials decoded, and the best."""
@@ -297,6 +309,9 @@ class StudyResult:
     best: Measurement | None
     """The feasible point with the highest objective (the mean of its repeats), over every
     trial; None when there is none, or when the study was read without it."""
+    updated: dt.datetime | None = None
+    """When its newest trial ended (Optuna's ``datetime_complete``, the tuner's local time);
+    None when none has."""
 
     @property
     def study_name(self) -> str:
@@ -310,6 +325,7 @@ class StudyResult:
         *,
         last: int | None = None,
         best: bool = True,
+        updated: dt.datetime | None = None,
     ) -> StudyResult:
         """From every trial of a study, keeping only its ``last`` trials by number (None:
         all of them, in the order given); ``best``: find the best point (else None)."""
@@ -321,4 +337,5 @@ class StudyResult:
             measurements=shown,
             trial_count=len(measurements),
             best=best_point(measurements) if best else None,
+            updated=updated,
         )

@@ -39,6 +39,7 @@ from autotune.study.measurement import (
     best_group,
     best_point,
     decode,
+    parse_time,
     point,
     pool,
 )
@@ -165,7 +166,13 @@ def _through_optuna(url: str, last: int | None, with_best: bool) -> list[StudyRe
     from autotune.study.store import TrialStore
 
     return [
-        StudyResult.of(store.fingerprint, store.measurements(), last=last, best=with_best)
+        StudyResult.of(
+            store.fingerprint,
+            store.measurements(),
+            last=last,
+            best=with_best,
+            updated=store.updated(),
+        )
         for store in TrialStore.existing(url)
     ]
 
@@ -196,6 +203,13 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
     if not fingerprints:
         return []
     studies = _ints(fingerprints)
+    updated = {
+        study_id: parse_time(value)
+        for study_id, value in query(
+            "SELECT study_id, MAX(datetime_complete) FROM trials "
+            f"WHERE study_id IN ({studies}) GROUP BY study_id"
+        )
+    }
     trials = query(
         "SELECT trial_id, number, study_id, state FROM trials "
         f"WHERE study_id IN ({studies}) ORDER BY study_id, number"
@@ -214,6 +228,7 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
                     measurements=measurements,
                     trial_count=len(measurements),
                     best=best_point(measurements) if with_best else None,
+                    updated=updated.get(study_id),
                 )
             )
         return results
@@ -265,6 +280,7 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
                 measurements=[rows.decode(t) for t in shown[study_id]],
                 trial_count=len(counted[study_id]),
                 best=found,
+                updated=updated.get(study_id),
             )
         )
     return results

@@ -27,6 +27,7 @@ best to tell them apart from timing noise. Such a trial carries its ``repeat`` n
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import random
 import socket
@@ -354,6 +355,11 @@ class TrialStore:
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         return self.study.tell(trial, state=TrialState.FAIL)
+
+    def updated(self) -> dt.datetime | None:
+        """When the study's newest trial ended (None when none has)."""
+        ends = [t.datetime_complete for t in self.study.get_trials(deepcopy=False)]
+        return max((end for end in ends if end is not None), default=None)
 
     def measurements(self, states: Iterable[TrialState] | None = None) -> list[Measurement]:
         """Every trial of the study, decoded (all workers', resumed runs' included), except

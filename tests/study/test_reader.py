@@ -75,6 +75,7 @@ def check_same_as_through_optuna(url: str) -> list[TrialStore]:
             assert fast.measurements == expected, (last, best)
             assert fast.trial_count == len(every)
             assert fast.best == (slow.best() if best else None), (last, best)
+            assert fast.updated == slow.updated()  # the newest trial's end, as Optuna reads it
     return through_optuna
 
 
@@ -105,6 +106,7 @@ def check_reader_matches_optuna(url: str, tmp_path: Path) -> None:
     assert best.attrs["repeats"] == 2 and "device" in best.attrs
     assert read[1].best is not None and read[1].trial_count == 2
     assert read[2].measurements == [] and read[2].best is None and read[2].trial_count == 0
+    assert read[0].updated is not None and read[2].updated is None
 
 
 def test_the_reader_matches_optuna_on_sqlite(tmp_path: Path) -> None:

@@ -1,0 +1,308 @@
+"""Nightly jobs: many workloads from one YAML file, each re-tuned only when something changed.
+
+A job file lists workloads under a top-level ``workloads:`` key, each a mapping whose fields
+are named as ``autotune run``'s options (``model``, ``seq_len``, ``global_batch``, ``gpus``,
+``engine``, ``headroom``, ``budget``, ...; ``seq-len`` is read as ``seq_len``)::
+
+    workloads:
+      - model: llama-7b
+        seq_len: 4096
+        global_batch: 256
+        budget: 45m
+      - model: qwen2.5-1.5b
+        engine: fsdp,deepspeed
+
+Options given on the command line apply to every workload that does not set them.
+
+A workload is tuned again only when its study has no result for what is installed now (the
+study's fingerprint: torch, DeepSpeed and transformers versions, the GPU, its driver, the
+number of GPUs and nodes), or when that result is older than ``--max-age``:
+:func:`freshness` decides, a pure function of the fingerprint, the studies already in the
+storage and the time.
+
+Pure and light: YAML parsing and the decision import no torch and open no database.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotune.config import ConfigError, Engine
+from autotune.study.fingerprint import Fingerprint
+from autotune.study.measurement import Measurement, StudyResult
+
+if TYPE_CHECKING:
+    from autotune.search.controller import RunSummary
+
+from autotune.units import format_bytes, format_duration, parse_duration, parse_fraction, parse_size
+
+__all__ = ["FIELDS", "Freshness", "Job", "JobResult", "freshness", "read_jobs"]
+
+FIELDS: dict[str, tuple[type, ...]] = {
+    "model": (str,),
+    "budget": (str, int, float),
+    "seq_len": (int,),
+    "global_batch": (int,),
+    "gpus": (int,),
+    "engine": (str, list),
+    "headroom": (str, int, float),
+    "host_memory": (str, int),
+    "device_memory": (str, int),
+    "objective": (str,),
+    "simulate": (str,),
+    "device": (str,),
+    "storage": (str,),
+    "trials_dir": (str,),
+    "seed": (int,),
+    "warm": (bool,),
+}
+"""The fields a workload may set (``autotune run``'s options) and the YAML types each takes."""
+
+_TYPE_NAMES = {
+    str: "text",
+    int: "an integer",
+    float: "a number",
+    list: "a list",
+    bool: "true/false",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """One workload of a job file, with the command line's options merged in."""
+
+    index: int
+    """Its position in the file, from 1."""
+    line: int
+    """The line of the file it starts on, from 1."""
+    options: Mapping[str, Any]
+    """``autotune run``'s options by their Python names (``seq_len``): the workload's own,
+    then the command line's for those it does not set."""
+    own: frozenset[str] = frozenset()
+    """The fields the workload set itself."""
+
+    @property
+    def model(self) -> str:
+        return str(self.options["model"])
+
+    def label(self) -> str:
+        """``llama-7b seq 4096 gbs 256`` and whatever else the workload set itself."""
+        parts = [self.model]
+        for key in sorted(self.own - {"model"}):
+            parts.append(f"{key.replace('_', '-')} {_text(self.options[key])}")
+        return " ".join(parts)
+
+
+def _text(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
+    """The workloads of a job file, each merged with ``defaults`` (the command line's).
+
+    Raises:
+        ConfigError: One line naming the file, the line and the field, for a file that
+            cannot be read, is not YAML, has no ``workloads:`` list, or holds a workload with
+            an unknown field, a value of the wrong type, or a value that does not parse
+            (a size, a duration, a fraction, an engine).
+    """
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot read the job file {path}: {error.strerror or error}") from None
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
+    if not isinstance(root, yaml.MappingNode):
+        line = root.start_mark.line + 1 if root is not None else 1
+        raise ConfigError(f"{path}:{line}: a job file is a mapping with a workloads: list")
+    entries = {key.value: (key, value) for key, value in root.value}
+    unknown = sorted(set(entries) - {"workloads"})
+    if unknown:
+        key = entries[unknown[0]][0]
+        raise ConfigError(
+            f"{path}:{key.start_mark.line + 1}: unknown top-level key {unknown[0]!r}: a job "
+            "file holds only workloads:"
+        )
+    if "workloads" not in entries:
+        raise ConfigError(f"{path}:1: no workloads: list (one mapping per workload, model: set)")
+    node = entries["workloads"][1]
+    if not isinstance(node, yaml.SequenceNode) or not node.value:
+        raise ConfigError(
+            f"{path}:{node.start_mark.line + 1}: workloads: must be a list of at least one "
+            "mapping (- model: llama-7b)"
+        )
+    loader = yaml.SafeLoader("")
+    jobs = []
+    for index, item in enumerate(node.value, start=1):
+        line = item.start_mark.line + 1
+        where = f"{path}:{line}: workload {index}"
+        if not isinstance(item, yaml.MappingNode):
+            raise ConfigError(f"{where}: not a mapping of fields (- model: llama-7b)")
+        own: dict[str, Any] = {}
+        for key_node, value_node in item.value:
+            key = str(key_node.value).replace("-", "_")
+            at = f"{path}:{key_node.start_mark.line + 1}: workload {index}"
+            if key not in FIELDS:
+                near = difflib.get_close_matches(key, FIELDS, n=1)
+                hint = f"did you mean {near[0]}?" if near else "fields: " + ", ".join(FIELDS)
+                raise ConfigError(f"{at}: unknown field {key_node.value!r}: {hint}")
+            if key in own:
+                raise ConfigError(f"{at}: {key} is set twice")
+            value = loader.construct_object(value_node, deep=True)
+            own[key] = _checked(key, value, at)
+        if "model" not in own:
+            raise ConfigError(f"{where}: no model: every workload names its model")
+        options = {**{k: v for k, v in defaults.items() if v is not None}, **own}
+        jobs.append(Job(index=index, line=line, options=options, own=frozenset(own)))
+    loader.dispose()
+    return jobs
+
+
+def _checked(key: str, value: Any, at: str) -> Any:
+    """A field's value, checked for its type and parsed where it has units."""
+    types = FIELDS[key]
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        wanted = " or ".join(_TYPE_NAMES[t] for t in types)
+        raise ConfigError(f"{at}: {key} must be {wanted}, not {value!r}")
+    try:
+        if key == "budget" and isinstance(value, str) and parse_duration(value) <= 0:
+            raise ConfigError(f"the budget must be positive, like 30m, not {value!r}")
+        if key in ("device_memory", "host_memory") and isinstance(value, str):
+            parse_size(value)
+        if key == "headroom" and isinstance(value, str):
+            parse_fraction(value, "headroom")
+        if key == "engine":
+            names = value if isinstance(value, list) else value.split(",")
+            for name in names:
+                Engine(str(name).strip())
+            value = ",".join(str(name).strip() for name in names)
+        if key in ("seq_len", "global_batch", "gpus") and value <= 0:
+            raise ConfigError(f"{key} must be positive, not {value}")
+    except ConfigError as error:
+        raise ConfigError(f"{at}: {error}") from None
+    except ValueError as error:
+        if key == "engine":
+            choices = ", ".join(e.value for e in Engine)
+            raise ConfigError(f"{at}: unknown engine in {value!r}: use {choices}") from None
+        raise ConfigError(f"{at}: {key}: {error}") from None
+    return value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Freshness:
+    """Whether a workload is tuned tonight, and why, in words."""
+
+    tune: bool
+    why: str
+
+
+_COMPARED = ("gpu", "gpus", "nodes", "device", "gpu_memory_bytes")
+
+
+def freshness(
+    fingerprint: Fingerprint,
+    studies: Sequence[StudyResult],
+    *,
+    now: dt.datetime,
+    max_age_s: float | None = None,
+) -> Freshness:
+    """Tune again, or keep the result already stored?
+
+    Kept when a study of exactly this fingerprint holds a configuration that fits and its
+    newest trial is no older than ``max_age_s`` (None: any age). Otherwise tuned, and
+    ``why`` names what changed since the most recent study of the same workload (model,
+    sequence length, global batch, objective): a version, the GPU, its driver, the GPU or
+    node count.
+    """
+    name = fingerprint.study_name
+    same = next((s for s in studies if s.study_name == name), None)
+    if same is not None and same.best is not None:
+        age = None if same.updated is None else (now - same.updated).total_seconds()
+        if max_age_s is not None and (age is None or age > max_age_s):
+            old = "of unknown age" if age is None else f"{format_duration(age)} old"
+            return Freshness(
+                tune=True, why=f"its result is {old} (--max-age {format_duration(max_age_s)})"
+            )
+        when = "" if age is None else f" {format_duration(max(age, 0.0))} ago"
+        return Freshness(
+            tune=False,
+            why=f"unchanged since it was tuned{when}: same software, GPU, driver and node count",
+        )
+    if same is not None:
+        return Freshness(tune=True, why="its study holds no configuration that fits yet")
+    workload = (fingerprint.model, fingerprint.seq_len, fingerprint.global_batch)
+    earlier = [
+        s
+        for s in studies
+        if (s.fingerprint.model, s.fingerprint.seq_len, s.fingerprint.global_batch) == workload
+        and s.fingerprint.objective is fingerprint.objective
+    ]
+    if not earlier:
+        return Freshness(tune=True, why="never tuned")
+    latest = max(earlier, key=lambda s: s.updated or dt.datetime.min)
+    changes = _changes(latest.fingerprint, fingerprint)
+    return Freshness(tune=True, why="changed since it was tuned: " + ", ".join(changes))
+
+
+def _changes(before: Fingerprint, now: Fingerprint) -> list[str]:
+    """What differs between two fingerprints of one workload, as ``torch 2.13.0 -> 2.14.1``."""
+    changes = []
+    for key in sorted(set(before.software) | set(now.software)):
+        old, new = before.software.get(key, "none"), now.software.get(key, "none")
+        if old != new:
+            changes.append(f"{key} {old} -> {new}")
+    for field in _COMPARED:
+        old, new = getattr(before, field), getattr(now, field)
+        if old != new:
+            if field == "gpu_memory_bytes":
+                field, old, new = "memory per GPU", format_bytes(old), format_bytes(new)
+            changes.append(f"{field} {old} -> {new}")
+    return changes or ["its study's name"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobResult:
+    """What became of one workload of a job file."""
+
+    job: Job
+    status: str
+    """``tuned`` (a configuration fits), ``no fit``, ``skipped`` (unchanged: the stored
+    result stands), ``failed`` (it could not run: ``why`` says so) or ``interrupted``."""
+    why: str
+    """Why it was tuned or skipped, or what failed."""
+    study: str | None = None
+    summary: RunSummary | None = None
+    """The run's summary, when it ran."""
+    best: Measurement | None = None
+    """The best configuration: this run's, or the stored one a skipped workload keeps."""
+
+    @property
+    def failed(self) -> bool:
+        """Whether a scheduler should hear of it: it could not run, or nothing fits."""
+        return self.status in ("failed", "no fit")
+
+    def to_dict(self) -> dict[str, Any]:
+        best = self.best
+        return {
+            "workload": self.job.index,
+            "line": self.job.line,
+            "label": self.job.label(),
+            "options": dict(self.job.options),
+            "status": self.status,
+            "why": self.why,
+            "study": self.study,
+            "run": None if self.summary is None else self.summary.to_dict(),
+            "best": None if best is None else best.to_dict(),
+        }

@@ -1,0 +1,204 @@
+"""``autotune run --jobs``: many workloads from one file, each re-tuned only when something
+changed; the file's errors name the file, the line and the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from autotune.config import ConfigError
+from autotune.jobs import freshness, read_jobs
+from autotune.study.fingerprint import Fingerprint
+from autotune.study.measurement import StudyResult
+from autotune.study.reader import read_studies
+from tests.test_cli import autotune
+
+NIGHTLY = """\
+workloads:
+  - model: llama-7b
+    gpus: 8
+    budget: 10m
+  # a second workload, two GPUs fewer than the command line's
+  - model: qwen2.5-1.5b
+    seq-len: 4096
+    global_batch: 64
+    engine: [fsdp]
+"""
+
+
+def test_the_job_file_merges_the_command_line_under_each_workload(tmp_path: Path) -> None:
+    path = tmp_path / "nightly.yaml"
+    path.write_text(NIGHTLY)
+    first, second = read_jobs(path, {"budget": "30m", "gpus": 4, "storage": "x", "seed": None})
+    assert (first.index, first.line, second.index, second.line) == (1, 2, 2, 6)
+    assert first.options == {"model": "llama-7b", "gpus": 8, "budget": "10m", "storage": "x"}
+    assert second.options["seq_len"] == 4096 and second.options["engine"] == "fsdp"
+    assert second.options["gpus"] == 4 and second.options["budget"] == "30m"
+    assert second.label() == "qwen2.5-1.5b engine fsdp global-batch 64 seq-len 4096"
+
+
+A = "workloads:\n  - model: a\n"
+"""A job file's start: one workload."""
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("workloads: [", r":1: not valid YAML"),
+        ("- model: x\n", r":1: a job file is a mapping with a workloads: list"),
+        ("jobs:\n  - model: x\n", r":1: unknown top-level key 'jobs'"),
+        ("workloads: []\n", r":1: workloads: must be a list of at least one mapping"),
+        ("workloads:\n  - llama-7b\n", r":2: workload 1: not a mapping"),
+        ("workloads:\n  - gpus: 8\n", r":2: workload 1: no model"),
+        (A + "  - model: b\n    seqlen: 9\n",
+         r":4: workload 2: unknown field 'seqlen': did you mean seq_len\?"),
+        (A + "    seq_len: long\n", r":3: workload 1: seq_len must be an integer, not 'long'"),
+        (A + "    gpus: true\n", r":3: workload 1: gpus must be an integer"),
+        (A + "    budget: -5m\n", r":3: workload 1: .*-5m"),
+        (A + "    budget: soon\n", r":3: workload 1: .*soon"),
+        (A + "    engine: megatron\n", r":3: workload 1: unknown engine"),
+        (A + "    headroom: 150%\n", r":3: workload 1: .*150%"),
+        (A + "    global_batch: 0\n", r":3: workload 1: global_batch must be positive"),
+        (A + "    gpus: 2\n    gpus: 4\n", r":4: workload 1: gpus is set twice"),
+    ],
+)  # fmt: skip
+def test_a_bad_job_file_is_one_line_naming_file_line_and_field(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    path = tmp_path / "nightly.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{path}{says}") as raised:
+        read_jobs(path, {})
+    assert "\n" not in str(raised.value)
+
+
+FP = Fingerprint(
+    model="llama-7b",
+    seq_len=2048,
+    global_batch=64,
+    gpu="h100-80gb",
+    gpu_memory_bytes=80 << 30,
+    gpus=8,
+    software={"torch": "2.13.0", "deepspeed": "0.19.8", "transformers": "5.23.0", "driver": "580"},
+)
+NOW = dt.datetime(2026, 11, 23, 23, 0)
+
+
+def _study(fingerprint: Fingerprint, *, hours_ago: float, fits: bool = True) -> StudyResult:
+    """A stored study as the reader gives it, with a best (any measurement) when it fits."""
+    from autotune.config import TrainConfig
+    from autotune.study.measurement import Measurement
+
+    best = Measurement(
+        number=0, config=TrainConfig(), micro_batch_size=1, state="COMPLETE", outcome="ok",
+        feasible=True, value=1.0,
+    )  # fmt: skip
+    return StudyResult(
+        fingerprint=fingerprint,
+        measurements=[best],
+        trial_count=1,
+        best=best if fits else None,
+        updated=NOW - dt.timedelta(hours=hours_ago),
+    )
+
+
+def test_an_unchanged_fit_stands_until_it_is_older_than_the_max_age() -> None:
+    stored = [_study(FP, hours_ago=30)]
+    kept = freshness(FP, stored, now=NOW)
+    assert not kept.tune and "unchanged since it was tuned 30h00m ago" in kept.why
+    assert not freshness(FP, stored, now=NOW, max_age_s=2 * 86400).tune
+    aged = freshness(FP, stored, now=NOW, max_age_s=86400)
+    assert aged.tune and aged.why == "its result is 30h00m old (--max-age 24h00m)"
+    week = freshness(FP, [_study(FP, hours_ago=24 * 8 + 3)], now=NOW, max_age_s=7 * 86400)
+    assert week.tune and week.why == "its result is 8d3h old (--max-age 7d)"
+
+
+def test_a_changed_fingerprint_is_tuned_and_says_what_changed() -> None:
+    newer = dataclasses.replace(FP, software={**FP.software, "torch": "2.14.1", "driver": "590"})
+    older = dataclasses.replace(FP, software={**FP.software, "torch": "2.12.0"})
+    stored = [_study(older, hours_ago=48), _study(FP, hours_ago=2)]
+    why = freshness(newer, stored, now=NOW).why
+    assert why == "changed since it was tuned: driver 580 -> 590, torch 2.13.0 -> 2.14.1"
+    more = dataclasses.replace(FP, gpus=16, nodes=2, gpu_memory_bytes=40 << 30)
+    why = freshness(more, stored, now=NOW).why
+    assert "gpus 8 -> 16" in why and "nodes 1 -> 2" in why and "memory per GPU" in why
+    other_workload = dataclasses.replace(FP, seq_len=4096)
+    assert freshness(other_workload, stored, now=NOW).why == "never tuned"
+    nothing_fits = freshness(FP, [_study(FP, hours_ago=1, fits=False)], now=NOW)
+    assert nothing_fits.tune and "no configuration that fits" in nothing_fits.why
+
+
+def _trials(db: Path) -> int:
+    with sqlite3.connect(db) as connection:
+        return int(connection.execute("SELECT COUNT(*) FROM trials").fetchone()[0])
+
+
+def test_a_nightly_job_tunes_each_workload_then_skips_what_did_not_change(
+    tmp_path: Path,
+) -> None:
+    """Two simulated workloads, run three times: tuned; all skipped (no trial added); one
+    tuned again because its GPU count changed. A workload that cannot run fails alone."""
+    (tmp_path / "nightly.yaml").write_text(NIGHTLY)
+    db = tmp_path / "t.db"
+    common = ("--simulate", "a100-40gb", "--storage", f"sqlite:///{db}", "--json")
+    args = ("run", "--jobs", "nightly.yaml", *common)
+
+    first = autotune(*args, "--gpus", "4", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    done = json.loads(first.stdout)
+    assert [w["status"] for w in done["workloads"]] == ["tuned", "tuned"]
+    assert {w["why"] for w in done["workloads"]} == {"never tuned"}
+    assert done["workloads"][0]["run"]["probes"] > 0 and done["failed"] == 0
+    studies = {s.study_name: s for s in read_studies(f"sqlite:///{db}")}
+    assert {w["study"] for w in done["workloads"]} == set(studies)
+    assert {s.fingerprint.gpus for s in studies.values()} == {8, 4}
+    trials = _trials(db)
+
+    again = autotune(*args, "--gpus", "4", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    skipped = json.loads(again.stdout)["workloads"]
+    assert [w["status"] for w in skipped] == ["skipped", "skipped"]
+    assert all(w["why"].startswith("unchanged since it was tuned") for w in skipped)
+    assert [w["best"]["label"] for w in skipped] == [w["best"]["label"] for w in done["workloads"]]
+    assert _trials(db) == trials
+
+    fewer = autotune(*args, "--gpus", "2", "--budget", "5m", cwd=tmp_path)
+    assert fewer.returncode == 0, fewer.stderr
+    third = json.loads(fewer.stdout)["workloads"]
+    assert third[0]["status"] == "skipped"  # sets gpus: 8 itself
+    assert (
+        third[1]["status"] == "tuned"
+        and third[1]["why"] == "changed since it was tuned: gpus 4 -> 2"
+    )
+
+    (tmp_path / "broken.yaml").write_text(
+        "workloads:\n  - model: llama-7b\n    global_batch: 63\n  - model: qwen2.5-1.5b\n"
+    )
+    table = autotune("run", "--jobs", "broken.yaml", *common[:-1], "--gpus", "4", cwd=tmp_path)
+    assert table.returncode == 1, table.stderr  # one workload failed: a scheduler hears of it
+    assert "workload 1 (broken.yaml:2) llama-7b global-batch 63: failed" in table.stdout
+    assert "multiple of 4" in table.stdout
+    assert "tuned" in table.stdout and "workloads" in table.stdout  # the next one ran
+
+
+def test_a_bad_job_file_runs_nothing_and_writes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "nightly.yaml").write_text("workloads:\n  - model: llama-7b\n    seq_len: x\n")
+    db = tmp_path / "t.db"
+    done = autotune(
+        "run", "--jobs", "nightly.yaml", "--simulate", "a100-40gb", "--storage", f"sqlite:///{db}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "error: nightly.yaml:3: workload 1: seq_len must be an integer, not 'x'"
+    )
+    assert not db.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["nightly.yaml"]
+    both = autotune("run", "--jobs", "nightly.yaml", "--model", "gpt2", cwd=tmp_path)
+    assert both.returncode == 2 and "name each workload's model in the job file" in both.stderr
+    alone = autotune("run", "--max-age", "7d", "--simulate", "a100-40gb", cwd=tmp_path)
+    assert alone.returncode == 2 and "--max-age applies to --jobs" in alone.stderr
