@@ -8,7 +8,12 @@ code 1), and one ``killpg`` ends everything at a timeout: nothing outlives a pro
 holds the equivalent torchrun command to rerun a probe by hand.
 
 Each probe gets a folder: config.json (the spec), cmd.txt, stdout.log, stderr.log (all ranks,
-in order of writing), rank<N>.json (each rank's own report) and result.json (merged).
+in order of writing, each capped to its head and tail: :mod:`autotune.probe.output`),
+rank<N>.json (each rank's own report) and result.json (merged).
+
+A folder the probe cannot write (a read-only or full file system) or one deleted while the
+ranks run makes the probe an ``error`` that names the folder, never an exception: no rank is
+started in the first case, the ranks are stopped at once in the second.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from typing import Any, Protocol
 
 from autotune.probe.lifetime import PARENT_ENV
 from autotune.probe.ops import op_environment
-from autotune.probe.outcome import RankExit, classify_probe
-from autotune.probe.result import ProbeResult, merge_sizes
+from autotune.probe.outcome import Classification, Outcome, RankExit, Stage, classify_probe
+from autotune.probe.output import OutputKeeper
+from autotune.probe.result import ProbeResult, merge_sizes, report_problem
 from autotune.probe.spec import ProbeSpec
 
 FAILURE_GRACE_S = 5.0
@@ -187,17 +193,69 @@ def _tail(path: Path, limit: int = 4000) -> str:
         return handle.read().decode("utf-8", "replace")
 
 
-def _read_report(path: Path) -> dict[str, Any] | None:
+def read_report(path: Path, rank: int) -> tuple[dict[str, Any] | None, str]:
+    """A rank's report, or None and what is wrong with it (missing, empty, not JSON, not the
+    worker's format)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, f"{path.name} is missing"
+    except (OSError, UnicodeDecodeError) as error:
+        return None, f"{path.name} cannot be read ({error})"
+    if not text.strip():
+        return None, f"{path.name} is empty"
+    try:
+        data = json.loads(text)
+    except ValueError as error:
+        return None, f"{path.name} is not valid JSON ({error})"
+    problem = report_problem(data, rank)
+    if problem is not None:
+        return None, f"{path.name} is not a rank report: {problem}"
+    return data, ""
 
 
 def _slowest(reports: list[dict[str, Any] | None], key: str) -> float | None:
     """The largest of the ranks' ``key`` (the probe waits for its slowest rank)."""
     values = [r[key] for r in reports if r and r.get(key) is not None]
     return max(values) if values else None
+
+
+def _folder_id(probe_dir: Path) -> tuple[int, int] | None:
+    """The folder's device and inode (None once it is gone): a folder deleted, or replaced
+    by another of the same name, is not the probe's any more."""
+    try:
+        info = os.stat(probe_dir)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _prepare(spec: ProbeSpec, probe_dir: Path, port: int, spawn: str) -> OutputKeeper:
+    """Write the probe's folder (the spec, the command) and open its output pipes."""
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    for stale in probe_dir.glob("rank*.json"):
+        stale.unlink()
+    (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
+    _write_command(spec, probe_dir, port, spawn)
+    return OutputKeeper(probe_dir)
+
+
+def _folder_failure(spec: ProbeSpec, probe_dir: Path, spawn: str, error: OSError) -> ProbeResult:
+    """The result of a probe whose folder could not be written (no rank started; what the
+    attempt began to write is removed, and no result.json is written)."""
+    for name in ("config.json", "cmd.txt"):
+        with contextlib.suppress(OSError):
+            (probe_dir / name).unlink()
+    why = error.strerror or str(error)
+    return ProbeResult(
+        spec=spec,
+        probe_dir=probe_dir,
+        outcome=Outcome.ERROR,
+        stage=Stage.STARTUP,
+        message=f"the probe folder {probe_dir} cannot be written ({why}): no rank was started",
+        spawn=spawn,
+        device=spec.device,
+    )
 
 
 def launch_probe(
@@ -217,58 +275,78 @@ def launch_probe(
     with the elapsed seconds while waiting (for progress displays). A KeyboardInterrupt stops
     the probe's group before propagating.
     """
-    probe_dir.mkdir(parents=True, exist_ok=True)
-    for stale in probe_dir.glob("rank*.json"):
-        stale.unlink()
-    (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
     port = free_port()
     spawner = spawner or SubprocessSpawner()
-    _write_command(spec, probe_dir, port, spawner.kind)
-    started = time.monotonic()
-    timed_out = False
-    logs = probe_dir / "stdout.log", probe_dir / "stderr.log"
-    procs: list[ProcessHandle] = []
-    first = spawner.spawn(probe_dir, rank_environment(spec, 0, port), *logs, process_group=0)
-    procs.append(first)
-    running = _Running(procs=procs, pgid=first.pid, killed=set())
     try:
-        for rank in range(1, spec.num_processes):
-            env = rank_environment(spec, rank, port)
-            procs.append(spawner.spawn(probe_dir, env, *logs, process_group=running.pgid))
-        failed_at: float | None = None
-        while any(p.poll() is None for p in procs):
-            elapsed = time.monotonic() - started
-            if on_poll is not None:
-                on_poll(elapsed)
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-            if elapsed > spec.timeout_s:
-                timed_out = True
+        output = _prepare(spec, probe_dir, port, spawner.kind)
+    except OSError as error:
+        return _folder_failure(spec, probe_dir, spawner.kind, error)
+    folder = _folder_id(probe_dir)
+    started = time.monotonic()
+    timed_out = gone = False
+    procs: list[ProcessHandle] = []
+    try:
+        logs = output.stdout, output.stderr
+        first = spawner.spawn(probe_dir, rank_environment(spec, 0, port), *logs, process_group=0)
+        procs.append(first)
+        running = _Running(procs=procs, pgid=first.pid, killed=set())
+        try:
+            for rank in range(1, spec.num_processes):
+                env = rank_environment(spec, rank, port)
+                procs.append(spawner.spawn(probe_dir, env, *logs, process_group=running.pgid))
+            failed_at: float | None = None
+            while any(p.poll() is None for p in procs):
+                elapsed = time.monotonic() - started
+                if on_poll is not None:
+                    on_poll(elapsed)
+                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                    failed_at = time.monotonic()
+                if _folder_id(probe_dir) != folder:
+                    gone = True  # nothing the ranks write can be read back: stop them now
+                    _stop(running)
+                elif elapsed > spec.timeout_s:
+                    timed_out = True
+                    _stop(running)
+                elif failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                    _stop(running)  # the others wait in a collective the failed rank left
+                else:
+                    time.sleep(poll_s)
+        finally:
+            if any(p.poll() is None for p in procs):
                 _stop(running)
-            elif failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
-                _stop(running)  # the others wait in a collective the failed rank left
-            else:
-                time.sleep(poll_s)
+            # Anything a rank spawned (compiler jobs, data workers) goes with the probe.
+            _signal_group(running, signal.SIGKILL)
     finally:
-        if any(p.poll() is None for p in procs):
-            _stop(running)
-        # Anything a rank spawned (compiler jobs, data workers) goes with the probe.
-        _signal_group(running, signal.SIGKILL)
+        output.close()
     wall = time.monotonic() - started
+    gone = gone or _folder_id(probe_dir) != folder
 
     stderr_tail = _tail(probe_dir / "stderr.log")
-    reports = [_read_report(probe_dir / f"rank{r}.json") for r in range(spec.num_processes)]
+    read = [
+        read_report(probe_dir / f"rank{r}.json", r)
+        if not gone
+        else (None, "the probe folder was deleted")
+        for r in range(spec.num_processes)
+    ]
+    reports = [report for report, _ in read]
     exits = [
         RankExit(
             rank=r,
             returncode=p.returncode,
             report=reports[r],
+            report_problem=read[r][1],
             killed_by_launcher=r in running.killed,
             stderr_tail=stderr_tail,
         )
         for r, p in enumerate(procs)
     ]
     verdict = classify_probe(exits, timed_out=timed_out)
+    if gone:
+        verdict = Classification(
+            outcome=Outcome.ERROR,
+            message=f"the probe folder {probe_dir} was deleted while the probe ran: its ranks "
+            "were stopped and what they measured is lost",
+        )
     first_report = reports[0] or next((r for r in reports if r), None) or {}
     result = ProbeResult(
         spec=spec,
@@ -297,5 +375,10 @@ def launch_probe(
             for e, p in zip(exits, procs, strict=True)
         ],
     )
-    result.write()
+    if not gone:
+        try:
+            result.write()
+        except OSError as error:
+            note = f"result.json could not be written ({error.strerror or error})"
+            result.message = f"{result.message}; {note}" if result.message else note
     return result

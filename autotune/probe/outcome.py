@@ -103,7 +103,9 @@ class RankExit:
     returncode: int | None
     """Exit code; negative for a signal (``-9`` SIGKILL); None if it could not be reaped."""
     report: dict[str, Any] | None = None
-    """The rank's own report (rank<N>.json), if it wrote one."""
+    """The rank's own report (rank<N>.json), if it wrote one that can be read."""
+    report_problem: str = ""
+    """Why there is no report: ``rank1.json is missing``, ``... is not valid JSON (...)``."""
     killed_by_launcher: bool = False
     """The launcher sent the signal (timeout, or cleanup after another rank failed)."""
     stderr_tail: str = ""
@@ -139,7 +141,8 @@ def classify_probe(exits: Sequence[RankExit], *, timed_out: bool) -> Classificat
 
     Priority: a reported OOM in any rank (it is usually the cause of everything after it),
     then a SIGKILL the launcher did not send (host OOM), then the timeout, then other signals
-    (crash), then reported errors, then non-zero exits without a report.
+    (crash), then reported errors, then non-zero exits without a report, then a rank that
+    exited cleanly without a report that can be read (never ``ok`` from part of the ranks).
     """
     reported = [(e, r) for e in exits if (r := _failed_report(e)) is not None]
     # Root causes first: a rank that lost its peer reports a symptom, not the cause.
@@ -187,9 +190,20 @@ def classify_probe(exits: Sequence[RankExit], *, timed_out: bool) -> Classificat
             tail = exit_.stderr_tail.strip().splitlines()
             last = tail[-1] if tail else ""
             outcome = Outcome.OOM if is_oom_message(exit_.stderr_tail) else Outcome.ERROR
+            problem = f" ({exit_.report_problem})" if exit_.report_problem else ""
             return Classification(
                 outcome=outcome,
-                message=f"rank {exit_.rank} exited with code {exit_.returncode}: {last}".strip(),
+                message=f"rank {exit_.rank} exited with code {exit_.returncode}{problem}: "
+                f"{last}".strip().rstrip(":"),
+                rank=exit_.rank,
+            )
+    # Every rank exited cleanly: the probe is ok only if every rank's report says so.
+    for exit_ in exits:
+        if exit_.report is None:
+            return Classification(
+                outcome=Outcome.ERROR,
+                message=f"rank {exit_.rank} exited cleanly, but "
+                f"{exit_.report_problem or 'left no report'}: its measurements are lost",
                 rank=exit_.rank,
             )
     return Classification(outcome=Outcome.OK)

@@ -19,7 +19,7 @@ from typing import Any
 from autotune.probe.outcome import Classification, Outcome, Stage
 from autotune.probe.spec import ProbeSpec
 
-__all__ = ["ProbeResult", "SizeResult", "merge_sizes"]
+__all__ = ["ProbeResult", "SizeResult", "merge_sizes", "report_problem"]
 
 # Memory readings are per rank: the probe's figure is the worst rank's.
 _MAX_OVER_RANKS = (
@@ -214,6 +214,56 @@ class ProbeResult:
             num_params=data.get("num_params"),
             exits=data.get("exits", []),
         )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+_NUMBER_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SizeResult) if f.type in ("float | None", "int | None")
+)
+"""A size entry's measured fields: each a number or null."""
+
+
+def _size_problem(entry: Any) -> str | None:
+    """What is wrong with one size entry of a rank's report, or None."""
+    if not isinstance(entry, dict):
+        return f"a size entry is {type(entry).__name__}, not an object"
+    mbs = entry.get("micro_batch_size")
+    if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1:
+        return f"a size entry has micro_batch_size {mbs!r}"
+    if entry.get("outcome") not in {o.value for o in Outcome}:
+        return f"size {mbs} has outcome {entry.get('outcome')!r}"
+    if entry.get("stage") not in (None, *(s.value for s in Stage)):
+        return f"size {mbs} has stage {entry.get('stage')!r}"
+    bad = [k for k in _NUMBER_FIELDS if entry.get(k) is not None and not _number(entry[k])]
+    if bad:
+        return f"size {mbs} has a {bad[0]} that is not a number: {entry[bad[0]]!r}"
+    losses = entry.get("losses")
+    if losses is not None and not (isinstance(losses, list) and all(map(_number, losses))):
+        return f"size {mbs} has losses that are not a list of numbers"
+    return None
+
+
+def report_problem(data: Any, rank: int) -> str | None:
+    """What makes a parsed ``rank<N>.json`` unusable, or None: the launcher reads a rank's
+    report only through this check, so no probe is classified or merged from a report that
+    is not the worker's (a torn or foreign file, another rank's)."""
+    if not isinstance(data, dict):
+        return f"it holds {type(data).__name__}, not an object"
+    if data.get("rank") != rank:
+        return f"it says rank {data.get('rank')!r}"
+    if data.get("status") not in {o.value for o in Outcome}:
+        return f"its status is {data.get('status')!r}"
+    if data.get("stage") not in (None, *(s.value for s in Stage)):
+        return f"its stage is {data.get('stage')!r}"
+    if not isinstance(data.get("message", ""), str):
+        return "its message is not text"
+    sizes = data.get("sizes", [])
+    if not isinstance(sizes, list):
+        return "its sizes are not a list"
+    return next((p for p in map(_size_problem, sizes) if p is not None), None)
 
 
 def merge_sizes(

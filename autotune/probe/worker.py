@@ -90,14 +90,37 @@ class _Report:
 
 
 FAULT_ENV = "AUTOTUNE_TEST_FAULT"
-"""Test hook: ``KIND@RANK`` (segfault, sigkill, hang, error) makes that rank fail for real
-right after the build, so the launcher's crash, host-OOM and timeout paths can be tested."""
+"""Test hook: ``KIND@RANK`` (or ``KIND`` for every rank; ``KIND@RANK:ENGINE`` only in probes
+of that engine) makes that rank fail for real, so the launcher's handling of each fault can be
+tested. Right after the build: ``segfault``, ``sigkill``, ``hang``, ``error``, and ``flood``
+(write :data:`FLOOD_BYTES` to stdout and to stderr as fast as it can, then train on). After the
+last size, before a clean exit: ``garble`` (its report cut in half), ``empty`` (emptied),
+``noreport`` (deleted)."""
+REPORT_FAULTS = ("garble", "empty", "noreport")
+FLOOD_BYTES = 100 << 20
 
 
-def _inject_fault(rank: int) -> None:
-    kind, _, which = os.environ.get(FAULT_ENV, "").partition("@")
-    if not kind or (which and int(which) != rank):
-        return
+def _fault(rank: int, engine: str) -> str | None:
+    """The fault ``FAULT_ENV`` asks of this rank, if any."""
+    kind, _, where = os.environ.get(FAULT_ENV, "").partition("@")
+    which, _, only = where.partition(":")
+    if not kind or (which and int(which) != rank) or (only and only != engine):
+        return None
+    return kind
+
+
+def _flood() -> None:
+    chunk = b"flood " * ((1 << 20) // 6) + b"\n"
+    for fd in (1, 2):
+        os.write(fd, b"flood begins\n")
+        written = 0
+        while written < FLOOD_BYTES:
+            written += os.write(fd, chunk)
+        os.write(fd, b"flood ends\n")
+
+
+def _inject_fault(rank: int, engine: str) -> None:
+    kind = _fault(rank, engine)
     if kind == "segfault":
         ctypes.string_at(0)  # a real SIGSEGV
     elif kind == "sigkill":
@@ -106,6 +129,21 @@ def _inject_fault(rank: int) -> None:
         time.sleep(10**6)
     elif kind == "error":
         raise RuntimeError("injected failure (AUTOTUNE_TEST_FAULT)")
+    elif kind == "flood":
+        _flood()
+
+
+def _spoil_report(path: Path, rank: int, engine: str) -> None:
+    """The report faults of ``FAULT_ENV``: what a torn write, a full disk or another process
+    would leave of the report."""
+    kind = _fault(rank, engine)
+    if kind == "garble":
+        text = path.read_text()
+        path.write_text(text[: len(text) // 2])
+    elif kind == "empty":
+        path.write_text("")
+    elif kind == "noreport":
+        path.unlink()
 
 
 def _place_rank(spec: ProbeSpec, rank: int, world_size: int) -> _Rank:
@@ -162,7 +200,7 @@ class _StepLoop:
         )
         meter.reset()
         self.stage = Stage.FORWARD
-        _inject_fault(self.rank.rank)
+        _inject_fault(self.rank.rank, spec.config.engine.value)
         micro_times: list[float] = []
         optimizer_times: list[float] = []
         losses: list[float] = []
@@ -427,7 +465,9 @@ def run(probe_dir: Path) -> int:
         built = _build(probe)
         if built is None:
             return 1
-        return _measure(probe, built)
+        code = _measure(probe, built)
+        _spoil_report(probe.report.path, probe.rank.rank, probe.spec.config.engine.value)
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -279,6 +279,8 @@ class Controller:
                         budget_left_s=self.budget_s - self.elapsed(),
                     )
                 )
+        except _Stop as stop:
+            reason = str(stop)
         except KeyboardInterrupt as stop:
             interrupted = str(stop) or "Ctrl-C"
             reason = (
@@ -351,7 +353,15 @@ class Controller:
             timeout_s=timeout_s,
             seed=proposal.repeat,  # a re-measurement: other data, an independent sample
         )
-        probe_dir = new_probe_dir(self.trials_dir.resolve(), _folder(self.store.study.study_name))
+        try:
+            probe_dir = new_probe_dir(
+                self.trials_dir.resolve(), _folder(self.store.study.study_name)
+            )
+        except OSError as error:
+            raise _Stop(
+                f"no probe folder can be made in {self.trials_dir} "
+                f"({error.strerror or error}): free space there or choose another --trials-dir"
+            ) from None
         trials: list[Trial] = []
         try:
             # An interruption inside the claim leaves RUNNING trials of this process, which
@@ -377,6 +387,10 @@ class Controller:
             return result
         self.store.record(trials, result)
         return result
+
+
+class _Stop(Exception):
+    """Ends the run early with its message as the reason (no probe is running)."""
 
 
 def _folder(study_name: str) -> str:

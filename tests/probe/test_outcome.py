@@ -170,10 +170,17 @@ def test_all_ranks_ok() -> None:
     assert verdict.stage is None
 
 
-def test_ok_without_reports_and_exit_zero() -> None:
-    """A clean exit without a report is not a failure by itself."""
-    verdict = classify_probe([RankExit(rank=0, returncode=0)], timed_out=False)
-    assert verdict.outcome is Outcome.OK
+def test_clean_exit_without_a_report_is_an_error() -> None:
+    """A rank that exited 0 without a report that can be read makes the probe an error that
+    names the rank and what is wrong, never ok from the other ranks' reports."""
+    exits = [_ok(0), RankExit(rank=1, returncode=0, report_problem="rank1.json is empty")]
+    verdict = classify_probe(exits, timed_out=False)
+    assert verdict.outcome is Outcome.ERROR
+    assert verdict.rank == 1
+    assert "rank 1" in verdict.message and "rank1.json is empty" in verdict.message
+    alone = classify_probe([RankExit(rank=0, returncode=0)], timed_out=False)
+    assert (alone.outcome, alone.rank) == (Outcome.ERROR, 0)
+    assert "left no report" in alone.message
 
 
 def test_oom_in_any_rank_wins() -> None:
