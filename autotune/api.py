@@ -15,7 +15,9 @@ message says what to do. Nothing here imports torch: only the ranks of a real pr
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,7 +50,8 @@ from autotune.study.fingerprint import (
     software_versions,
 )
 from autotune.study.measurement import Measurement, StudyResult
-from autotune.units import parse_duration, parse_fraction, parse_size
+from autotune.study.urls import masked
+from autotune.units import format_bytes, parse_duration, parse_fraction, parse_size
 
 if TYPE_CHECKING:
     from autotune.jobs import Freshness, Job
@@ -342,6 +345,12 @@ def prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     on_cpu = chosen.kind == "cpu"
+    _check_ranks(chosen, world, here)
+    if cap is not None and not on_cpu and cap > gpu.memory_bytes:
+        raise ConfigError(
+            f"--device-memory {format_bytes(cap)} is more than the {gpu.key}'s "
+            f"{format_bytes(gpu.memory_bytes)}: leave it out to use the whole card, or cap it lower"
+        )
     capacity = cap if cap is not None else usable_bytes(gpu)
     software = software_versions()
     detected = detect_gpus() if chosen.kind == "cuda" else None
@@ -357,20 +366,24 @@ def prepare(
         device=chosen.kind,
         objective=goal,
         software=software,
+        capped=cap is not None,
     )
-    from autotune.study.store import TrialStore
-
-    store = TrialStore(fingerprint, storage=storage, headroom=_fraction(headroom, "headroom"))
+    share = _fraction(headroom, "headroom")
+    capped_gpu = gpu if cap is None or on_cpu else dataclasses.replace(gpu, memory_bytes=cap)
     rows = plan_rows(
         spec,
-        gpu,
+        capped_gpu,  # a cap is what the allocator may hold: the plan's capacity, no reserve
         workload,
         engines=engines,
-        reserve=0 if on_cpu else DEVICE_RESERVE_BYTES,
+        reserve=0 if on_cpu or cap is not None else DEVICE_RESERVE_BYTES,
         offload=not on_cpu,  # a CPU emulating a device has no host to offload to
         host_memory_bytes=_host_for(chosen, host),
         device="cpu" if on_cpu else "cuda",
     )
+    _check_something_fits(rows, spec, world, capacity)
+    from autotune.study.store import TrialStore
+
+    store = TrialStore(fingerprint, storage=storage, headroom=share)
     template = ProbeTemplate(
         model=model,
         seq_len=workload.seq_len,
@@ -390,6 +403,44 @@ def prepare(
         budget_s=budget_s,
         trials_dir=Path(trials_dir),
         storage=storage,
+    )
+
+
+def _check_ranks(device: Device, ranks: int, here: int) -> None:
+    """More ranks than the node can run: GPUs beyond those visible, or CPU ranks beyond its
+    cores (a simulated node has as many GPUs as asked)."""
+    if device.kind == "cuda" and ranks > here:
+        raise ConfigError(
+            f"--gpus {ranks}, but {here} GPU{'s are' if here > 1 else ' is'} visible here "
+            f"(CUDA_VISIBLE_DEVICES): use --gpus {here} or fewer, or plan for more with "
+            "autotune plan --gpu KEY --gpus N"
+        )
+    cores = os.cpu_count() or 1
+    if device.kind == "cpu" and ranks > cores:
+        raise ConfigError(
+            f"--gpus {ranks} on the CPU starts {ranks} rank processes, and this machine has "
+            f"{cores} cores: use --gpus {cores} or fewer"
+        )
+
+
+def _check_something_fits(rows: list[PlanRow], spec: ModelSpec, world: int, capacity: int) -> None:
+    """No configuration is predicted to fit: say what the smallest needs, and what to do,
+    before a study is made for a search that would probe nothing."""
+    if not rows or any(row.fits for row in rows):
+        return
+    smallest = min(rows, key=lambda row: row.memory.device_bytes)
+    if smallest.memory.device_bytes <= capacity:  # the device would do; the host does not
+        raise ConfigError(
+            f"no configuration of {spec.name} on {world} GPU{'s' if world > 1 else ''} fits "
+            "this node's host memory (the offloaded states and each rank's process): use more "
+            "GPUs or nodes, or a host with more memory (--host-memory)"
+        )
+    needs = format_bytes(smallest.memory.device_bytes)
+    raise ConfigError(
+        f"no configuration of {spec.name} on {world} GPU{'s' if world > 1 else ''} fits "
+        f"{format_bytes(capacity)} per GPU: the smallest, {smallest.config.label()} at "
+        f"micro-batch {smallest.micro_batch_size}, needs {needs} (predicted); use more GPUs, "
+        "a larger --device-memory, a shorter --seq-len or a smaller model"
     )
 
 
@@ -521,7 +572,7 @@ def _studies(
     if gpu:
         stores = [s for s in stores if s.fingerprint.gpu == gpu.lower()]
     if not stores:
-        raise ConfigError(f"no autotune study in {storage} matches: run autotune run first")
+        raise ConfigError(f"no autotune study in {masked(storage)} matches: run autotune run first")
     return stores
 
 
@@ -721,7 +772,7 @@ def _one_study(
         studies = [s for s in studies if s.study_name == study]
         if not studies:
             raise ConfigError(
-                f"no study named {study!r} matches in {storage}: autotune best lists them"
+                f"no study named {study!r} matches in {masked(storage)}: autotune best lists them"
             )
     if len(studies) > 1:
         names = ", ".join(s.study_name for s in studies)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from autotune.config import (
     parse_ac,
 )
 from autotune.study.fingerprint import DEFAULT_STORAGE
+from autotune.study.urls import masked
 
 if TYPE_CHECKING:
     from autotune import api
@@ -363,7 +365,7 @@ def run(
         console.print(
             f"tuning {tuning.model.name} on {w.world_size} x {tuning.gpu.name}"
             f"{' (simulated)' if simulated else ''}, seq {w.seq_len}, global batch "
-            f"{w.global_batch}; study [bold]{tuning.fingerprint.study_name}[/] in {storage}"
+            f"{w.global_batch}; study [bold]{tuning.fingerprint.study_name}[/] in {masked(storage)}"
         )
     view = RunView(
         console,
@@ -623,8 +625,15 @@ def models(json_output: JsonOption = False) -> None:
     console.print(models_table(specs))
 
 
+PRIVATE_UMASK = 0o027
+"""Bits no file or folder the command creates grants: nothing for other users, no writing
+for the group (probe folders, logs, the trial database, exports and reports; the ranks
+inherit it). A stricter umask of the user's stays."""
+
+
 def main() -> None:
     """Console entry point: one-line errors for bad input, never a traceback."""
+    os.umask(os.umask(0) | PRIVATE_UMASK)
     try:
         # Without standalone mode click returns a command's exit code instead of exiting.
         code = app(standalone_mode=False)
@@ -642,11 +651,17 @@ def main() -> None:
     except KeyboardInterrupt:
         errors.print("[yellow]interrupted[/]")
         sys.exit(130)
-    except Exception as error:  # click's own usage errors
-        import click
-
-        if isinstance(error, click.ClickException):
-            error.show()
+    except Exception as error:
+        # Click's own usage errors (an unknown option or command, a missing value), by name:
+        # typer vendors click, so its exception classes are not click's.
+        if any(kind.__name__ == "ClickException" for kind in type(error).__mro__):
+            format_message = getattr(error, "format_message", None)
+            message = format_message() if callable(format_message) else str(error)
+            names = {(c.name or c.callback.__name__) for c in app.registered_commands if c.callback}
+            command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in names else ""
+            hint = f"autotune {command} --help" if command else "autotune --help"
+            errors.print(f"error: {' '.join(str(message).split())} ({hint} lists the options)",
+                         markup=False, highlight=False)  # fmt: skip
             sys.exit(2)
         raise
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.config import ConfigError, Engine
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import Measurement, StudyResult
+from autotune.study.urls import masked
 
 if TYPE_CHECKING:
     from autotune.search.controller import RunSummary
@@ -299,7 +300,10 @@ class JobResult:
             "workload": self.job.index,
             "line": self.job.line,
             "label": self.job.label(),
-            "options": dict(self.job.options),
+            "options": {
+                key: masked(value) if key == "storage" else value
+                for key, value in self.job.options.items()
+            },
             "status": self.status,
             "why": self.why,
             "study": self.study,

@@ -8,6 +8,7 @@ imported for those files only.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,12 @@ def load_config(path: Path) -> ModelSpec:
         raise ValueError(f"cannot load model config from '{path}': {_first_line(exc)}") from exc
     if not causal:
         raise ValueError(f"model config '{path}' is a {spec.model_type!r}, not a causal LM")
+    not_decoder = _not_decoder_only(spec.config)
+    if not_decoder:
+        raise ValueError(
+            f"model config '{path}' is {not_decoder}, not a decoder-only causal LM: autotune "
+            "tunes causal LM training (llama, mistral, qwen2, gpt2 and the like)"
+        )
     try:
         # Read the shape now, so that a malformed field fails here and not in the middle of a
         # plan (other families: transformers' config class checks the fields as it builds).
@@ -71,6 +78,20 @@ def _is_causal_lm(model_type: str) -> bool:
     if model_type not in CONFIG_MAPPING_NAMES:
         raise ValueError(f"transformers knows no model_type {model_type!r}")
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _not_decoder_only(fields: Mapping[str, Any]) -> str | None:
+    """What the file says the checkpoint is when that is not a decoder-only causal LM (an
+    encoder-decoder, or an encoder such as BERT saved as its masked-LM head, whose family
+    transformers can also build as a causal LM), else None."""
+    if fields.get("is_encoder_decoder"):
+        return f"an encoder-decoder ({fields['model_type']!r})"
+    architectures = fields.get("architectures")
+    if isinstance(architectures, list) and architectures:
+        names = [str(name) for name in architectures]
+        if not any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in names):
+            return f"a {', '.join(names)} ({fields['model_type']!r})"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

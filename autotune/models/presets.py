@@ -7,6 +7,7 @@ out, as in a saved ``config.json``. Nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,14 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     path = Path(name_or_path).expanduser()
     if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
         return load_config(path)
+    if path.is_dir():
+        raise ValueError(
+            f"{name_or_path!r} holds no config.json: pass the folder of a Hugging Face model "
+            "(its config.json is enough) or the file itself"
+        )
+    near = difflib.get_close_matches(name_or_path.lower(), _PRESETS, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
     raise ValueError(
-        f"unknown model {name_or_path!r}: use one of {', '.join(_PRESETS)}, "
+        f"unknown model {name_or_path!r}: {hint}use one of {', '.join(_PRESETS)}, "
         "or a path to a config.json"
     )

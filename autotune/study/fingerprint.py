@@ -52,6 +52,14 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
+def _compact_bytes(n: int) -> str:
+    """``4MiB``, ``20GiB``, ``1536KiB``: the largest binary unit that divides ``n``."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fingerprint:
     """Workload × hardware × software: one study each."""
@@ -64,6 +72,9 @@ class Fingerprint:
     """Catalogue key (``h100-80gb``), ``cpu``, or the simulated GPU's key."""
     gpu_memory_bytes: int
     """Memory per device a probe may use (the emulated cap when there is one)."""
+    capped: bool = False
+    """Whether ``gpu_memory_bytes`` is a cap the user set (``--device-memory``) rather than
+    the card's own: measurements under another cap are another study."""
     gpus: int
     nodes: int = 1
     device: str = "cuda"
@@ -93,6 +104,8 @@ class Fingerprint:
         hardware = f"{self.gpus}x{self.gpu.upper()}"
         if self.nodes > 1:
             hardware = f"{self.nodes}n{hardware}"
+        if self.capped:
+            hardware += f"-cap{_compact_bytes(self.gpu_memory_bytes)}"
         if self.device != "cuda":
             hardware += f"-{self.device}"
         name = f"{self.model}/seq{self.seq_len}/gbs{self.global_batch}@{hardware}"

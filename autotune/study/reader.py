@@ -43,6 +43,7 @@ from autotune.study.measurement import (
     point,
     pool,
 )
+from autotune.study.urls import check_storage_url, masked
 
 __all__ = ["KNOWN_SCHEMAS", "cannot_open", "read_studies", "sqlite_path"]
 
@@ -76,8 +77,8 @@ def cannot_open(url: str, error: Exception) -> ConfigError:
     """The one line that says a storage URL cannot be opened, and what to use."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return ConfigError(
-        f"cannot open trial storage {url!r}: {reason}; use sqlite:///path/to.db or "
-        "postgresql://user:password@host/database"
+        f"cannot open trial storage {masked(url)!r}: {masked(reason)}; use sqlite:///path/to.db "
+        "or postgresql://user:password@host/database"
     )
 
 
@@ -99,6 +100,7 @@ def read_studies(
     """
     if last is not None and last < 0:
         raise ConfigError(f"cannot show the last {last} trials: use 0 or more")
+    check_storage_url(url)
     path = sqlite_path(url)
     if path is not None and not path.is_file():
         return []

@@ -51,6 +51,7 @@ from autotune.probe.result import ProbeResult, SizeResult
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
 from autotune.study.measurement import Measurement, StoredTrial, best_point, decode
 from autotune.study.reader import FINGERPRINT_ATTR, cannot_open, sqlite_path
+from autotune.study.urls import check_storage_url
 
 __all__ = ["TrialStore", "open_storage"]
 
@@ -86,6 +87,7 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
     Raises:
         ConfigError: When the URL cannot be opened (one line that says what to use).
     """
+    check_storage_url(url)
     path = sqlite_path(url)
     if path is not None and not read_only:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -325,13 +325,13 @@ def trial_states(root: Path) -> list[str]:
 
 def running_probe_dir(root: Path) -> Path | None:
     """A probe folder without a result whose rank 0 runs (its report exists) and was started
-    a second or more ago (the launcher wrote the folder's config just before), so the
-    launcher is waiting on it."""
+    0.3 s or more ago (the launcher wrote the folder's config just before), so the launcher
+    is waiting on it. A probe forked from the warm workers takes about a second in all."""
     for folder in (root / "trials").glob("*/*"):
         if (folder / "result.json").exists() or not (folder / "rank0.json").exists():
             continue
         with contextlib.suppress(OSError):
-            if time.time() - (folder / "config.json").stat().st_mtime >= 1.0:
+            if time.time() - (folder / "config.json").stat().st_mtime >= 0.3:
                 return folder
     return None
 
@@ -354,7 +354,7 @@ def wait_for_second_probe(tuner: subprocess.Popen[str], root: Path, setup: Setup
                 folder = running_probe_dir(root)
                 if folder is not None:
                     return folder
-        time.sleep(0.2)
+        time.sleep(0.05)
     tuner.kill()
     pytest.fail("the tuner never had a COMPLETE and a RUNNING trial at once")
 

@@ -67,6 +67,14 @@ def test_study_names_are_readable_and_separate_what_differs() -> None:
     assert _fingerprint(objective="mfu").study_name.split("/")[3] == "mfu"
     other = _fingerprint(software={"torch": "2.14.0", "deepspeed": "0.19.8", "transformers": "5"})
     assert other.study_name != _fingerprint().study_name
+    driver = {**_fingerprint().software, "driver": "580.159.04"}
+    assert _fingerprint(software=driver).study_name.endswith("+tf5.23.0+drv580.159.04")
+    # A --device-memory cap is a study of its own: its trials' feasibility line differs.
+    capped = _fingerprint(device="cuda", gpu_memory_bytes=40 << 30, capped=True).study_name
+    assert capped.startswith("llama-7b/seq4096/gbs512@8xH100-80GB-cap40GiB/")
+    assert _fingerprint(gpu_memory_bytes=(3 << 20) + (1 << 10), capped=True).study_name != (
+        _fingerprint(gpu_memory_bytes=3 << 20, capped=True).study_name
+    )
     with pytest.raises(ConfigError, match="objective"):
         _fingerprint(objective="loss")
 

@@ -1,0 +1,216 @@
+"""Bad input, command by command: one line that says what to do, exit 2, nothing written.
+
+Each case runs the console entry point (``autotune.cli.main``) in this process, with its
+arguments and working folder, and checks the exit code, that stderr is one line naming the
+problem, and that no file appeared or changed (no trial database, no probe folder, no output
+file). A few run again through a fresh interpreter, as a shell runs the ``autotune`` command.
+docs/reliability.md lists them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.cli import main
+from autotune.models import resolve_model
+from tests.test_cli import autotune
+
+SIM = ("--simulate", "h100-80gb")
+CPU = ("--model", "tiny", "--device", "cpu", "--device-memory", "4MiB")
+
+CASES: list[tuple[tuple[str, ...], str]] = [
+    # The model.
+    (("run", "--model", "llama-7bb", *SIM), "did you mean llama-7b"),
+    (("plan", "--model", "qwen-1.5b", "--gpu", "h100"), "did you mean"),
+    (("run", "--model", "notjson", *SIM), "cannot load model config from 'notjson': Expecting"),
+    (("plan", "--model", "listjson", "--gpu", "h100"), "expected a JSON object, found list"),
+    (("plan", "--model", "bert", "--gpu", "h100"), "BertForMaskedLM ('bert'), not a decoder-only"),
+    (("plan", "--model", "t5", "--gpu", "h100"), "model config 't5' is a 't5', not a causal LM"),
+    (("run", "--model", "empty", *SIM), "'empty' holds no config.json"),
+    (("plan", "--model", "nomodeltype", "--gpu", "h100"), "no model_type field"),
+    # Budgets, sizes and counts.
+    (("run", *SIM, "--budget", "-5m"), "invalid duration '-5m'"),
+    (("run", *SIM, "--budget", "abc"), "invalid duration 'abc'"),
+    (("run", *SIM, "--budget", "0"), "the budget must be positive"),
+    (("probe", "--micro-batch", "0"), "invalid micro-batch '0'"),
+    (("run", *SIM, "--seq-len", "0"), "seq-len must be at least 1"),
+    (("run", *SIM, "--gpus", "8", "--global-batch", "100"), "not a multiple of 8 GPUs"),
+    (("plan", "--gpu", "h100-80gb", "--gpus", "8", "--global-batch", "100"), "multiple of 8"),
+    (("run", *SIM, "--headroom", "150%"), "between 0% and 100%"),
+    (("plan", "--gpu", "h100", "--headroom", "150%"), "between 0% and 100%"),
+    (("probe", "--device-memory", "20XB"), "invalid size '20XB'"),
+    (("probe", "--timeout", "soon"), "soon"),
+    # What the node has.
+    (("run", *CPU, "--gpus", "64"), "--gpus 64 on the CPU starts 64 rank processes"),
+    (("run", "--device", "cuda"), "no GPU"),
+    (("probe", "--device", "cuda"), "no GPU is visible: use --device cpu"),
+    (("run", *SIM, "--device-memory", "200GiB"), "more than the h100-80gb's 79.65 GiB"),
+    (("run", *SIM, "--device-memory", "1GiB"), "no configuration of llama-7b on 8 GPUs fits 1.00"),
+    (("run", "--simulate", "h100x"), "unknown GPU 'h100x'"),
+    (("plan", "--gpu", "tpu-v9"), "tpu-v9"),
+    (("run", *CPU, "--objective", "mfu"), "--objective tokens on the CPU"),
+    # Configurations.
+    (("probe", "--engine", "fsdp", "--zero-stage", "1"), "use --engine deepspeed"),
+    (("probe", "--ac", "sometimes"), "invalid activation checkpointing 'sometimes'"),
+    (("probe", "--engine", "ddp", "--offload", "optimizer"), "--engine deepspeed or fsdp"),
+    (("probe", "--engine", "quantum"), "quantum"),
+    (("plan", "--gpu", "h100", "--engine", "megatron"), "unknown engine"),
+    (("probe", "--model", "llama-99b"), "unknown model 'llama-99b'"),
+    # Trial storage.
+    (("run", *SIM, "--storage", "sqlite://"), "in-memory database: every trial would be lost"),
+    (("run", *SIM, "--storage", "trials.db"), "not a storage URL: use sqlite:///trials.db"),
+    (("best", "--storage", "postgres:/x"), "not a storage URL"),
+    (("trials", "--storage", "postgres//x"), "not a storage URL"),
+    (("run", *SIM, "--storage", "mysql://u@h/db"), "cannot open trial storage 'mysql://u@h/db'"),
+    (("best", "--storage", "postgresql://u:s3cret@127.0.0.1:1/db"), "u:***@127.0.0.1:1/db"),
+    # The command line itself.
+    (("plan", "--device-memory", "1GiB"), "No such option: --device-memory"),
+    (("frobnicate",), "No such command 'frobnicate'"),
+    (("run", "--budget"), "Option '--budget' requires an argument"),
+    (("run", *SIM, "--max-age", "7d"), "--max-age applies to --jobs"),
+    (("export", "--format", "yaml"), "unknown export format 'yaml'"),
+]
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """A working folder with model folders of every bad kind, and a good one."""
+    configs = {
+        "notjson": "{nope",
+        "listjson": "[1, 2]",
+        "nomodeltype": json.dumps({"hidden_size": 64}),
+        "bert": json.dumps(
+            {
+                "model_type": "bert",
+                "architectures": ["BertForMaskedLM"],
+                "hidden_size": 768,
+                "num_hidden_layers": 12,
+                "num_attention_heads": 12,
+                "vocab_size": 30522,
+                "intermediate_size": 3072,
+                "max_position_embeddings": 512,
+            }
+        ),
+        "t5": json.dumps({"model_type": "t5", "is_encoder_decoder": True, "d_model": 512}),
+    }
+    for name, text in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    (tmp_path / "empty").mkdir()
+    return tmp_path
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file below ``root`` and a digest of its bytes."""
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+
+
+def run_main(
+    args: tuple[str, ...],
+    cwd: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    *,
+    take: bool = True,
+) -> tuple[int, str]:
+    """``autotune ARGS`` through the console entry point, here: its exit code and stderr
+    (its stdout stays in ``capsys``)."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["autotune", *args])
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        with pytest.raises(SystemExit) as done:
+            main()
+    finally:
+        os.umask(umask)  # the command tightens its own: not this test process's
+    return int(done.value.code or 0), capsys.readouterr().err if take else ""
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "says"), CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    folder: Path,
+    args: tuple[str, ...],
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    before = snapshot(folder)
+    code, stderr = run_main(args, folder, monkeypatch, capsys)
+    assert code == 2, stderr
+    assert says in one_line(stderr)
+    assert snapshot(folder) == before  # no database, no probe folder, nothing changed
+
+
+def test_the_command_says_the_same_from_a_fresh_interpreter(folder: Path) -> None:
+    """The installed command, as a shell starts it: the same line and exit code."""
+    for args, says in (CASES[0], CASES[6], CASES[-2]):
+        done = autotune(*args, cwd=folder, env={"CUDA_VISIBLE_DEVICES": ""})
+        assert done.returncode == 2, done.stderr
+        assert says in one_line(done.stderr)
+
+
+def test_an_existing_study_is_left_as_it_was(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad input next to a study: the database's bytes do not change."""
+    code, stderr = run_main(("run", *SIM, "--budget", "5m", "--json"), folder, monkeypatch, capsys)
+    assert code == 0, stderr
+    before = snapshot(folder)
+    for args in (
+        ("--budget", "-5m"),
+        ("--device-memory", "1GiB"),
+        ("--gpus", "8", "--global-batch", "100"),
+    ):
+        code, stderr = run_main(("run", *SIM, *args), folder, monkeypatch, capsys)
+        assert code == 2 and one_line(stderr)
+    assert snapshot(folder) == before
+
+
+def test_best_finds_the_study_of_a_model_given_by_path(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``best --model PATH`` and ``export --model PATH`` find the study ``run --model PATH``
+    made, whether the path names the folder or its config.json."""
+    model = folder / "my-model"
+    model.mkdir()
+    config = dict(resolve_model("qwen2.5-1.5b").config, architectures=["Qwen2ForCausalLM"])
+    (model / "config.json").write_text(json.dumps(config))
+    code, stderr = run_main(
+        ("run", "--model", "./my-model", *SIM, "--json"), folder, monkeypatch, capsys
+    )
+    assert code == 0, stderr
+    for given in ("./my-model", str(model), str(model / "config.json"), "my-model"):
+        code, _ = run_main(
+            ("best", "--model", given, "--json"), folder, monkeypatch, capsys, take=False
+        )
+        out = capsys.readouterr().out
+        assert code == 0, given
+        [study] = json.loads(out)
+        assert study["study"].startswith("my-model/seq2048/") and study["best"], given
+
+
+def test_no_gpu_is_said_without_a_traceback_when_cuda_is_hidden(folder: Path) -> None:
+    """CUDA_VISIBLE_DEVICES set to nothing hides every GPU: ``run`` says so and writes nothing."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = autotune("run", "--model", "tiny", cwd=folder, env=env)
+    assert done.returncode == 2 and "no GPU" in one_line(done.stderr)
+    assert not (folder / "trials").exists()
