@@ -143,8 +143,11 @@ def test_unknown_model_message() -> None:
     with pytest.raises(ValueError) as info:
         resolve_model("llama-9000")
     message = str(info.value)
-    assert message.startswith("unknown model 'llama-9000': use one of llama-7b, ")
+    assert message.startswith("unknown model 'llama-9000': did you mean llama-70b or llama-7b")
+    assert "use one of llama-7b, " in message
     assert "tiny-qwen" in message and "config.json" in message and "\n" not in message
+    with pytest.raises(ValueError, match=r"^unknown model 'zzz': use one of") as info:
+        resolve_model("zzz")  # nothing near: no guess
 
 
 def test_resolve_config_json_folder_and_file(tmp_path: Path) -> None:
