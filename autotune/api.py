@@ -534,6 +534,8 @@ def tune_jobs(
                 status = (
                     "interrupted"
                     if summary.interrupted
+                    else "failed"
+                    if summary.failure
                     else "tuned"
                     if summary.best is not None
                     else "no fit"
@@ -541,7 +543,7 @@ def tune_jobs(
                 result = JobResult(
                     job=job,
                     status=status,
-                    why=fresh.why,
+                    why=summary.stop_reason if summary.failure else fresh.why,
                     study=study,
                     summary=summary,
                     best=summary.best,

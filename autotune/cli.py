@@ -390,7 +390,7 @@ def run(
             )
     if summary.interrupted:
         raise typer.Exit(143 if summary.interrupted == "SIGTERM" else 130)
-    raise typer.Exit(0 if summary.best else 1)
+    raise typer.Exit(0 if summary.best and not summary.failure else 1)
 
 
 def _run_jobs(path: Path, *, max_age: str | None, json_output: bool, **defaults: Any) -> NoReturn:

@@ -44,7 +44,7 @@ from autotune.probe.spec import ProbeTemplate
 from autotune.search.ladder import Proposal, propose
 from autotune.space import micro_batch_options
 from autotune.study.measurement import Measurement
-from autotune.study.store import TrialStore
+from autotune.study.store import STORAGE_ERRORS, TrialStore, storage_problem
 
 __all__ = ["Controller", "Event", "RunSummary"]
 
@@ -80,6 +80,8 @@ class RunSummary:
     stop_reason: str
     interrupted: str | None = None
     """What stopped the run early (``Ctrl-C``, ``SIGTERM``), or None."""
+    failure: str | None = None
+    """What failed under the run (the trial database), or None."""
     stale: int = 0
     """Trials left running by a tuner that ended, failed at the start (their points retried)."""
     probes: int
@@ -100,6 +102,7 @@ class RunSummary:
         return {
             "stop_reason": self.stop_reason,
             "interrupted": self.interrupted,
+            "failure": self.failure,
             "stale": self.stale,
             "probes": self.probes,
             "elapsed_s": self.elapsed_s,
@@ -228,6 +231,7 @@ class Controller:
         probes = 0
         reason = "search done: no remaining configuration can beat the best measured"
         interrupted: str | None = None
+        failure: str | None = None
         sizes = micro_batch_options(self.store.workload)
         objective = self.store.fingerprint.objective
         following: tuple[Proposal, float] | None = None
@@ -281,6 +285,12 @@ class Controller:
                 )
         except _Stop as stop:
             reason = str(stop)
+        except STORAGE_ERRORS as error:
+            failure = storage_problem(error)
+            reason = (
+                f"the trial database failed: {failure}; the trials recorded before are kept, "
+                "and a probe that was running is probed again by the next run"
+            )
         except KeyboardInterrupt as stop:
             interrupted = str(stop) or "Ctrl-C"
             reason = (
@@ -289,16 +299,21 @@ class Controller:
                 if self._setting_up
                 else f"interrupted ({interrupted}): the running probe was stopped and recorded"
             )
-        best = self.store.best()
+        try:
+            measurements = self.store.measurements()
+        except STORAGE_ERRORS:
+            measurements = []  # the database cannot be read either: the reason says why
+        best = self.store.best(measurements) if measurements else None
         self.on_event(Event(kind="stop", best=best, probes=probes, message=reason))
         return RunSummary(
             stop_reason=reason,
             interrupted=interrupted,
+            failure=failure,
             stale=len(stale),
             probes=probes,
             elapsed_s=self.elapsed(),
             best=best,
-            measurements=self.store.measurements(),
+            measurements=measurements,
             next_proposal=following[0] if following else None,
             next_s=following[1] if following else None,
             setups=list(self._setups),

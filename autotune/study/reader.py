@@ -77,9 +77,22 @@ def cannot_open(url: str, error: Exception) -> ConfigError:
     """The one line that says a storage URL cannot be opened, and what to use."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return ConfigError(
-        f"cannot open trial storage {masked(url)!r}: {masked(reason)}; use sqlite:///path/to.db "
-        "or postgresql://user:password@host/database"
+        f"cannot open trial storage {masked(url)!r}: {masked(reason)}; {_hint(reason)}"
     )
+
+
+def _hint(reason: str) -> str:
+    """What to do about a database that cannot be opened or written, by what it said."""
+    if "locked" in reason:
+        return (
+            "another process holds it (another tuner's write, or a program with a transaction "
+            "open): run again when it is done; several tuner workers need PostgreSQL"
+        )
+    if "readonly" in reason or "read-only" in reason or "unable to open" in reason:
+        return "it cannot be written here: check the file's and its folder's permissions"
+    if "full" in reason:
+        return "free space there, or give --storage another file"
+    return "use sqlite:///path/to.db or postgresql://user:password@host/database"
 
 
 def read_studies(

@@ -31,6 +31,7 @@ import datetime as dt
 import os
 import random
 import socket
+import sqlite3
 import time
 import warnings
 from collections.abc import Iterable
@@ -51,9 +52,9 @@ from autotune.probe.result import ProbeResult, SizeResult
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
 from autotune.study.measurement import Measurement, StoredTrial, best_point, decode
 from autotune.study.reader import FINGERPRINT_ATTR, cannot_open, sqlite_path
-from autotune.study.urls import check_storage_url
+from autotune.study.urls import check_storage_url, masked
 
-__all__ = ["TrialStore", "open_storage"]
+__all__ = ["STORAGE_ERRORS", "TrialStore", "open_storage", "storage_problem"]
 
 HEARTBEAT_S = 30
 """A running tuner touches its RUNNING trials this often; after ``GRACE_S`` without a beat
@@ -76,6 +77,52 @@ def _distributions() -> dict[str, BaseDistribution]:
     }
 
 
+STORAGE_ERRORS: tuple[type[Exception], ...] = (
+    optuna.exceptions.StorageInternalError,
+    sqlalchemy.exc.SQLAlchemyError,
+)
+"""What a write to (or a read of) an open study raises when its database fails under it: a
+full disk, a lock held too long, a lost server."""
+
+
+def storage_problem(error: BaseException) -> str:
+    """What went wrong with the database, in a few words (the driver's own message, without
+    SQLAlchemy's decoration), from an error of :data:`STORAGE_ERRORS`."""
+    cause: BaseException = error
+    while isinstance(cause, STORAGE_ERRORS) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    original = getattr(cause, "orig", None)
+    text = str(original if original is not None else cause).strip()
+    return masked(text.splitlines()[0] if text else type(cause).__name__)
+
+
+def _refuse_foreign_sqlite(url: str, path: Path) -> None:
+    """A SQLite file that holds tables, none of them Optuna's, is someone else's database:
+    Optuna would add its tables to it. Refused before anything is written."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {
+                name
+                for (name,) in connection.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'"
+                )
+            }
+        finally:
+            connection.close()
+    except sqlite3.Error:
+        return  # not a database at all: opening it says so
+    # Any of Optuna's tables: another tuner may be creating the rest this very moment.
+    if tables and not tables & {"studies", "study_directions", "version_info", "trials"}:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise ConfigError(
+            f"{path} is a SQLite database of something else (tables: {shown}): autotune keeps "
+            "its trials in a database of its own; give --storage another file"
+        )
+
+
 def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBStorage:
     """An Optuna RDB storage with heartbeats; SQLite's folder is created.
 
@@ -90,6 +137,7 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
     check_storage_url(url)
     path = sqlite_path(url)
     if path is not None and not read_only:
+        _refuse_foreign_sqlite(url, path)
         path.parent.mkdir(parents=True, exist_ok=True)
     skip: dict[str, Any] = (
         {"skip_compatibility_check": True, "skip_table_creation": True} if read_only else {}
@@ -100,10 +148,15 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
                 # Heartbeats are "experimental" in Optuna 5: the interface is what autotune pins.
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **skip)
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as error:
+        except sqlalchemy.exc.SQLAlchemyError as error:
             # Workers that start together on an empty database all create its tables; the
-            # losers of that race meet duplicate objects, and find the tables on a retry.
-            if attempt == OPEN_ATTEMPTS:
+            # losers of that race meet duplicate objects (PostgreSQL: an integrity or
+            # programming error; SQLite: "table ... already exists", or a lock), and find
+            # the tables on a retry.
+            racing = isinstance(
+                error, sqlalchemy.exc.IntegrityError | sqlalchemy.exc.ProgrammingError
+            ) or "already exists" in str(error)
+            if not racing or attempt == OPEN_ATTEMPTS:
                 raise cannot_open(url, error) from None
             time.sleep(random.uniform(0.2, 1.0))
         except Exception as error:  # SQLAlchemy raises many kinds; all mean "cannot open"
@@ -133,18 +186,22 @@ class TrialStore:
         self.workload = fingerprint.workload
         self.headroom = headroom
         self.storage = open_storage(storage) if isinstance(storage, str) else storage
-        self.study = study or optuna.create_study(
-            storage=self.storage,
-            study_name=fingerprint.study_name,
-            direction="maximize",
-            load_if_exists=True,
-        )
-        stored = self.study.user_attrs.get(FINGERPRINT_ATTR)
-        if stored is None:
-            self.study.set_user_attr(FINGERPRINT_ATTR, fingerprint.to_dict())
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                self.study.set_metric_names([fingerprint.objective.value])
+        try:
+            self.study = study or optuna.create_study(
+                storage=self.storage,
+                study_name=fingerprint.study_name,
+                direction="maximize",
+                load_if_exists=True,
+            )
+            stored = self.study.user_attrs.get(FINGERPRINT_ATTR)
+            if stored is None:
+                self.study.set_user_attr(FINGERPRINT_ATTR, fingerprint.to_dict())
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    self.study.set_metric_names([fingerprint.objective.value])
+        except STORAGE_ERRORS as error:  # read-only, full, locked: nothing of it was written
+            url = storage if isinstance(storage, str) else "the trial storage"
+            raise cannot_open(url, RuntimeError(storage_problem(error))) from None
 
     @property
     def capacity_bytes(self) -> int:

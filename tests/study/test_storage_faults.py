@@ -1,0 +1,170 @@
+"""The trial database under faults (SQLite): one line, a non-zero exit, and never a changed,
+half-written or corrupted study.
+
+The faults are real: a file of random bytes, a truncated database, another program's
+database, a process holding an exclusive lock, a read-only file system and a full one (small
+tmpfs mounts, which need root: skipped otherwise). The workload is the simulated GPU, whose
+probes take no time, so each run is a second or two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from autotune.study.reader import read_studies
+from tests.test_cli import autotune
+
+RUN = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--budget", "30m")
+
+
+def _line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def _states(db: Path) -> dict[str, int]:
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
+        assert connection.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        return dict(connection.execute("SELECT state, COUNT(*) FROM trials GROUP BY state"))
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A small file system of its own at ``path`` (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("kind", ["random bytes", "truncated", "another program's"])
+def test_a_file_that_is_no_trial_database_is_refused_and_kept(tmp_path: Path, kind: str) -> None:
+    db = tmp_path / "t.db"
+    if kind == "random bytes":
+        db.write_bytes(os.urandom(8192))
+    elif kind == "truncated":
+        done = autotune(*RUN, "--storage", f"sqlite:///{db}", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        db.write_bytes(db.read_bytes()[: db.stat().st_size // 3])
+    else:
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            connection.execute("CREATE TABLE invoices (id INTEGER, total REAL)")
+            connection.execute("INSERT INTO invoices VALUES (1, 9.5)")
+            connection.commit()
+    before = db.read_bytes()
+    for command in (RUN, ("best",), ("trials",)):
+        done = autotune(*command, "--storage", f"sqlite:///{db}", cwd=tmp_path)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        line = _line(done.stderr)
+        assert str(db) in line and ("something else" in line or "not a database" in line
+                                    or "malformed" in line), line  # fmt: skip
+        assert db.read_bytes() == before, command  # never repaired, migrated or overwritten
+    assert [p.name for p in tmp_path.iterdir()] == ["t.db"] or kind == "truncated"
+
+
+def test_a_database_locked_too_long_is_a_bounded_wait_then_one_line(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    assert autotune(*RUN, "--storage", f"sqlite:///{db}", cwd=tmp_path).returncode == 0
+    before = _states(db)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], "
+         "isolation_level=None); c.execute('BEGIN EXCLUSIVE'); print('held', flush=True); "
+         "time.sleep(60)", str(db)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        done = autotune(*RUN, "--gpus", "4", "--storage", f"sqlite:///{db}", cwd=tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 2, done.stderr
+    line = _line(done.stderr)
+    assert "database is locked" in line and "another process holds it" in line
+    assert "PostgreSQL" in line
+    assert _states(db) == before
+
+
+def test_a_read_only_database_is_refused_and_still_read(tmp_path: Path) -> None:
+    with _tmpfs(tmp_path / "ro", "2m") as folder:
+        db = folder / "t.db"
+        done = autotune(*RUN, "--storage", f"sqlite:///{db}", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        for more in ((), ("--gpus", "4")):  # the same study, and a new one
+            refused = autotune(*RUN, *more, "--storage", f"sqlite:///{db}", cwd=tmp_path)
+            assert refused.returncode == 2, refused.stderr
+            assert "it cannot be written here" in _line(refused.stderr)
+        best = autotune("best", "--json", "--storage", f"sqlite:///{db}", cwd=tmp_path)
+        assert best.returncode == 0 and '"best"' in best.stdout  # reading needs no write
+
+
+def test_a_full_disk_stops_the_run_with_its_trials_intact_and_the_next_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    """The database fills its file system in the middle of a run: the run stops with one
+    reason and exit 1, the trials recorded before are whole, and once there is room the next
+    run finishes the search without a trial left running."""
+    with _tmpfs(tmp_path / "small", "160k") as folder:
+        db = folder / "t.db"
+        args = (*RUN, "--storage", f"sqlite:///{db}", "--trials-dir", str(tmp_path / "trials"))
+        full = autotune(*args, "--json", cwd=tmp_path)
+        assert full.returncode == 1, full.stderr
+        assert '"failure": "database or disk is full"' in full.stdout
+        assert "Traceback" not in full.stderr
+        kept = _states(db)
+        assert kept.get("COMPLETE", 0) > 0 and "RUNNING" not in kept
+        subprocess.run(["mount", "-o", "remount,size=4m", str(folder)], check=True)
+        again = autotune(*args, "--json", cwd=tmp_path)
+        assert again.returncode == 0, again.stderr
+        after = _states(db)
+        assert after["COMPLETE"] > kept["COMPLETE"] and set(after) <= {"COMPLETE", "FAIL"}
+
+
+def test_two_tuners_on_one_sqlite_file_share_the_study_safely(tmp_path: Path) -> None:
+    """SQLite serializes writers with its file lock and every claim is one transaction, so
+    two tuner processes on one file are safe (PostgreSQL is for many workers and nodes): both
+    finish, no point is measured twice, nothing is left running."""
+    db = tmp_path / "t.db"
+    args = [*RUN, "--gpus", "8", "--storage", f"sqlite:///{db}", "--json"]
+    tuners = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from autotune.cli import main; main()",
+                *args,
+                "--trials-dir",
+                str(tmp_path / f"w{n}"),
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    outputs = [tuner.communicate(timeout=240) for tuner in tuners]
+    for tuner, (_, err) in zip(tuners, outputs, strict=True):
+        assert tuner.returncode == 0, err
+    assert sum(json.loads(out)["probes"] for out, _ in outputs) > 0
+    [study] = read_studies(f"sqlite:///{db}")
+    complete = [m for m in study.measurements if m.state == "COMPLETE"]
+    points = Counter((*m.key, m.repeat) for m in complete)
+    assert complete and max(points.values()) == 1, points  # no point measured twice
+    assert "RUNNING" not in _states(db)
