@@ -192,6 +192,18 @@ class PostgresServer:
         )  # fmt: skip
         return self.url(name)
 
+    def pause(self) -> None:
+        """Stop the server as an outage would (``pg_ctl -m fast stop``), keeping its data."""
+        self._run(["pg_ctl", "--pgdata", str(self.data_dir), "--mode", "fast", "--wait", "stop"])
+
+    def resume(self) -> None:
+        """Start the paused server again on the same port."""
+        assert self.port is not None
+        self._run(
+            ["pg_ctl", "--pgdata", str(self.data_dir), "--log", str(self.log_file),
+             "--options", f"-p {self.port}", "--wait", "--timeout", "60", "start"]
+        )  # fmt: skip
+
     def stop(self) -> None:
         """Stop the server at once (``pg_ctl -m immediate stop``) and remove its folder."""
         if self.root is None:

@@ -27,16 +27,18 @@ best to tell them apart from timing noise. Such a trial carries its ``repeat`` n
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import functools
 import os
 import random
 import socket
 import sqlite3
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import optuna
 import psutil
@@ -55,6 +57,8 @@ from autotune.study.reader import FINGERPRINT_ATTR, cannot_open, sqlite_path
 from autotune.study.urls import check_storage_url, masked
 
 __all__ = ["STORAGE_ERRORS", "TrialStore", "open_storage", "storage_problem"]
+
+_T = TypeVar("_T")
 
 HEARTBEAT_S = 30
 """A running tuner touches its RUNNING trials this often; after ``GRACE_S`` without a beat
@@ -83,6 +87,33 @@ STORAGE_ERRORS: tuple[type[Exception], ...] = (
 )
 """What a write to (or a read of) an open study raises when its database fails under it: a
 full disk, a lock held too long, a lost server."""
+
+
+RETRY_WINDOW_S = 120.0
+"""How long a tuner keeps retrying a database server it lost (a restart, a failover, a network
+blip) before its run stops with the reason: long enough for a restart, short enough that a
+nightly job does not hang on a server that is gone."""
+CONNECT_ATTEMPTS = 4
+"""Tries to reach a database server at the start of a run (waits of 1, 2 and 4 s between)."""
+
+
+def lost_connection(error: BaseException) -> bool:
+    """Whether a storage error means the database server went away or cannot be reached (worth
+    a retry), rather than a fault of the request or of the data."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if getattr(cause, "connection_invalidated", False):
+            return True
+        text = str(cause).lower()
+        if isinstance(
+            cause, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError
+        ) and any(
+            marker in text
+            for marker in ("connect", "server closed", "terminating", "refused", "timeout")
+        ):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def storage_problem(error: BaseException) -> str:
@@ -142,13 +173,28 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
     skip: dict[str, Any] = (
         {"skip_compatibility_check": True, "skip_table_creation": True} if read_only else {}
     )
-    for attempt in range(1, OPEN_ATTEMPTS + 1):
+    if path is None:  # a server: a pooled connection is checked before use (it may restart)
+        skip["engine_kwargs"] = {"pool_pre_ping": True}
+    unreachable = 0
+    for attempt in range(1, OPEN_ATTEMPTS + CONNECT_ATTEMPTS + 1):
         try:
             with warnings.catch_warnings():
                 # Heartbeats are "experimental" in Optuna 5: the interface is what autotune pins.
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **skip)
         except sqlalchemy.exc.SQLAlchemyError as error:
+            if path is None and lost_connection(error):
+                unreachable += 1
+                if unreachable == CONNECT_ATTEMPTS:
+                    waited = 2 ** (unreachable - 1) - 1  # the pauses between the tries
+                    raise cannot_open(
+                        url,
+                        RuntimeError(
+                            f"{storage_problem(error)} ({unreachable} tries over {waited} s)"
+                        ),
+                    ) from None
+                time.sleep(2 ** (unreachable - 1))
+                continue
             # Workers that start together on an empty database all create its tables; the
             # losers of that race meet duplicate objects (PostgreSQL: an integrity or
             # programming error; SQLite: "table ... already exists", or a lock), and find
@@ -156,7 +202,7 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
             racing = isinstance(
                 error, sqlalchemy.exc.IntegrityError | sqlalchemy.exc.ProgrammingError
             ) or "already exists" in str(error)
-            if not racing or attempt == OPEN_ATTEMPTS:
+            if not racing or attempt >= OPEN_ATTEMPTS:
                 raise cannot_open(url, error) from None
             time.sleep(random.uniform(0.2, 1.0))
         except Exception as error:  # SQLAlchemy raises many kinds; all mean "cannot open"
@@ -202,6 +248,27 @@ class TrialStore:
         except STORAGE_ERRORS as error:  # read-only, full, locked: nothing of it was written
             url = storage if isinstance(storage, str) else "the trial storage"
             raise cannot_open(url, RuntimeError(storage_problem(error))) from None
+        self.retry_window_s = RETRY_WINDOW_S
+        """How long a lost database server is retried before a call gives up (0: never)."""
+        self._server = self.storage.engine.dialect.name != "sqlite"
+
+    def _retrying(self, call: Callable[[], _T]) -> _T:
+        """``call()``, retried with a growing pause (1, 2, 4, ... 16 s) while the database
+        server is unreachable, for up to ``retry_window_s``; SQLite's faults are not passing,
+        and any other error is raised at once."""
+        deadline = time.monotonic() + self.retry_window_s
+        pause = 1.0
+        while True:
+            try:
+                return call()
+            except STORAGE_ERRORS as error:
+                if not (self._server and lost_connection(error)):
+                    raise
+                if time.monotonic() + pause > deadline:
+                    raise
+                self.storage.scoped_session.remove()  # the next try starts a fresh session
+                time.sleep(pause)
+                pause = min(pause * 2, 16.0)
 
     @property
     def capacity_bytes(self) -> int:
@@ -270,6 +337,11 @@ class TrialStore:
         Returns:
             The trials, or None when another worker got there first (ours are withdrawn).
         """
+        return self._retrying(lambda: self._claim(config, list(micro_batch_sizes), repeat))
+
+    def _claim(
+        self, config: TrainConfig, micro_batch_sizes: list[int], repeat: int
+    ) -> list[Trial] | None:
         trials = [self.ask(config, m, repeat=repeat) for m in micro_batch_sizes]
         mine = {t._trial_id for t in trials}
         keys = {_key(config.to_dict(), int(t.params["micro_batch_size"]), repeat) for t in trials}
@@ -294,8 +366,13 @@ class TrialStore:
 
     def beat(self, trials: Iterable[Trial]) -> None:
         """Tell the storage these trials' tuner is alive (from the probe's progress callback)."""
-        for trial in trials:
-            self.storage.record_heartbeat(trial._trial_id)
+        try:
+            for trial in trials:
+                self.storage.record_heartbeat(trial._trial_id)
+        except STORAGE_ERRORS as error:
+            if not (self._server and lost_connection(error)):
+                raise
+            self.storage.scoped_session.remove()  # a missed beat: the next one tries again
 
     def fail_stale(self) -> list[int]:
         """Fail RUNNING trials whose tuner is gone; the search retries their points once.
@@ -306,6 +383,9 @@ class TrialStore:
         Returns:
             The numbers of the trials failed here.
         """
+        return self._retrying(self._fail_stale)
+
+    def _fail_stale(self) -> list[int]:
         running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         for trial in running:
             if _owner_gone(trial.user_attrs):
@@ -324,6 +404,12 @@ class TrialStore:
     def record(self, trials: Iterable[Trial], result: ProbeResult) -> None:
         """Record a finished probe: each trial gets what the probe found at its size."""
         for trial in trials:
+            self._retrying(functools.partial(self._tell_once, trial, result))
+
+    def _tell_once(self, trial: Trial, result: ProbeResult) -> None:
+        """Tell a trial its result; a retry after a lost connection may find it told."""
+        # An earlier try's write may have reached the server before the connection went.
+        with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
             self.tell(trial, result)
 
     def interrupt(self, trials: Iterable[Trial], probe_dir: Path, why: str) -> None:
@@ -423,6 +509,9 @@ class TrialStore:
     def measurements(self, states: Iterable[TrialState] | None = None) -> list[Measurement]:
         """Every trial of the study, decoded (all workers', resumed runs' included), except
         claims withdrawn in a race with another worker."""
+        return self._retrying(lambda: self._measurements(states))
+
+    def _measurements(self, states: Iterable[TrialState] | None) -> list[Measurement]:
         trials = self.study.get_trials(deepcopy=False, states=tuple(states) if states else None)
         return [
             _decode(t)

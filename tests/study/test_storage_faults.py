@@ -15,13 +15,27 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pgserver import PostgresServer
 
+from autotune.config import ConfigError, TrainConfig
+from autotune.devices import SimulatedDevice
+from autotune.probe.result import ProbeResult
+from autotune.probe.spec import ProbeSpec
+from autotune.study.fingerprint import Fingerprint
 from autotune.study.reader import read_studies
+from autotune.study.store import (
+    CONNECT_ATTEMPTS,
+    STORAGE_ERRORS,
+    TrialStore,
+    open_storage,
+    storage_problem,
+)
 from tests.test_cli import autotune
 
 RUN = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--budget", "30m")
@@ -168,3 +182,77 @@ def test_two_tuners_on_one_sqlite_file_share_the_study_safely(tmp_path: Path) ->
     points = Counter((*m.key, m.repeat) for m in complete)
     assert complete and max(points.values()) == 1, points  # no point measured twice
     assert "RUNNING" not in _states(db)
+
+
+# ------------------------------------------------------------------ PostgreSQL, lost and back
+
+
+def _simulated_probe(tmp_path: Path, config: TrainConfig) -> ProbeResult:
+    """A probe of llama-7b on 8 simulated H100s (the estimator answers at once)."""
+    spec = ProbeSpec(
+        model="llama-7b", config=config, micro_batch_sizes=(1, 2), seq_len=4096,
+        num_processes=8, device="cuda",
+    )  # fmt: skip
+    return SimulatedDevice.named("h100-80gb").launch(spec, tmp_path / "probe")
+
+
+def _fingerprint() -> Fingerprint:
+    return Fingerprint(
+        model="llama-7b", seq_len=4096, global_batch=512, gpu="h100-80gb",
+        gpu_memory_bytes=80 << 30, gpus=8, device="simulated",
+    )  # fmt: skip
+
+
+def test_a_server_unreachable_at_the_start_is_tried_with_backoff_then_one_line() -> None:
+    url = f"postgresql+psycopg://tuner:{'s3cret'}@127.0.0.1:1/autotune"  # nothing listens
+    with pytest.raises(ConfigError) as refused:
+        open_storage(url)
+    message = str(refused.value)
+    assert "tuner:***@127.0.0.1:1" in message and "s3cret" not in message
+    assert "Connection refused" in message
+    assert f"({CONNECT_ATTEMPTS} tries over {2 ** (CONNECT_ATTEMPTS - 1) - 1} s)" in message
+
+
+def test_a_probe_finished_while_the_server_was_down_is_recorded_when_it_is_back(
+    postgres_server: PostgresServer, tmp_path: Path
+) -> None:
+    """The server stops after a probe was claimed and comes back 3 s later: the result is
+    written then, through a new connection, once."""
+    url = postgres_server.create_database("outage_back")
+    store = TrialStore(_fingerprint(), storage=url)
+    config = TrainConfig(engine="fsdp", zero_stage=3)
+    claimed = store.claim(config, [1, 2])
+    assert claimed is not None
+    result = _simulated_probe(tmp_path, config)
+    postgres_server.pause()
+    back = threading.Timer(3.0, postgres_server.resume)
+    back.start()
+    try:
+        store.record(claimed, result)  # waits out the outage
+    finally:
+        back.join()
+    states = Counter(m.state for m in store.measurements())
+    assert states == Counter({"COMPLETE": 2})
+
+
+def test_a_server_gone_past_the_retry_window_stops_the_call_and_loses_nothing(
+    postgres_server: PostgresServer, tmp_path: Path
+) -> None:
+    """Past the window the write gives up (the run then stops with the reason); the claimed
+    trials stay RUNNING, so the next run fails them as stale and probes their points again."""
+    url = postgres_server.create_database("outage_gone")
+    store = TrialStore(_fingerprint(), storage=url)
+    store.retry_window_s = 2.0
+    config = TrainConfig(engine="fsdp", zero_stage=2)
+    claimed = store.claim(config, [1])
+    assert claimed is not None
+    result = _simulated_probe(tmp_path, config)
+    postgres_server.pause()
+    try:
+        with pytest.raises(STORAGE_ERRORS) as gave_up:
+            store.record(claimed, result)
+        assert "connect" in storage_problem(gave_up.value).lower()
+    finally:
+        postgres_server.resume()
+    [kept] = TrialStore(_fingerprint(), storage=url).measurements()
+    assert kept.state == "RUNNING"  # visible to the next run: retried, never lost silently
