@@ -124,9 +124,22 @@ def _gpu(gpu: str | GpuSpec | None) -> tuple[GpuSpec, int]:
     return detected.spec, detected.count
 
 
-def _workload(seq_len: int, global_batch: int | None, world_size: int) -> Workload:
+def _workload(spec: ModelSpec, seq_len: int, global_batch: int | None, world_size: int) -> Workload:
+    _check_seq_len(spec, seq_len)
     batch = global_batch if global_batch is not None else PER_GPU_BATCH * world_size
     return Workload(seq_len=seq_len, global_batch=batch, world_size=world_size)
+
+
+def _check_seq_len(spec: ModelSpec, seq_len: int) -> None:
+    """A sequence longer than the model's positions: its position embeddings or RoPE range
+    end there (a config that scales RoPE, ``rope_scaling``, states its own range)."""
+    longest = spec.max_position_embeddings
+    if seq_len > longest and not spec.config.get("rope_scaling"):
+        raise ConfigError(
+            f"--seq-len {seq_len} is longer than {spec.name} takes ({longest} positions, "
+            f"max_position_embeddings): use --seq-len {longest} or less, or a config.json that "
+            "extends it (rope_scaling)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +201,7 @@ def plan(
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     host = _bytes(host_memory, "--host-memory")
     target, here = _gpu(gpu)
-    workload = _workload(seq_len, global_batch, gpus if gpus is not None else here)
+    workload = _workload(spec, seq_len, global_batch, gpus if gpus is not None else here)
     started = time.perf_counter()
     rows = plan_rows(
         spec,
@@ -335,7 +348,7 @@ def prepare(
     host = _bytes(host_memory, "--host-memory")
     chosen, gpu, here = _device(device, simulate, seed, cap, host, warm=warm)
     world = gpus if gpus is not None else here
-    workload = _workload(seq_len, global_batch, world)
+    workload = _workload(spec, seq_len, global_batch, world)
     goal = Objective(objective) if objective in set(Objective) else None
     if goal is None:
         choices = " or ".join(o.value for o in Objective)
@@ -650,7 +663,7 @@ def probe(
             loads that are not built), before the probe and outside its timeout; default:
             ``step.run()``. A live view wraps it in a spinner and prints its result.
     """
-    resolve_model(model)  # fail fast on an unknown name
+    _check_seq_len(resolve_model(model), seq_len)  # fail fast on an unknown name
     config = config or TrainConfig()
     if isinstance(device, str):
         detected = detect_gpus()

@@ -93,7 +93,7 @@ SCENARIOS: list[Case] = [
     ("llama-13b", "h100-80gb", 64, 4096, 1024),
     ("llama-13b", "l40s", 8, 2048, 64),
     ("llama-70b", "h100-80gb", 64, 4096, 1024),
-    ("llama-70b", "h200", 64, 8192, 512),
+    ("llama-70b", "h200", 64, 4096, 512),
     ("llama-70b", "a100-80gb", 64, 2048, 1024),
     # One GPU, where only offload fits and the host binds (the H100 run's llama-7b case).
     ("llama-7b", "h100-80gb", 1, 2048, 8, 125 * GIB),
@@ -108,7 +108,7 @@ HELD_OUT: list[Case] = [
     ("qwen2.5-1.5b", "h200", 8, 4096, 256),
     ("mistral-7b", "l40s", 8, 4096, 64),
     ("llama3-8b", "a100-80gb", 64, 4096, 512),
-    ("llama-13b", "h200", 8, 8192, 64),
+    ("llama-13b", "h200", 8, 4096, 64),
     ("qwen2.5-7b", "rtx4090", 8, 4096, 32),
     ("llama3-8b", "h200", 1, 2048, 16, 125 * GIB),
     ("qwen2.5-7b", "a100-80gb", 1, 2048, 32, 250 * GIB),

@@ -40,6 +40,8 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("run", *SIM, "--budget", "0"), "the budget must be positive"),
     (("probe", "--micro-batch", "0"), "invalid micro-batch '0'"),
     (("run", *SIM, "--seq-len", "0"), "seq-len must be at least 1"),
+    (("plan", "--gpu", "h100", "--seq-len", "8192"), "--seq-len 8192 is longer than llama-7b"),
+    (("probe", "--model", "tiny", "--seq-len", "4096"), "tiny takes (512 positions"),
     (("run", *SIM, "--gpus", "8", "--global-batch", "100"), "not a multiple of 8 GPUs"),
     (("plan", "--gpu", "h100-80gb", "--gpus", "8", "--global-batch", "100"), "multiple of 8"),
     (("run", *SIM, "--headroom", "150%"), "between 0% and 100%"),
