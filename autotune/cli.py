@@ -316,49 +316,32 @@ def run(
     from autotune.report.tables import ranking_table
 
     _quiet_optuna()
+    # The run's options, as a job file names them (a workload's own fields override them).
+    options: dict[str, Any] = {
+        "budget": budget,
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+        "gpus": gpus,
+        "engine": engine,
+        "simulate": simulate,
+        "device": device,
+        "device_memory": device_memory,
+        "headroom": headroom,
+        "host_memory": host_memory,
+        "objective": objective,
+        "storage": storage,
+        "trials_dir": str(trials_dir),
+        "seed": seed,
+        "warm": warm,
+    }
     if jobs is not None:
         if model is not None:
             raise UsageError("--model and --jobs: name each workload's model in the job file")
-        _run_jobs(
-            jobs,
-            max_age=max_age,
-            json_output=json_output,
-            budget=budget,
-            seq_len=seq_len,
-            global_batch=global_batch,
-            gpus=gpus,
-            engine=engine,
-            simulate=simulate,
-            device=device,
-            device_memory=device_memory,
-            headroom=headroom,
-            host_memory=host_memory,
-            objective=objective,
-            storage=storage,
-            trials_dir=str(trials_dir),
-            seed=seed,
-            warm=warm,
-        )
+        _run_jobs(jobs, max_age=max_age, json_output=json_output, **options)
     if max_age is not None:
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
-    tuning = api.prepare(
-        model or "llama-7b",
-        budget=budget,
-        seq_len=seq_len,
-        global_batch=global_batch,
-        gpus=gpus,
-        engines=_parse_engines(engine),
-        device=device,
-        simulate=simulate,
-        device_memory=device_memory,
-        headroom=headroom,
-        host_memory=host_memory,
-        objective=objective,
-        storage=storage,
-        trials_dir=trials_dir,
-        seed=seed,
-        warm=warm,
-    )
+    options["engines"] = _parse_engines(options.pop("engine"))
+    tuning = api.prepare(model or "llama-7b", **options)
     simulated = tuning.device.kind == "simulated"
     w = tuning.workload
     if not json_output:
