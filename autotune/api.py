@@ -80,6 +80,8 @@ __all__ = [
 
 PER_GPU_BATCH = 8
 """Global batch per GPU when none is given (sequences)."""
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence when none is given, for a model that takes as many positions."""
 
 
 def _seconds(value: str | float, what: str) -> float:
@@ -124,22 +126,32 @@ def _gpu(gpu: str | GpuSpec | None) -> tuple[GpuSpec, int]:
     return detected.spec, detected.count
 
 
-def _workload(spec: ModelSpec, seq_len: int, global_batch: int | None, world_size: int) -> Workload:
-    _check_seq_len(spec, seq_len)
+def _workload(
+    spec: ModelSpec, seq_len: int | None, global_batch: int | None, world_size: int
+) -> Workload:
     batch = global_batch if global_batch is not None else PER_GPU_BATCH * world_size
-    return Workload(seq_len=seq_len, global_batch=batch, world_size=world_size)
+    return Workload(seq_len=_seq_len(spec, seq_len), global_batch=batch, world_size=world_size)
 
 
-def _check_seq_len(spec: ModelSpec, seq_len: int) -> None:
-    """A sequence longer than the model's positions: its position embeddings or RoPE range
-    end there (a config that scales RoPE, ``rope_scaling``, states its own range)."""
+def _seq_len(spec: ModelSpec, seq_len: int | None) -> int:
+    """The sequence length asked for, or by default ``DEFAULT_SEQ_LEN`` capped at the model's
+    positions (a 1,024-position GPT-2 is tuned at 1,024 unless told otherwise).
+
+    Raises:
+        ConfigError: A sequence longer than the model's positions: its position embeddings or
+            RoPE range end there (a config that scales RoPE, ``rope_scaling``, states its own
+            range).
+    """
     longest = spec.max_position_embeddings
+    if seq_len is None:
+        return min(DEFAULT_SEQ_LEN, longest)
     if seq_len > longest and not spec.config.get("rope_scaling"):
         raise ConfigError(
             f"--seq-len {seq_len} is longer than {spec.name} takes ({longest} positions, "
             f"max_position_embeddings): use --seq-len {longest} or less, or a config.json that "
             "extends it (rope_scaling)"
         )
+    return seq_len
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,7 +184,7 @@ def plan(
     gpu: str | GpuSpec | None = None,
     gpus: int | None = None,
     gpus_per_node: int = 8,
-    seq_len: int = 2048,
+    seq_len: int | None = None,
     global_batch: int | None = None,
     engines: Iterable[Engine] | None = None,
     precision: Precision | None = None,
@@ -188,7 +200,7 @@ def plan(
         gpu: The GPU (catalogue key or .toml file); default: the one detected here.
         gpus: GPUs in all; default: those here.
         gpus_per_node: GPUs sharing a node's fast links.
-        seq_len: Tokens per sequence.
+        seq_len: Tokens per sequence; default 2048, or the model's positions if fewer.
         global_batch: Sequences per optimizer step; default 8 per GPU.
         engines: Only these engines.
         precision: Default: bf16-mixed, fp16-mixed on GPUs without bf16.
@@ -321,7 +333,7 @@ def prepare(
     model: str,
     *,
     budget: str | float = "30m",
-    seq_len: int = 2048,
+    seq_len: int | None = None,
     global_batch: int | None = None,
     gpus: int | None = None,
     engines: Iterable[Engine] | None = None,
@@ -633,7 +645,7 @@ def probe(
     config: TrainConfig | None = None,
     *,
     micro_batch_sizes: Iterable[int] = (1,),
-    seq_len: int = 2048,
+    seq_len: int | None = None,
     grad_accum: int = 1,
     gpus: int | None = None,
     device: str | Device = "auto",
@@ -663,7 +675,7 @@ def probe(
             loads that are not built), before the probe and outside its timeout; default:
             ``step.run()``. A live view wraps it in a spinner and prints its result.
     """
-    _check_seq_len(resolve_model(model), seq_len)  # fail fast on an unknown name
+    seq_len = _seq_len(resolve_model(model), seq_len)  # fails fast on an unknown name
     config = config or TrainConfig()
     if isinstance(device, str):
         detected = detect_gpus()

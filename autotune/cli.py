@@ -79,7 +79,10 @@ ForceOption = Annotated[bool, typer.Option("--force", help="Overwrite the -o fil
 EngineOption = Annotated[
     str | None, typer.Option(help="Only these engines, comma-separated: fsdp,deepspeed.")
 ]
-SeqLenOption = Annotated[int, typer.Option(help="Tokens per sequence.")]
+SeqLenOption = Annotated[
+    int | None,
+    typer.Option(help="Tokens per sequence (default: 2048, or the model's positions if fewer)."),
+]
 GlobalBatchOption = Annotated[
     int | None, typer.Option(help="Sequences per optimizer step (default: 8 per GPU).")
 ]
@@ -114,7 +117,7 @@ def probe(
     ac: Annotated[str, typer.Option(help="Activation checkpointing: off, every, every-N.")] = "off",
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
     micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
-    seq_len: SeqLenOption = 2048,
+    seq_len: SeqLenOption = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
     gpus: Annotated[int | None, typer.Option(help="Ranks (default: all GPUs, or 1).")] = None,
     device: Annotated[str, typer.Option(help="cuda, cpu or auto.")] = "auto",
@@ -210,7 +213,7 @@ def plan(
     ] = None,
     gpus: Annotated[int | None, typer.Option(help="GPUs in all (default: those here).")] = None,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs sharing a node.")] = 8,
-    seq_len: SeqLenOption = 2048,
+    seq_len: SeqLenOption = None,
     global_batch: GlobalBatchOption = None,
     engine: EngineOption = None,
     precision: Annotated[
@@ -265,7 +268,7 @@ def run(
         typer.Option(help="Preset name or path to a config.json (default: llama-7b)."),
     ] = None,
     budget: Annotated[str, typer.Option(help="Wall-clock budget: 30m, 1h30m, 90s.")] = "30m",
-    seq_len: SeqLenOption = 2048,
+    seq_len: SeqLenOption = None,
     global_batch: GlobalBatchOption = None,
     gpus: Annotated[
         int | None, typer.Option(help="GPUs (default: all here; 1 on the CPU).")

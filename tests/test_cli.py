@@ -214,3 +214,17 @@ def test_plan_uses_the_measured_reserve_unless_told(tmp_path: Path) -> None:
     assert json.loads(told.stdout)["rows"][0]["capacity_bytes"] == usable_bytes(
         gpu, reserve=2 * GIB
     )
+
+
+def test_the_default_sequence_fits_the_model_and_a_longer_one_is_refused() -> None:
+    """Without --seq-len a model is planned at 2048 tokens, or at its positions if it takes
+    fewer (GPT-2's 1024, the tiny preset's 512); asking for more than it takes is bad input."""
+    from autotune import api
+    from autotune.config import ConfigError
+
+    for model, expected in (("llama-7b", 2048), ("gpt2", 1024), ("tiny", 512)):
+        found = api.plan(model, gpu="h100-80gb", gpus=1)
+        assert found.workload.seq_len == expected, model
+    assert api.plan("llama-7b", gpu="h100-80gb", gpus=1, seq_len=4096).workload.seq_len == 4096
+    with pytest.raises(ConfigError, match="--seq-len 1025 is longer than gpt2 takes"):
+        api.plan("gpt2", gpu="h100-80gb", gpus=1, seq_len=1025)
