@@ -19,7 +19,7 @@ import dataclasses
 import datetime as dt
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +40,7 @@ from autotune.jobs import JobResult
 from autotune.launch import Format, Launch, render
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
+from autotune.probe.nodes import Nodes, nodes_from_environment
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.space import Workload
@@ -296,8 +297,9 @@ def _device(
     host: int | None,
     *,
     warm: bool,
+    nodes: Nodes | None = None,
 ) -> tuple[Device, GpuSpec, int]:
-    """The device that answers probes, the GPU to plan for and the GPUs here."""
+    """The device that answers probes, the GPU to plan for and the GPUs here (on each node)."""
     if simulate is not None:
         simulated = SimulatedDevice.named(simulate, seed=seed, host_memory_bytes=host)
         return simulated, simulated.gpu, 8
@@ -313,7 +315,7 @@ def _device(
                     "or --simulate h100-80gb (the estimator's simulated GPU)"
                 )
             device = "cuda"
-        device = LocalDevice(device, warm=warm)
+        device = LocalDevice(device, warm=warm, nodes=nodes)
     if device.kind == "cpu":
         if cap is None:
             raise ConfigError("--device cpu needs --device-memory, e.g. 64MiB, to emulate a GPU")
@@ -349,6 +351,8 @@ def prepare(
     warmup_steps: int = 2,
     timed_steps: int = 3,
     warm: bool = True,
+    nodes: int | None = None,
+    hosts: str | Sequence[str] | None = None,
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
@@ -358,8 +362,11 @@ def prepare(
     budget_s = _seconds(budget, "the budget")
     cap = _bytes(device_memory, "--device-memory")
     host = _bytes(host_memory, "--host-memory")
-    chosen, gpu, here = _device(device, simulate, seed, cap, host, warm=warm)
-    world = gpus if gpus is not None else here
+    layout = _nodes(nodes, hosts, simulated=simulate is not None or not isinstance(device, str))
+    count = layout.count if layout is not None else (nodes or 1)
+    chosen, gpu, here = _device(device, simulate, seed, cap, host, warm=warm, nodes=layout)
+    per_node = _per_node(gpus, count, here)
+    world = per_node * count
     workload = _workload(spec, seq_len, global_batch, world)
     goal = Objective(objective) if objective in set(Objective) else None
     if goal is None:
@@ -370,7 +377,7 @@ def prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     on_cpu = chosen.kind == "cpu"
-    _check_ranks(chosen, world, here)
+    _check_ranks(chosen, per_node, here)
     if cap is not None and not on_cpu and cap > gpu.memory_bytes:
         raise ConfigError(
             f"--device-memory {format_bytes(cap)} is more than the {gpu.key}'s "
@@ -392,6 +399,7 @@ def prepare(
         objective=goal,
         software=software,
         capped=cap is not None,
+        nodes=count,
     )
     share = _fraction(headroom, "headroom")
     capped_gpu = gpu if cap is None or on_cpu else dataclasses.replace(gpu, memory_bytes=cap)
@@ -404,6 +412,7 @@ def prepare(
         offload=not on_cpu,  # a CPU emulating a device has no host to offload to
         host_memory_bytes=_host_for(chosen, host),
         device="cpu" if on_cpu else "cuda",
+        gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
     )
     _check_something_fits(rows, spec, world, capacity)
     from autotune.study.store import TrialStore
@@ -412,7 +421,8 @@ def prepare(
     template = ProbeTemplate(
         model=model,
         seq_len=workload.seq_len,
-        num_processes=world,
+        num_processes=per_node,
+        nodes=count,
         device="cpu" if on_cpu else "cuda",
         device_memory_bytes=cap,
         warmup_steps=warmup_steps,
@@ -431,9 +441,38 @@ def prepare(
     )
 
 
+def _nodes(
+    nodes: int | None, hosts: str | Sequence[str] | None, *, simulated: bool
+) -> Nodes | None:
+    """The nodes real probes span (``--hosts``, or the Slurm allocation the run is in), or
+    None for this node alone; a simulated device has no hosts (``nodes`` alone counts)."""
+    if nodes is not None and nodes < 1:
+        raise ConfigError(f"--nodes {nodes}: use 1 or more")
+    listed = [h.strip() for h in hosts.split(",")] if isinstance(hosts, str) else hosts
+    if listed is not None and not all(listed):
+        raise ConfigError(f"--hosts {hosts!r} has an empty name: use --hosts this-host,node2")
+    if simulated:
+        if listed:
+            raise ConfigError("--hosts places real probes: leave it out with --simulate")
+        return None
+    return nodes_from_environment(os.environ, nodes=nodes, hosts=listed)
+
+
+def _per_node(gpus: int | None, nodes: int, here: int) -> int:
+    """Ranks on each node: ``gpus`` in all split evenly over the nodes, or every GPU here."""
+    if gpus is None:
+        return here
+    if gpus % nodes:
+        raise ConfigError(
+            f"--gpus {gpus} does not split evenly over {nodes} nodes: use a multiple of {nodes}"
+        )
+    return gpus // nodes
+
+
 def _check_ranks(device: Device, ranks: int, here: int) -> None:
-    """More ranks than the node can run: GPUs beyond those visible, or CPU ranks beyond its
-    cores (a simulated node has as many GPUs as asked)."""
+    """More ranks on a node than it can run: GPUs beyond those visible, or CPU ranks beyond
+    its cores (a simulated node has as many GPUs as asked; every node is taken to be like
+    this one)."""
     if device.kind == "cuda" and ranks > here:
         raise ConfigError(
             f"--gpus {ranks}, but {here} GPU{'s are' if here > 1 else ' is'} visible here "
@@ -488,7 +527,10 @@ def tune(
             node's; a simulated node's is not limited unless given), ``objective``
             ("tokens" or "mfu"), ``storage`` (an Optuna storage URL), ``trials_dir``,
             ``seed`` (of the simulated device's noise), ``warm`` (real probes: fork ranks from
-            a warm process, True; False: each rank a fresh interpreter).
+            a warm process, True; False: each rank a fresh interpreter), ``nodes`` (nodes the
+            probes span: default all of the Slurm allocation the run is in, else 1) and
+            ``hosts`` (their names, ``"this-host,node2"``, reached by ``ssh``); ``gpus`` is
+            then the GPUs in all, split evenly over the nodes.
 
     Returns:
         Why the search stopped, the best measurement and every measurement of the study.
@@ -657,6 +699,8 @@ def probe(
     folder: str = "probes",
     on_start: Callable[[ProbeSpec, Path], None] | None = None,
     set_up: Callable[[SetupStep], SetupResult] | None = None,
+    nodes: int | None = None,
+    hosts: str | Sequence[str] | None = None,
 ) -> ProbeResult:
     """Run a few real training steps of one configuration at each micro-batch size.
 
@@ -664,7 +708,8 @@ def probe(
         model: A preset name or a path to a Hugging Face config.json.
         config: The configuration (default: one process, bf16 mixed precision).
         micro_batch_sizes: Sizes to measure in one process, in this order.
-        gpus: Ranks; default all GPUs here for a distributed engine, else 1.
+        gpus: Ranks in all; default all GPUs here (on each node) for a distributed engine,
+            else 1.
         device: ``auto``, ``cuda``, ``cpu`` or a :class:`~autotune.devices.Device`.
         device_memory: Emulated device-memory cap per rank (``"20GiB"``).
         timeout: Wall-clock limit of the whole probe.
@@ -674,9 +719,15 @@ def probe(
         set_up: Runs each of the device's set-up steps (building DeepSpeed ops the probe
             loads that are not built), before the probe and outside its timeout; default:
             ``step.run()``. A live view wraps it in a spinner and prints its result.
+        nodes: Nodes the probe spans (default: all of the Slurm allocation it runs in,
+            else 1); ``gpus`` is split evenly over them.
+        hosts: The nodes' names (``"this-host,node2"``), this one first; others are
+            reached by ``ssh``.
     """
     seq_len = _seq_len(resolve_model(model), seq_len)  # fails fast on an unknown name
     config = config or TrainConfig()
+    layout = _nodes(nodes, hosts, simulated=not isinstance(device, str))
+    count = layout.count if layout is not None else 1
     if isinstance(device, str):
         detected = detect_gpus()
         if device == "cuda" and detected is None:
@@ -685,17 +736,20 @@ def probe(
             device = "cuda" if detected else "cpu"
         if device not in ("cuda", "cpu"):
             raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
-        chosen: Device = LocalDevice(device, warm=False)  # one probe: nothing to share
+        # One probe: nothing to share with warm workers.
+        chosen: Device = LocalDevice(device, warm=False, nodes=layout)
         here = detected.count if detected and device == "cuda" else 1
     else:
         chosen, here = device, 1
+    single = config.engine is Engine.SINGLE and count == 1
     spec = ProbeSpec(
         model=model,
         config=config,
         micro_batch_sizes=tuple(micro_batch_sizes),
         seq_len=seq_len,
         grad_accum=grad_accum,
-        num_processes=gpus if gpus is not None else (1 if config.engine is Engine.SINGLE else here),
+        num_processes=1 if single and gpus is None else _per_node(gpus, count, here),
+        nodes=count,
         device=chosen.kind if chosen.kind in ("cuda", "cpu") else "cuda",
         device_memory_bytes=_bytes(device_memory, "--device-memory"),
         warmup_steps=warmup_steps,

@@ -68,7 +68,29 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 
 # Options several commands share.
 ModelOption = Annotated[str, typer.Option(help="Preset name or path to a config.json.")]
-StorageOption = Annotated[str, typer.Option(help="Optuna storage URL.")]
+StorageOption = Annotated[
+    str,
+    typer.Option(
+        envvar="AUTOTUNE_STORAGE",
+        help="Optuna storage URL (or $AUTOTUNE_STORAGE: a password there stays out of ps).",
+    ),
+]
+NodesOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Nodes a probe spans (default: all of the Slurm allocation autotune runs in, "
+        "else 1); --gpus is then the GPUs in all.",
+        show_default=False,
+    ),
+]
+HostsOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The nodes, this host first: this-host,node2 (others reached by ssh; "
+        "inside Slurm, leave it out).",
+        show_default=False,
+    ),
+]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 FilterModel = Annotated[str | None, typer.Option(help="Only studies of this model.")]
 FilterGpu = Annotated[str | None, typer.Option(help="Only studies on this GPU key.")]
@@ -120,6 +142,8 @@ def probe(
     seq_len: SeqLenOption = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
     gpus: Annotated[int | None, typer.Option(help="Ranks (default: all GPUs, or 1).")] = None,
+    nodes: NodesOption = None,
+    hosts: HostsOption = None,
     device: Annotated[str, typer.Option(help="cuda, cpu or auto.")] = "auto",
     device_memory: Annotated[
         str | None, typer.Option(help="Emulated device-memory cap per rank, e.g. 20GiB.")
@@ -157,7 +181,7 @@ def probe(
                 f"{probe_dir} ...[/]"
             )
             running.enter_context(
-                console.status(f"probe running ({spec.num_processes} x {spec.device})")
+                console.status(f"probe running ({spec.world_size} x {spec.device})")
             )
 
     def set_up(step: SetupStep) -> SetupResult:
@@ -178,6 +202,8 @@ def probe(
             seq_len=seq_len,
             grad_accum=grad_accum,
             gpus=gpus,
+            nodes=nodes,
+            hosts=hosts,
             device=device,
             device_memory=device_memory,
             warmup_steps=warmup_steps,
@@ -273,6 +299,8 @@ def run(
     gpus: Annotated[
         int | None, typer.Option(help="GPUs (default: all here; 1 on the CPU).")
     ] = None,
+    nodes: NodesOption = None,
+    hosts: HostsOption = None,
     engine: EngineOption = None,
     simulate: Annotated[
         str | None, typer.Option(help="Probe a simulated GPU (the estimator), e.g. h100-80gb.")
@@ -316,7 +344,7 @@ def run(
     """Find the fastest configuration that fits: probe, escalate, record every trial."""
     from autotune import api
     from autotune.report.live import RunView, speed_text
-    from autotune.report.tables import ranking_table
+    from autotune.report.tables import ranking_table, ranks_text
 
     _quiet_optuna()
     # The run's options, as a job file names them (a workload's own fields override them).
@@ -325,6 +353,8 @@ def run(
         "seq_len": seq_len,
         "global_batch": global_batch,
         "gpus": gpus,
+        "nodes": nodes,
+        "hosts": hosts,
         "engine": engine,
         "simulate": simulate,
         "device": device,
@@ -349,7 +379,7 @@ def run(
     w = tuning.workload
     if not json_output:
         console.print(
-            f"tuning {tuning.model.name} on {w.world_size} x {tuning.gpu.name}"
+            f"tuning {tuning.model.name} on {ranks_text(tuning.template)} x {tuning.gpu.name}"
             f"{' (simulated)' if simulated else ''}, seq {w.seq_len}, global batch "
             f"{w.global_batch}; study [bold]{tuning.fingerprint.study_name}[/] in {masked(storage)}"
         )

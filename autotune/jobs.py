@@ -50,6 +50,8 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "seq_len": (int,),
     "global_batch": (int,),
     "gpus": (int,),
+    "nodes": (int,),
+    "hosts": (str, list),
     "engine": (str, list),
     "headroom": (str, int, float),
     "host_memory": (str, int),
@@ -189,7 +191,9 @@ def _checked(key: str, value: Any, at: str) -> Any:
             for name in names:
                 Engine(str(name).strip())
             value = ",".join(str(name).strip() for name in names)
-        if key in ("seq_len", "global_batch", "gpus") and value <= 0:
+        if key == "hosts" and isinstance(value, list):
+            value = ",".join(str(host).strip() for host in value)
+        if key in ("seq_len", "global_batch", "gpus", "nodes") and value <= 0:
             raise ConfigError(f"{key} must be positive, not {value}")
     except ConfigError as error:
         raise ConfigError(f"{at}: {error}") from None

@@ -50,6 +50,13 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("probe", "--timeout", "soon"), "soon"),
     # What the node has.
     (("run", *CPU, "--gpus", "64"), "--gpus 64 on the CPU starts 64 rank processes"),
+    # Nodes.
+    (("run", *CPU, "--nodes", "2"), "--nodes 2 needs the hosts: run inside a Slurm allocation"),
+    (("probe", "--device", "cpu", "--engine", "ddp", "--nodes", "0"), "--nodes 0: use 1 or more"),
+    (("run", *CPU, "--hosts", "node2,localhost"), "put this host first"),
+    (("run", *CPU, "--hosts", "localhost,node2,node2"), "names a host twice"),
+    (("run", *CPU, "--hosts", "localhost,127.0.0.2", "--gpus", "3"), "split evenly over 2"),
+    (("run", *SIM, "--hosts", "localhost,node2"), "leave it out with --simulate"),
     (("run", "--device", "cuda"), "no GPU"),
     (("probe", "--device", "cuda"), "no GPU is visible: use --device cpu"),
     (("run", *SIM, "--device-memory", "200GiB"), "more than the h100-80gb's 79.65 GiB"),

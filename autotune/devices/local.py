@@ -14,6 +14,7 @@ from autotune.devices.base import Clock, SetupResult, SetupStep, WallClock
 from autotune.probe.forkserver import ForkServerError, WarmWorkers
 from autotune.probe.launcher import Spawner, SubprocessSpawner, launch_probe
 from autotune.probe.lifetime import PARENT_ENV
+from autotune.probe.nodes import Nodes
 from autotune.probe.ops import (
     BUILD_WAIT_S,
     build_command,
@@ -47,6 +48,9 @@ class LocalDevice:
             is a fresh interpreter.
         build_wait_s: How long the set-up step waits for another process's build of the
             same ops before giving up.
+        nodes: The hosts a probe over several nodes runs on (``spec.nodes``), and how its
+            node agents reach them (:mod:`autotune.probe.nodes`); their ranks start as fresh
+            interpreters. None: every probe runs on this node.
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class LocalDevice:
         spawner: Spawner | None = None,
         warm: bool = True,
         build_wait_s: float = BUILD_WAIT_S,
+        nodes: Nodes | None = None,
     ) -> None:
         if kind not in ("cuda", "cpu"):
             raise ValueError(f"unknown local device {kind!r}: use cuda or cpu")
@@ -64,6 +69,7 @@ class LocalDevice:
         self.warm = WarmWorkers() if spawner is None and warm else None
         """The warm process ranks fork from (None: ``spawner``, or fresh interpreters)."""
         self.build_wait_s = build_wait_s
+        self.nodes = nodes
         self._ready: set[str] = set()
         """Ops a set-up step of this device settled (built, or not used by DeepSpeed here)."""
         self._failed: set[str] = set()
@@ -89,7 +95,7 @@ class LocalDevice:
         if todo:
             label = f"building DeepSpeed ops: {', '.join(todo)}"
             steps.append(SetupStep(label=label, run=lambda: self._build(label, todo, env)))
-        warm = self.warm
+        warm = self.warm if spec.nodes == 1 else None  # agents start fresh interpreters
         pending = warm.pending() if warm is not None else None
         if warm is not None and pending is not None:
             steps.append(SetupStep(label=pending, run=lambda: self._start_warm(warm, pending)))
@@ -155,6 +161,8 @@ class LocalDevice:
         *,
         on_poll: Callable[[float], None] | None = None,
     ) -> ProbeResult:
+        if spec.nodes > 1:
+            return launch_probe(spec, probe_dir, nodes=self.nodes, on_poll=on_poll)
         if self.spawner is not None or self.warm is None:
             return launch_probe(spec, probe_dir, spawner=self.spawner, on_poll=on_poll)
         try:
@@ -175,4 +183,5 @@ class LocalDevice:
         return WallClock()
 
     def __repr__(self) -> str:
-        return f"LocalDevice({self.kind!r})"
+        where = "" if self.nodes is None else f", nodes={self.nodes.hosts!r}"
+        return f"LocalDevice({self.kind!r}{where})"

@@ -170,7 +170,7 @@ class SimulatedDevice:
                 spec.config,
                 micro_batch_size=mbs,
                 seq_len=spec.seq_len,
-                world_size=spec.num_processes,
+                world_size=spec.world_size,
                 cuda_allocator=caching_allocator(self.gpu),
             )
             # Reserved: the live tensors and the allocator's unusable blocks (what must fit).
@@ -202,7 +202,7 @@ class SimulatedDevice:
                     )
                 )
                 stepped.append(None)
-                if spec.num_processes > 1:
+                if spec.world_size > 1:
                     break  # a multi-rank probe stops at its first OOM, as the real one
                 continue
             step = predict_step_time(
@@ -212,7 +212,7 @@ class SimulatedDevice:
                 micro_batch_size=mbs,
                 seq_len=spec.seq_len,
                 grad_accum=spec.grad_accum,
-                world_size=spec.num_processes,
+                world_size=spec.world_size,
                 gpus_per_node=self.gpus_per_node,
             )
             jitter = self._jitter(spec, mbs) * time_factor
@@ -241,7 +241,7 @@ class SimulatedDevice:
         build_s = build_seconds(
             model,
             spec.config,
-            world_size=spec.num_processes,
+            world_size=spec.world_size,
             ranks_per_node=min(spec.num_processes, self.gpus_per_node),
         )
         wall = probe_seconds(
@@ -274,7 +274,7 @@ class SimulatedDevice:
         host = estimate_host(
             model,
             spec.config,
-            world_size=spec.num_processes,
+            world_size=spec.world_size,
             ranks_per_node=min(spec.num_processes, self.gpus_per_node),
         )
         needed = int(host.node_bytes * self.host_factor(spec.model, spec.config))

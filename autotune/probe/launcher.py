@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autotune.probe.lifetime import PARENT_ENV
+from autotune.probe.nodes import NODE_REPORT, Nodes, agent_launches, read_node_report
 from autotune.probe.ops import op_environment
 from autotune.probe.outcome import Classification, Outcome, RankExit, Stage, classify_probe
 from autotune.probe.output import OutputKeeper
@@ -72,17 +73,20 @@ def worker_command(probe_dir: Path) -> list[str]:
     return [sys.executable, "-m", "autotune.probe.worker", str(probe_dir)]
 
 
-def rank_environment(spec: ProbeSpec, rank: int, port: int) -> dict[str, str]:
-    """torchrun's variables for one rank of a single-node probe, and where DeepSpeed builds
-    its ops (one folder per Python environment unless the user chose one; a
+def rank_environment(
+    spec: ProbeSpec, rank: int, port: int, *, node_rank: int = 0, master_addr: str = "127.0.0.1"
+) -> dict[str, str]:
+    """torchrun's variables for the ``rank``-th rank of node ``node_rank``, and where
+    DeepSpeed builds its ops (one folder per Python environment unless the user chose one; a
     ``TORCH_CUDA_ARCH_LIST`` DeepSpeed can parse: :func:`~autotune.probe.ops.op_environment`)."""
     env = op_environment(os.environ)
     env.update(
-        RANK=str(rank),
+        RANK=str(node_rank * spec.num_processes + rank),
         LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(spec.num_processes),
+        WORLD_SIZE=str(spec.world_size),
         LOCAL_WORLD_SIZE=str(spec.num_processes),
-        MASTER_ADDR="127.0.0.1",
+        GROUP_RANK=str(node_rank),
+        MASTER_ADDR=master_addr,
         MASTER_PORT=str(port),
         PYTHONUNBUFFERED="1",
         # Start-up time is measured from here (process creation times are whole-second coarse).
@@ -94,25 +98,46 @@ def rank_environment(spec: ProbeSpec, rank: int, port: int) -> dict[str, str]:
     return env
 
 
-def _write_command(spec: ProbeSpec, probe_dir: Path, port: int, spawn: str) -> None:
+def _write_command(
+    spec: ProbeSpec, probe_dir: Path, port: int, spawn: str, nodes: Nodes | None
+) -> None:
     worker = worker_command(probe_dir)
-    how = (
-        "Each rank was this command, run as a fork of autotune's warm worker process (which "
-        "had imported what the command imports; same code, same environment)"
-        if spawn == "warm"
-        else "What the launcher ran, per rank"
-    )
+    folder = shlex.quote(str(probe_dir))
     lines = [
         "# Rerun this probe by hand (from the directory autotune ran in):",
         f"cd {shlex.quote(os.getcwd())}",
-        f"torchrun --standalone --nproc-per-node {spec.num_processes} "
-        f"-m autotune.probe.worker {shlex.quote(str(probe_dir))}",
-        "",
-        f"# {how} (RANK/LOCAL_RANK 0.."
-        f"{spec.num_processes - 1}, WORLD_SIZE={spec.num_processes}, "
-        f"MASTER_ADDR=127.0.0.1, MASTER_PORT={port}):",
-        shlex.join(worker),
     ]
+    if nodes is None:
+        how = (
+            "Each rank was this command, run as a fork of autotune's warm worker process "
+            "(which had imported what the command imports; same code, same environment)"
+            if spawn == "warm"
+            else "What the launcher ran, per rank"
+        )
+        lines += [
+            f"torchrun --standalone --nproc-per-node {spec.num_processes} "
+            f"-m autotune.probe.worker {folder}",
+            "",
+            f"# {how} (RANK/LOCAL_RANK 0.."
+            f"{spec.num_processes - 1}, WORLD_SIZE={spec.num_processes}, "
+            f"MASTER_ADDR=127.0.0.1, MASTER_PORT={port}):",
+            shlex.join(worker),
+        ]
+    else:
+        lines.append(f"# on each node K (0..{nodes.count - 1}: {', '.join(nodes.hosts)}):")
+        lines.append(
+            f"torchrun --nnodes {nodes.count} --node-rank K --nproc-per-node "
+            f"{spec.num_processes} --master-addr {shlex.quote(nodes.master_addr)} "
+            f"--master-port {port} -m autotune.probe.worker {folder}"
+        )
+        lines += [
+            "",
+            f"# What the launcher ran ({nodes.via}): an agent per node, each "
+            "starting that node's ranks (node<K>.json: their exits):",
+        ]
+        lines += [
+            shlex.join(launch.argv) for launch in agent_launches(probe_dir, nodes, port, os.environ)
+        ]
     (probe_dir / "cmd.txt").write_text("\n".join(lines) + "\n")
 
 
@@ -159,28 +184,33 @@ class SubprocessSpawner:
 
 
 @dataclass(kw_only=True)
-class _Running:
+class Running:
+    """The processes of a probe the launcher (or a node agent) started, and their groups."""
+
     procs: list[ProcessHandle]
-    pgid: int
+    """Ranks on one node; node agents (or the one ``srun``) across nodes."""
+    pgids: list[int]
+    """The process groups that hold them and whatever they start."""
     killed: set[int]
-    """Ranks the launcher signalled."""
+    """Indices of ``procs`` the launcher signalled."""
 
 
-def _signal_group(running: _Running, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(running.pgid, sig)
+def signal_groups(running: Running, sig: int) -> None:
+    for pgid in running.pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
 
 
-def _stop(running: _Running) -> None:
-    """SIGTERM the group, then SIGKILL whatever is still there."""
-    for rank, proc in enumerate(running.procs):
+def stop(running: Running, grace_s: float = TERM_GRACE_S) -> None:
+    """SIGTERM the groups, then SIGKILL whatever is still there after ``grace_s``."""
+    for index, proc in enumerate(running.procs):
         if proc.poll() is None:
-            running.killed.add(rank)
-    _signal_group(running, signal.SIGTERM)
-    deadline = time.monotonic() + TERM_GRACE_S
+            running.killed.add(index)
+    signal_groups(running, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(p.poll() is None for p in running.procs):
         time.sleep(0.05)
-    _signal_group(running, signal.SIGKILL)
+    signal_groups(running, signal.SIGKILL)
     for proc in running.procs:
         proc.wait()
 
@@ -230,13 +260,15 @@ def _folder_id(probe_dir: Path) -> tuple[int, int] | None:
     return info.st_dev, info.st_ino
 
 
-def _prepare(spec: ProbeSpec, probe_dir: Path, port: int, spawn: str) -> OutputKeeper:
+def _prepare(
+    spec: ProbeSpec, probe_dir: Path, port: int, spawn: str, nodes: Nodes | None
+) -> OutputKeeper:
     """Write the probe's folder (the spec, the command) and open its output pipes."""
     probe_dir.mkdir(parents=True, exist_ok=True)
-    for stale in probe_dir.glob("rank*.json"):
+    for stale in (*probe_dir.glob("rank*.json"), *probe_dir.glob("node*.json")):
         stale.unlink()
     (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
-    _write_command(spec, probe_dir, port, spawn)
+    _write_command(spec, probe_dir, port, spawn, nodes)
     return OutputKeeper(probe_dir)
 
 
@@ -258,42 +290,128 @@ def _folder_failure(spec: ProbeSpec, probe_dir: Path, spawn: str, error: OSError
     )
 
 
+def _start_ranks(
+    spec: ProbeSpec,
+    probe_dir: Path,
+    port: int,
+    spawner: Spawner,
+    output: OutputKeeper,
+    running: Running,
+) -> None:
+    """This node's ranks, in one new process group led by rank 0 (each in ``running`` as
+    soon as it is started, so a failure to start the next one stops it)."""
+    logs = output.stdout, output.stderr
+    for rank in range(spec.num_processes):
+        env = rank_environment(spec, rank, port)
+        group = running.pgids[0] if running.pgids else 0
+        running.procs.append(spawner.spawn(probe_dir, env, *logs, process_group=group))
+        if not running.pgids:
+            running.pgids.append(running.procs[0].pid)
+
+
+def _start_agents(
+    probe_dir: Path, nodes: Nodes, port: int, output: OutputKeeper, running: Running
+) -> None:
+    """Every node's agent (or the ``srun`` that starts them), each in a process group of its
+    own; an agent on this machine dies with the launcher, one elsewhere when its ``ssh``
+    closes (it watches its standard input, which the launcher holds open)."""
+    for launch in agent_launches(probe_dir, nodes, port, os.environ):
+        env = dict(os.environ)
+        env.pop(PARENT_ENV, None)
+        if not launch.remote:
+            env[PARENT_ENV] = str(os.getpid())
+        with output.stdout.open("ab") as out, output.stderr.open("ab") as err:
+            proc = subprocess.Popen(
+                launch.argv,
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.PIPE if launch.watch else subprocess.DEVNULL,
+                process_group=0,
+            )
+        running.procs.append(proc)
+        running.pgids.append(proc.pid)
+
+
+def _agent_exits(
+    spec: ProbeSpec,
+    probe_dir: Path,
+    running: Running,
+    reports: list[dict[str, Any] | None],
+    problems: list[str],
+    stderr_tail: str,
+) -> tuple[list[RankExit], list[int | None]]:
+    """Each rank's exit as its node's agent saw it (``node<K>.json``); where an agent left no
+    report (it was killed, or its node was lost), its ranks take the agent's own exit."""
+    exits: list[RankExit] = []
+    pids: list[int | None] = []
+    for node in range(spec.nodes):
+        index = min(node, len(running.procs) - 1)  # one srun starts every node's agent
+        agent = running.procs[index]
+        report = read_node_report(probe_dir / NODE_REPORT.format(node))
+        entries = {e.get("rank"): e for e in (report or {}).get("ranks", [])}
+        for local in range(spec.num_processes):
+            rank = node * spec.num_processes + local
+            entry = entries.get(rank, {})
+            code = entry.get("returncode") if report is not None else agent.returncode
+            exits.append(
+                RankExit(
+                    rank=rank,
+                    returncode=code if isinstance(code, int) else None,
+                    report=reports[rank],
+                    report_problem=problems[rank],
+                    killed_by_launcher=bool(entry.get("killed_by_agent"))
+                    or index in running.killed,
+                    stderr_tail=stderr_tail,
+                )
+            )
+            pids.append(entry.get("pid"))
+    return exits, pids
+
+
 def launch_probe(
     spec: ProbeSpec,
     probe_dir: Path,
     *,
     spawner: Spawner | None = None,
+    nodes: Nodes | None = None,
     poll_s: float = 0.05,
     on_poll: Callable[[float], None] | None = None,
 ) -> ProbeResult:
     """Run one probe to completion (or to its timeout) and return its merged result.
 
     ``spawner`` starts the ranks: fresh interpreters by default, or forks of a
-    :class:`~autotune.probe.forkserver.ForkServer` that has already imported torch.
+    :class:`~autotune.probe.forkserver.ForkServer` that has already imported torch. A probe
+    over several nodes (``spec.nodes``) starts a node agent on each of ``nodes`` instead
+    (:mod:`autotune.probe.nodes`; its ranks are fresh interpreters).
 
-    Blocks until every rank is reaped and the process group is empty. ``on_poll`` is called
+    Blocks until every rank is reaped and the process groups are empty. ``on_poll`` is called
     with the elapsed seconds while waiting (for progress displays). A KeyboardInterrupt stops
-    the probe's group before propagating.
+    the probe's groups before propagating.
     """
+    if spec.nodes > 1 and (nodes is None or nodes.count != spec.nodes):
+        raise ValueError(f"a probe over {spec.nodes} nodes needs their hosts (got {nodes})")
+    across = nodes if spec.nodes > 1 else None
     port = free_port()
     spawner = spawner or SubprocessSpawner()
+    kind = spawner.kind if across is None else "fresh"
     try:
-        output = _prepare(spec, probe_dir, port, spawner.kind)
+        output = _prepare(spec, probe_dir, port, kind, across)
     except OSError as error:
-        return _folder_failure(spec, probe_dir, spawner.kind, error)
+        return _folder_failure(spec, probe_dir, kind, error)
     folder = _folder_id(probe_dir)
     started = time.monotonic()
     timed_out = gone = False
-    procs: list[ProcessHandle] = []
+    # Agents need the time to stop their ranks before they are killed themselves.
+    grace = TERM_GRACE_S if across is None else 2 * TERM_GRACE_S + 1.0
+    running = Running(procs=[], pgids=[], killed=set())
     try:
-        logs = output.stdout, output.stderr
-        first = spawner.spawn(probe_dir, rank_environment(spec, 0, port), *logs, process_group=0)
-        procs.append(first)
-        running = _Running(procs=procs, pgid=first.pid, killed=set())
         try:
-            for rank in range(1, spec.num_processes):
-                env = rank_environment(spec, rank, port)
-                procs.append(spawner.spawn(probe_dir, env, *logs, process_group=running.pgid))
+            if across is None:
+                _start_ranks(spec, probe_dir, port, spawner, output, running)
+            else:
+                _start_agents(probe_dir, across, port, output, running)
+            procs = running.procs
             failed_at: float | None = None
             while any(p.poll() is None for p in procs):
                 elapsed = time.monotonic() - started
@@ -303,19 +421,22 @@ def launch_probe(
                     failed_at = time.monotonic()
                 if _folder_id(probe_dir) != folder:
                     gone = True  # nothing the ranks write can be read back: stop them now
-                    _stop(running)
+                    stop(running, grace)
                 elif elapsed > spec.timeout_s:
                     timed_out = True
-                    _stop(running)
+                    stop(running, grace)
                 elif failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
-                    _stop(running)  # the others wait in a collective the failed rank left
+                    stop(running, grace)  # the others wait in a collective the failed rank left
                 else:
                     time.sleep(poll_s)
         finally:
-            if any(p.poll() is None for p in procs):
-                _stop(running)
+            if any(p.poll() is None for p in running.procs):
+                stop(running, grace)
             # Anything a rank spawned (compiler jobs, data workers) goes with the probe.
-            _signal_group(running, signal.SIGKILL)
+            signal_groups(running, signal.SIGKILL)
+            for proc in running.procs:
+                if isinstance(proc, subprocess.Popen) and proc.stdin is not None:
+                    proc.stdin.close()
     finally:
         output.close()
     wall = time.monotonic() - started
@@ -326,20 +447,25 @@ def launch_probe(
         read_report(probe_dir / f"rank{r}.json", r)
         if not gone
         else (None, "the probe folder was deleted")
-        for r in range(spec.num_processes)
+        for r in range(spec.world_size)
     ]
     reports = [report for report, _ in read]
-    exits = [
-        RankExit(
-            rank=r,
-            returncode=p.returncode,
-            report=reports[r],
-            report_problem=read[r][1],
-            killed_by_launcher=r in running.killed,
-            stderr_tail=stderr_tail,
-        )
-        for r, p in enumerate(procs)
-    ]
+    problems = [problem for _, problem in read]
+    if across is None:
+        exits = [
+            RankExit(
+                rank=r,
+                returncode=p.returncode,
+                report=reports[r],
+                report_problem=problems[r],
+                killed_by_launcher=r in running.killed,
+                stderr_tail=stderr_tail,
+            )
+            for r, p in enumerate(running.procs)
+        ]
+        pids: list[int | None] = [p.pid for p in running.procs]
+    else:
+        exits, pids = _agent_exits(spec, probe_dir, running, reports, problems, stderr_tail)
     verdict = classify_probe(exits, timed_out=timed_out)
     if gone:
         verdict = Classification(
@@ -355,11 +481,11 @@ def launch_probe(
         stage=verdict.stage,
         message=verdict.message,
         failed_rank=verdict.rank,
-        sizes=merge_sizes(reports, spec.num_processes, verdict),
+        sizes=merge_sizes(reports, spec.world_size, verdict),
         wall_s=wall,
         import_s=first_report.get("import_s"),
         startup_s=_slowest(reports, "startup_s"),
-        spawn=spawner.kind,
+        spawn=kind,
         build_s=first_report.get("build_s"),
         device=first_report.get("device") or spec.device,
         gpu_name=first_report.get("gpu_name"),
@@ -368,11 +494,11 @@ def launch_probe(
         exits=[
             {
                 "rank": e.rank,
-                "pid": p.pid,
+                "pid": pid,
                 "returncode": e.returncode,
                 "killed_by_launcher": e.killed_by_launcher,
             }
-            for e, p in zip(exits, procs, strict=True)
+            for e, pid in zip(exits, pids, strict=True)
         ],
     )
     if not gone:

@@ -113,7 +113,7 @@ def probe_throughput(
         micro_batch_size=micro_batch_size,
         seq_len=spec.seq_len,
         grad_accum=spec.grad_accum,
-        world_size=spec.num_processes,
+        world_size=spec.world_size,
         model_flops_per_token=model.flops_per_token(spec.seq_len),
         hardware_flops_per_token=model.hardware_flops_per_token(
             spec.seq_len, checkpointed_fraction(model.num_layers, spec.config.ac_every)

@@ -31,7 +31,9 @@ class ProbeSpec:
     grad_accum: int = 1
     """Micro-steps per optimizer step during the probe."""
     num_processes: int = 1
-    """Ranks on this node (data-parallel world size)."""
+    """Ranks per node (the data-parallel world size on one node)."""
+    nodes: int = 1
+    """Nodes the ranks span, ``num_processes`` on each (the device says which hosts)."""
     device: str = "auto"
     """``cuda``, ``cpu`` or ``auto`` (cuda when a GPU is visible)."""
     device_memory_bytes: int | None = None
@@ -54,16 +56,16 @@ class ProbeSpec:
         object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
         if not self.micro_batch_sizes or any(m < 1 for m in self.micro_batch_sizes):
             raise ConfigError("micro-batch sizes must be positive integers, e.g. --micro-batch 4")
-        for name in ("seq_len", "grad_accum", "num_processes", "timed_steps"):
+        for name in ("seq_len", "grad_accum", "num_processes", "nodes", "timed_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1")
         if self.warmup_steps < 0:
             raise ConfigError("warmup-steps must be 0 or more")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"unknown device {self.device!r}: use cuda, cpu or auto")
-        if self.config.engine is Engine.SINGLE and self.num_processes != 1:
+        if self.config.engine is Engine.SINGLE and self.world_size != 1:
             raise ConfigError(
-                f"engine single runs one process, not {self.num_processes}: "
+                f"engine single runs one process, not {self.world_size}: "
                 "use --engine ddp, fsdp or deepspeed for several"
             )
         if (
@@ -78,6 +80,11 @@ class ProbeSpec:
             raise ConfigError("--device-memory must be a positive size, like 20GiB")
         if self.timeout_s <= 0:
             raise ConfigError("the probe timeout must be positive, like 10m")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: ``num_processes`` on each of ``nodes``."""
+        return self.num_processes * self.nodes
 
     @property
     def tokens_per_micro_step(self) -> int:
@@ -107,6 +114,8 @@ class ProbeTemplate:
     """Preset name or path to a Hugging Face config.json, as the ranks will resolve it."""
     seq_len: int
     num_processes: int
+    """Ranks per node."""
+    nodes: int = 1
     device: str = "auto"
     device_memory_bytes: int | None = None
     warmup_steps: int = 2

@@ -17,6 +17,7 @@ from autotune.estimator.plan import PlanRow
 from autotune.jobs import JobResult
 from autotune.models import ModelSpec
 from autotune.probe.result import ProbeResult
+from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.study.measurement import Measurement, pooled
 from autotune.units import format_bytes, format_duration
 
@@ -27,6 +28,7 @@ __all__ = [
     "pooled_note",
     "probe_report",
     "ranking_table",
+    "ranks_text",
     "trials_table",
 ]
 
@@ -44,6 +46,13 @@ def pooled_note(repeats: int) -> str:
     return f" (mean of {repeats})" if repeats > 1 else ""
 
 
+def ranks_text(spec: ProbeSpec | ProbeTemplate) -> str:
+    """The ranks of a probe or a run: ``8`` on one node, ``2 nodes x 8`` across nodes."""
+    if spec.nodes == 1:
+        return str(spec.num_processes)
+    return f"{spec.nodes} nodes x {spec.num_processes}"
+
+
 def probe_report(result: ProbeResult) -> RenderableType:
     """One probe: a header line, a row per micro-batch size, the outcome and where it lies."""
     spec = result.spec
@@ -51,7 +60,7 @@ def probe_report(result: ProbeResult) -> RenderableType:
     limit = spec.device_memory_bytes
     header = (
         f"[bold]{spec.model}[/] seq {spec.seq_len} · {spec.config.label()} · "
-        f"{spec.num_processes} x {device}"
+        f"{ranks_text(spec)} x {device}"
         + (f" · [magenta]emulated device memory {format_bytes(limit)}[/]" if limit else "")
     )
     table = Table(show_header=True, header_style="bold")
