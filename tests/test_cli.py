@@ -228,3 +228,19 @@ def test_the_default_sequence_fits_the_model_and_a_longer_one_is_refused() -> No
     assert api.plan("llama-7b", gpu="h100-80gb", gpus=1, seq_len=4096).workload.seq_len == 4096
     with pytest.raises(ConfigError, match="--seq-len 1025 is longer than gpt2 takes"):
         api.plan("gpt2", gpu="h100-80gb", gpus=1, seq_len=1025)
+
+
+def test_the_storage_url_can_come_from_the_environment(tmp_path: Path) -> None:
+    """``$AUTOTUNE_STORAGE`` stands for ``--storage`` (a password in argv is visible to every
+    user of the machine in ``ps``; the environment is not), and ``--storage`` still wins."""
+    env = {"AUTOTUNE_STORAGE": f"sqlite:///{tmp_path / 'env.db'}"}
+    run = ("run", "--model", "tiny", "--simulate", "a100-40gb", "--budget", "5m", "--json")
+    done = autotune(*run, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "env.db").is_file() and not (tmp_path / "trials" / "autotune.db").exists()
+    best = autotune("best", "--json", cwd=tmp_path, env=env)
+    assert json.loads(best.stdout)[0]["study"] == json.loads(done.stdout)["study"]
+    given = autotune(
+        "best", "--storage", f"sqlite:///{tmp_path / 'none.db'}", cwd=tmp_path, env=env
+    )
+    assert given.returncode != 0 and "none.db" in given.stderr
