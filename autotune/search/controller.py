@@ -22,6 +22,7 @@ neither the probe's timeout nor the measured probe durations that scale the pred
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
@@ -54,6 +55,10 @@ MIN_PROBE_TIMEOUT_S = 30.0
 HANG_FACTOR = 4.0
 """Once probes were measured, one that runs this many times longer than the longest of them
 (and longer than ``FIRST_PROBE_GUESS_S``) is taken to hang and is stopped as a timeout."""
+WAIT_FIRST_S = 0.25
+WAIT_LONGEST_S = 5.0
+"""With nothing left to propose while other workers' probes are in flight, the study is read
+again after this pause, doubling from ``WAIT_FIRST_S`` up to ``WAIT_LONGEST_S``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,7 +68,8 @@ class Event:
     kind: str
     """``resume`` (stale trials failed), ``setup`` (the device's set-up step about to run;
     ``message`` says what), ``setup_done`` (it ended: ``setup``), ``probe`` (about to start),
-    ``result`` (one probe done), ``stop``."""
+    ``result`` (one probe done), ``wait`` (nothing to propose until other workers' probes in
+    flight end), ``stop``."""
     proposal: Proposal | None = None
     result: ProbeResult | None = None
     setup: SetupResult | None = None
@@ -83,7 +89,7 @@ class RunSummary:
     failure: str | None = None
     """What failed under the run (the trial database), or None."""
     stale: int = 0
-    """Trials left running by a tuner that ended, failed at the start (their points retried)."""
+    """Trials left running by a tuner that ended, failed by this run (their points retried)."""
     probes: int
     elapsed_s: float
     best: Measurement | None
@@ -217,9 +223,9 @@ class Controller:
             m / p for m, p in zip(self._durations, self._predicted, strict=True)
         )
 
-    def run(self) -> RunSummary:
-        """Search until done; returns why it stopped and the best measurement."""
-        stale = self.store.fail_stale()  # a tuner that died: its points are retried once
+    def _fail_stale(self) -> list[int]:
+        """Fail the trials of tuners that ended (their points are retried once), and say so."""
+        stale = self.store.fail_stale()
         if stale:
             self.on_event(
                 Event(
@@ -228,7 +234,20 @@ class Controller:
                     "failed; their points are retried once",
                 )
             )
+        return stale
+
+    def run(self) -> RunSummary:
+        """Search until done; returns why it stopped and the best measurement.
+
+        The search is done when nothing is left to propose and no other worker's probe is in
+        flight: while one is, its result may open more of the search or move the best, so the
+        run waits for it (its budget still counts) and reads the study again; a worker that
+        died meanwhile has its trials failed, and their points are retried.
+        """
+        stale = self._fail_stale()
         probes = 0
+        pause = WAIT_FIRST_S
+        waiting = False
         reason = "search done: no remaining configuration can beat the best measured"
         interrupted: str | None = None
         failure: str | None = None
@@ -244,7 +263,29 @@ class Controller:
                 measurements = self.store.measurements()
                 proposal = propose(self.rows, measurements, sizes, objective)
                 if proposal is None:
-                    break
+                    in_flight = sum(m.state == "RUNNING" for m in measurements)
+                    if not in_flight:
+                        break
+                    if not waiting:
+                        self.on_event(
+                            Event(
+                                kind="wait",
+                                best=self.store.best(measurements),
+                                probes=probes,
+                                budget_left_s=left,
+                                message=f"waiting for {in_flight} trial(s) that other workers "
+                                "are probing",
+                            )
+                        )
+                    waiting = True
+                    ended = self._fail_stale()  # a worker that died: its points are open again
+                    if ended:
+                        stale += ended
+                        continue
+                    time.sleep(pause)
+                    pause = min(2 * pause, WAIT_LONGEST_S)
+                    continue
+                waiting, pause = False, WAIT_FIRST_S
                 self._set_up(proposal, probes)
                 left = self.budget_s - self.elapsed()  # less any set-up step's time
                 predicted_s = self._predicted_s(proposal)
@@ -297,6 +338,9 @@ class Controller:
                 f"interrupted ({interrupted}) during the set-up step ({self._setting_up}): "
                 "it was stopped; no probe was running"
                 if self._setting_up
+                else f"interrupted ({interrupted}) while waiting for other workers' probes: "
+                "no probe was running"
+                if waiting
                 else f"interrupted ({interrupted}): the running probe was stopped and recorded"
             )
         try:
@@ -388,6 +432,8 @@ class Controller:
                 or []
             )
             if not trials:
+                with contextlib.suppress(OSError):
+                    probe_dir.rmdir()  # another worker holds a point of it: no probe here
                 return None
             result = self.device.launch(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))
         except KeyboardInterrupt:

@@ -380,26 +380,47 @@ class TrialStore:
         On this host a trial's owner process is checked directly (a killed tuner is seen at
         once); elsewhere a trial is stale when its heartbeat is older than ``GRACE_S``.
 
+        Several tuners may do this at once (workers resuming together after one died): each
+        trial is failed by one of them, and the others pass it by.
+
         Returns:
-            The numbers of the trials failed here.
+            The numbers of the trials failed here (not those that their own tuner finished,
+            nor those another tuner failed first).
         """
         return self._retrying(self._fail_stale)
 
     def _fail_stale(self) -> list[int]:
         running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        failed: list[int] = []
+        others = []
         for trial in running:
-            if _owner_gone(trial.user_attrs):
+            if not _owner_gone(trial.user_attrs):
+                others.append(trial)
+                continue
+            # Another tuner may fail it between our read and our writes: it is then finished,
+            # and Optuna refuses to update it.
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                 self.storage.set_trial_user_attr(trial._trial_id, "outcome", "stale")
                 self.storage.set_trial_user_attr(
                     trial._trial_id, "message", "its tuner process ended while it ran"
                 )
-                self.storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+                if self.storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
+                    failed.append(trial.number)
+        if not others:
+            return sorted(failed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             # Other hosts' trials, by heartbeat: failed with no outcome, which reads as stale.
             optuna.storages.fail_stale_trials(self.study)
         still = {t._trial_id for t in self.study.get_trials(states=(TrialState.RUNNING,))}
-        return [t.number for t in running if t._trial_id not in still]
+        for trial in others:
+            if trial._trial_id in still:
+                continue
+            now = self.storage.get_trial(trial._trial_id)
+            # Finished by their own tuner, they have an outcome (or were withdrawn).
+            if now.state is TrialState.FAIL and "outcome" not in now.user_attrs:
+                failed.append(trial.number)
+        return sorted(failed)
 
     def record(self, trials: Iterable[Trial], result: ProbeResult) -> None:
         """Record a finished probe: each trial gets what the probe found at its size."""

@@ -8,6 +8,7 @@ test gets an empty database of its own.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -229,50 +230,224 @@ def test_cli_run_best_and_trials_against_postgresql(
     assert len(store.measurements()) == len(rows)  # nothing was added by the second run
 
 
-def test_two_workers_on_one_study_never_measure_the_same_point_twice(
+RESUMER = """
+import json, sys
+import optuna
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+sys.path.insert(0, "tests/study")
+from test_store import _fingerprint
+from autotune.study import TrialStore
+print("ready", flush=True)
+for url in sys.stdin:
+    store = TrialStore(_fingerprint(), storage=url.strip())
+    print("open", flush=True)
+    sys.stdin.readline()  # all at once
+    try:
+        print(json.dumps(store.fail_stale()), flush=True)
+    except Exception as error:
+        print(f"error: {type(error).__name__}: {error}", flush=True)
+"""
+
+DIES_CLAIMING = """
+import sys
+sys.path.insert(0, "tests/study")
+from test_store import _fingerprint
+from autotune.config import TrainConfig
+from autotune.study import TrialStore
+for url in sys.argv[1:]:
+    store = TrialStore(_fingerprint(), storage=url)
+    store.claim(TrainConfig(engine="fsdp", zero_stage=3), [1, 2, 4])
+"""
+
+
+def test_tuners_resuming_together_fail_each_trial_of_a_dead_one_once(
+    postgres_server: PostgresServer,
+) -> None:
+    """A tuner died holding a claim; several start at the same moment and each looks for
+    trials left running: every one of them goes on, and each trial is failed by one."""
+    urls = [postgres_server.create_database(f"resume_{n}") for n in range(3)]
+    subprocess.run(
+        [sys.executable, "-c", DIES_CLAIMING, *urls], cwd=ROOT, check=True, timeout=CLI_TIMEOUT_S
+    )  # its claims stay RUNNING, and its process is gone
+    resumers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RESUMER],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    answers: list[list[str]] = []
+    try:
+        for resumer in resumers:
+            assert resumer.stdout is not None and resumer.stdout.readline().strip() == "ready"
+        for url in urls:
+            for line in (url, "go"):
+                for resumer in resumers:
+                    assert resumer.stdin is not None
+                    resumer.stdin.write(line + "\n")
+                    resumer.stdin.flush()
+                if line == url:
+                    for resumer in resumers:
+                        assert resumer.stdout is not None
+                        assert resumer.stdout.readline().strip() == "open"
+            answers.append([r.stdout.readline().strip() for r in resumers if r.stdout])
+    finally:
+        for resumer in resumers:
+            if resumer.stdin is not None:
+                resumer.stdin.close()
+        for resumer in resumers:
+            try:
+                resumer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                resumer.kill()
+                resumer.wait()
+    for url, answer in zip(urls, answers, strict=True):
+        errors = [a for a in answer if not a.startswith("[")]
+        assert not errors, errors
+        failed = [number for a in answer for number in json.loads(a)]
+        assert sorted(failed) == [0, 1, 2], answer  # each trial by exactly one of them
+        [store] = TrialStore.existing(url)
+        assert [(m.state, m.outcome) for m in store.measurements()] == [("FAIL", "stale")] * 3
+
+
+HELD_TABLE = "trial_system_attributes"
+"""Optuna's table that a probe's record writes (its memory constraint) after the claim and
+before the trial is told: a test that holds a lock on it holds every worker inside a claim."""
+
+
+def _worker(url: str, name: str, tmp_path: Path) -> subprocess.Popen[str]:
+    """A tuner worker through the real CLI, with probe folders of its own. Its database
+    sessions carry ``name`` (libpq's ``application_name``), so the server says which worker
+    a session belongs to."""
+    return subprocess.Popen(
+        _cli(*RUN_ARGS, "--storage", f"{_plain(url)}?application_name={name}",
+             "--trials-dir", str(tmp_path / name)),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def _hold_until_blocked(
+    watch: Any, holder_pid: int, workers: dict[str, subprocess.Popen[str]]
+) -> None:
+    """Wait until a session of every worker waits for the lock held by ``holder_pid``."""
+    deadline = time.monotonic() + CLI_TIMEOUT_S
+    blocked: set[str] = set()
+    while not set(workers) <= blocked:
+        for name, worker in workers.items():
+            if worker.poll() is not None:
+                _, stderr = worker.communicate()
+                pytest.fail(f"worker {name} exited {worker.returncode} while held:\n{stderr}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"only {sorted(blocked)} of {sorted(workers)} reached the held write")
+        time.sleep(0.05)
+        rows = watch.execute(
+            "SELECT application_name FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+            (holder_pid,),
+        ).fetchall()
+        blocked = {name for (name,) in rows}
+
+
+def _finish(workers: dict[str, subprocess.Popen[str]]) -> dict[str, tuple[int, str, str]]:
+    outputs = {}
+    for name, worker in workers.items():
+        stdout, stderr = worker.communicate(timeout=CLI_TIMEOUT_S)
+        outputs[name] = (worker.returncode, stdout, stderr)
+    return outputs
+
+
+def test_four_workers_share_one_study_and_a_killed_one_blocks_nothing(
     fresh_postgres_url: str, tmp_path: Path
 ) -> None:
+    """Four tuners on one study at once, and a fifth killed (SIGKILL) while it holds a claim.
+
+    The fifth starts alone, so it claims the search's first point. A lock the test holds on
+    the table that recording a probe writes stops every worker inside its first claim: the
+    fifth dies holding RUNNING trials, and the four have each claimed a point before any
+    result is in. Once the lock is released, the four finish the search among themselves:
+    they fail the dead worker's trials (each by one of them), probe its point, measure no
+    point twice, leave nothing RUNNING, and all report the study's best.
+    """
+    import psycopg
+
     url = fresh_postgres_url
     # The schema exists before the workers start, as on a shared server in use.
     open_storage(url)
-    workers = [
-        subprocess.Popen(
-            _cli(*RUN_ARGS, "--storage", url, "--trials-dir", str(tmp_path / f"w{n}")),
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for n in range(2)
-    ]
-    outputs = []
+    holder = psycopg.connect(_plain(url))
+    watch = psycopg.connect(_plain(url), autocommit=True)
+    holder.execute(f"LOCK TABLE {HELD_TABLE} IN EXCLUSIVE MODE")  # reads still pass
+    survivors: dict[str, subprocess.Popen[str]] = {}
+    victim = _worker(url, "victim", tmp_path)
     try:
-        for worker in workers:
-            stdout, stderr = worker.communicate(timeout=CLI_TIMEOUT_S)
-            outputs.append((worker.returncode, stdout, stderr))
+        _hold_until_blocked(watch, holder.info.backend_pid, {"victim": victim})
+        survivors = {name: _worker(url, name, tmp_path) for name in ("w0", "w1", "w2", "w3")}
+        _hold_until_blocked(watch, holder.info.backend_pid, {"victim": victim, **survivors})
+
+        [held] = TrialStore.existing(url)
+        claims = held.measurements((TrialState.RUNNING,))
+        owners = {name: worker.pid for name, worker in survivors.items()}
+        killed = [m for m in claims if m.attrs.get("pid") == victim.pid]
+        assert killed, f"the fifth worker holds no claim: {claims}"
+        assert {m.attrs.get("pid") for m in claims} == {victim.pid, *owners.values()}
+        victim.kill()
+        victim.communicate()  # reaped: the dead worker is gone, not a zombie
+        holder.rollback()  # the lock goes; the four go on
+        outputs = _finish(survivors)
     finally:
-        for worker in workers:
+        holder.close()
+        watch.close()
+        for worker in (victim, *survivors.values()):
             if worker.poll() is None:
                 worker.kill()
-                worker.wait()
-    for code, _, stderr in outputs:
-        assert code == 0, stderr
-    summaries = [json.loads(stdout) for _, stdout, _ in outputs]
-    assert summaries[0]["study"] == summaries[1]["study"]
-    assert sum(s["probes"] for s in summaries) > 0
+                worker.communicate()
+    assert victim.returncode == -signal.SIGKILL
+    for name, (code, _, stderr) in outputs.items():
+        assert code == 0, f"{name}: {stderr}"
+    summaries = {name: json.loads(stdout) for name, (_, stdout, _) in outputs.items()}
+    assert {s["study"] for s in summaries.values()} == {held.fingerprint.study_name}
+    # Each held a claim when the lock went: all four probed.
+    assert all(s["probes"] >= 1 for s in summaries.values()), summaries
 
     [store] = TrialStore.existing(url)
-    assert store.fingerprint.study_name == summaries[0]["study"]
-    assert not store.measurements((TrialState.RUNNING,))
-    complete = store.measurements((TrialState.COMPLETE,))
+    trials = store.measurements()
+    assert not [m for m in trials if m.state == "RUNNING"], "trials left RUNNING"
+    complete = [m for m in trials if m.state == "COMPLETE"]
     counts = Counter((*m.key, m.repeat) for m in complete)
     twice = sorted(
         f"{config.label()} at micro-batch {mbs}, measurement {repeat} (x{n})"
         for (config, mbs, repeat), n in counts.items()
         if n > 1
     )
-    assert not twice, f"measured by both workers: {twice}"
+    assert not twice, f"measured by two workers: {twice}"
 
+    # The dead worker's claims failed as stale, each by one of the four, and its points
+    # were probed by them.
+    by_number = {m.number: m for m in trials}
+    for claim in killed:
+        dead = by_number[claim.number]
+        assert (dead.state, dead.outcome) == ("FAIL", "stale"), dead
+        again = [m for m in complete if (*m.key, m.repeat) == (*claim.key, claim.repeat)]
+        assert again and again[0].attrs.get("pid") in owners.values(), f"not probed: {claim}"
+    assert sum(s["stale"] for s in summaries.values()) == len(killed)
+
+    # Every probe a worker made is in the study: its folders are the study's trials', and
+    # each survivor's probes are as many as the folders of its trials.
+    folders = {m.probe_dir for m in trials}
+    for name in ("victim", *survivors):
+        made = {str(p) for p in (tmp_path / name).glob("*/*")}
+        assert made <= folders, f"{name}'s probe folders not in the study: {made - folders}"
+    for name, pid in owners.items():
+        own = {m.probe_dir for m in trials if m.attrs.get("pid") == pid}
+        assert len(own) == summaries[name]["probes"], name
+
+    # All agree on the best: each worker's summary, `autotune best`, and the study's pooled
+    # best (a re-measured near-tie ranked by its mean).
     best = autotune("best", "--storage", url, "--json", cwd=tmp_path)
     assert best.returncode == 0, best.stderr
     [entry] = json.loads(best.stdout)
@@ -281,6 +456,15 @@ def test_two_workers_on_one_study_never_measure_the_same_point_twice(
     assert entry["best"]["config"] == expected.config.to_dict()
     assert entry["best"]["micro_batch_size"] == expected.micro_batch_size
     assert entry["best"]["objective"] == pytest.approx(mean)
+    for name, summary in summaries.items():
+        mine = summary["best"]
+        assert (mine["config"], mine["micro_batch_size"], mine["probe_dir"]) == (
+            entry["best"]["config"],
+            entry["best"]["micro_batch_size"],
+            entry["best"]["probe_dir"],
+        ), name
+        assert mine["objective"] == pytest.approx(entry["best"]["objective"]), name
+        assert mine["repeats"] == entry["best"]["repeats"], name
 
 
 OPENER = """
