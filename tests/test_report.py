@@ -64,3 +64,20 @@ def test_the_view_follows_the_search_and_the_table_ranks_what_fits(tmp_path: Pat
     assert all(
         "%" in p and int(p.split("(")[1].rstrip("%)")) <= 100 for p in table.columns[6]._cells
     )
+
+
+def test_the_view_says_when_it_waits_for_other_workers() -> None:
+    """A worker with nothing left to propose while others' probes run says so, once in the
+    log and in the panel, with the budget still counting down."""
+    from autotune.search.controller import Event
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120, color_system=None)
+    view = RunView(console, budget_s=600.0, simulated=True, live=False)
+    message = "waiting for 2 trial(s) that other workers are probing"
+    view(Event(kind="wait", probes=3, budget_left_s=420.0, message=message))
+    assert out.getvalue().count(message) == 1
+    frame = Console(file=io.StringIO(), width=120, color_system=None)
+    frame.print(view)
+    panel = frame.file.getvalue()  # type: ignore[attr-defined]
+    assert "waiting" in panel and message in panel and "7m00s of 10m00s left" in panel

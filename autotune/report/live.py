@@ -122,6 +122,8 @@ class RunView:
             self.console.print(line, style="dim", markup=False, highlight=False)
         elif event.kind == "setup_done" and event.setup:
             print_setup_done(self.console, event.setup)
+        elif event.kind == "wait":
+            self.console.print(event.message, style="dim", markup=False, highlight=False)
 
     def _budget_left(self) -> float:
         event = self._event
@@ -142,6 +144,9 @@ class RunView:
         if event is not None and event.kind == "setup":
             running = time.monotonic() - self._event_at
             status.add_row("set-up", f"{event.message} ({format_duration(running)})")
+        if event is not None and event.kind == "wait":
+            waited = time.monotonic() - self._event_at
+            status.add_row("waiting", f"{event.message} ({format_duration(waited)})")
         if event is not None and event.kind == "probe" and event.proposal:
             p = event.proposal
             running = time.monotonic() - self._event_at
