@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.config import Attention, ConfigError, Engine, Precision, TrainConfig
-from autotune.devices import Device, LocalDevice, SimulatedDevice
+from autotune.devices import Device, LocalDevice, ReplayDevice, SimulatedDevice
 from autotune.devices.base import SetupResult, SetupStep
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, usable_bytes
 from autotune.estimator.plan import plan as plan_rows
@@ -305,6 +305,8 @@ def _device(
         return simulated, simulated.gpu, 8
     if isinstance(device, SimulatedDevice):
         return device, device.gpu, 8
+    if isinstance(device, ReplayDevice):
+        return device, device.gpu, device.grid.key.num_processes
     if isinstance(device, str):
         if device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
@@ -325,8 +327,9 @@ def _device(
 
 
 def _host_for(device: Device, given: int | None) -> int | None:
-    """The host memory a run plans for: as given, the simulated node's, or this node's."""
-    if isinstance(device, SimulatedDevice):
+    """The host memory a run plans for: as given, the simulated or recorded node's, or this
+    node's."""
+    if isinstance(device, SimulatedDevice | ReplayDevice):
         return device.host_memory_bytes if device.host_memory_bytes is not None else given
     return given if given is not None else host_memory_bytes()
 

@@ -8,9 +8,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from h100 import FOLDER as H100_FOLDER
 
 from autotune.config import TrainConfig
-from autotune.devices import Device, LocalDevice, ProbeClock, SimulatedDevice, WallClock
+from autotune.devices import (
+    Device,
+    LocalDevice,
+    ProbeClock,
+    ReplayDevice,
+    SimulatedDevice,
+    WallClock,
+)
 from autotune.devices.base import SetupResult, SetupStep
 from autotune.probe import Outcome, ProbeResult, ProbeSpec
 from autotune.probe.forkserver import ForkServer
@@ -28,6 +36,10 @@ CASES: dict[str, tuple[Callable[[ForkServer], Device], ProbeSpec]] = {
     "simulated": (
         lambda server: SimulatedDevice.named("h100-80gb", seed=1),
         ProbeSpec(model="qwen2.5-1.5b", micro_batch_sizes=(1, 2), seq_len=1024, device="cuda"),
+    ),
+    "replay": (
+        lambda server: ReplayDevice.from_folder(H100_FOLDER),
+        ProbeSpec(model="qwen2.5-1.5b", micro_batch_sizes=(1, 2), seq_len=2048, device="cuda"),
     ),
 }  # fmt: skip
 
