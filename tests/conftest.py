@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,6 +89,36 @@ def probe_processes(result: ProbeResult) -> list[psutil.Process]:
         if in_group or any(needle in part for part in cmdline):
             found.append(proc)
     return found
+
+
+def kill_tuner_once_ranks_run(
+    tuner: subprocess.Popen[bytes], probe_dir: Path, *, ranks: int, processes: int
+) -> None:
+    """Wait until ``ranks`` ranks of the tuner's probe have built (their reports exist; they
+    hang after), SIGKILL the tuner, and assert that its ``processes`` or more descendants
+    (ranks, fork servers, node agents) all end within 20 s. Whatever is left is killed, so a
+    failure leaves nothing behind."""
+    descendants: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(probe_dir.glob("rank*.json"))) < ranks:
+            assert tuner.poll() is None, "the tuner ended before its ranks started"
+            assert time.monotonic() < deadline, "the ranks did not start within 120 s"
+            time.sleep(0.2)
+        descendants += psutil.Process(tuner.pid).children(recursive=True)
+        assert len(descendants) >= processes
+        os.kill(tuner.pid, signal.SIGKILL)  # no chance to stop its probe
+        tuner.wait()
+        _, alive = psutil.wait_procs(descendants, timeout=20)
+        assert not alive, f"processes outlived their tuner: {alive}"
+    finally:
+        if tuner.poll() is None:
+            descendants += psutil.Process(tuner.pid).children(recursive=True)
+            tuner.kill()
+            tuner.wait()
+        for proc in descendants:
+            if proc.is_running():
+                proc.kill()
 
 
 def exit_summary(exits: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import kill_tuner_once_ranks_run
 
 TUNER = """
 import sys
@@ -36,24 +34,4 @@ def test_ranks_die_with_a_killed_tuner(tmp_path: Path, spawner: str) -> None:
         start_new_session=True,
         cwd=Path(__file__).parents[2],
     )
-    descendants: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 120
-        while len(list(probe_dir.glob("rank*.json"))) < 2:  # both ranks built, now hanging
-            assert tuner.poll() is None, "the tuner ended before its ranks started"
-            assert time.monotonic() < deadline, "the ranks did not start within 120 s"
-            time.sleep(0.2)
-        descendants += psutil.Process(tuner.pid).children(recursive=True)
-        assert len(descendants) >= 2
-        os.kill(tuner.pid, signal.SIGKILL)  # no chance to stop its probe
-        tuner.wait()
-        _, alive = psutil.wait_procs(descendants, timeout=15)
-        assert not alive, f"processes outlived their tuner: {alive}"
-    finally:
-        if tuner.poll() is None:
-            descendants += psutil.Process(tuner.pid).children(recursive=True)
-            tuner.kill()
-            tuner.wait()
-        for proc in descendants:  # whatever is left, so that a failure leaves nothing behind
-            if proc.is_running():
-                proc.kill()
+    kill_tuner_once_ranks_run(tuner, probe_dir, ranks=2, processes=2)

@@ -17,12 +17,10 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import probe_failure_text, probe_processes
+from conftest import kill_tuner_once_ranks_run, probe_failure_text, probe_processes
 
 from autotune.config import ConfigError, Engine, TrainConfig
 from autotune.probe.launcher import launch_probe
@@ -310,27 +308,7 @@ def test_every_nodes_ranks_die_with_a_killed_tuner(tmp_path: Path, via: str, sec
         start_new_session=True,
         cwd=ROOT,
     )
-    descendants: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 120
-        while len(list(probe_dir.glob("rank*.json"))) < 2:  # both ranks built, now hanging
-            assert tuner.poll() is None, "the tuner ended before its ranks started"
-            assert time.monotonic() < deadline, "the ranks did not start within 120 s"
-            time.sleep(0.2)
-        descendants += psutil.Process(tuner.pid).children(recursive=True)
-        assert len(descendants) >= 4  # two agents, two ranks
-        os.kill(tuner.pid, signal.SIGKILL)
-        tuner.wait()
-        _, alive = psutil.wait_procs(descendants, timeout=20)
-        assert not alive, f"processes outlived their tuner: {alive}"
-    finally:
-        if tuner.poll() is None:
-            descendants += psutil.Process(tuner.pid).children(recursive=True)
-            tuner.kill()
-            tuner.wait()
-        for proc in descendants:
-            if proc.is_running():
-                proc.kill()
+    kill_tuner_once_ranks_run(tuner, probe_dir, ranks=2, processes=4)  # 2 agents, 2 ranks
 
 
 def test_autotune_run_tunes_across_two_nodes_and_exports_their_launch(tmp_path: Path) -> None:
