@@ -306,7 +306,7 @@ def _device(
     if isinstance(device, SimulatedDevice):
         return device, device.gpu, 8
     if isinstance(device, ReplayDevice):
-        return device, device.gpu, device.grid.key.num_processes
+        return device, device.gpu, device.grid.key.num_processes  # the recordings' CPU or GPU
     if isinstance(device, str):
         if device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
@@ -367,6 +367,8 @@ def prepare(
     host = _bytes(host_memory, "--host-memory")
     layout = _nodes(nodes, hosts, simulated=simulate is not None or not isinstance(device, str))
     count = layout.count if layout is not None else (nodes or 1)
+    if isinstance(device, ReplayDevice) and cap is None:
+        cap = device.grid.key.device_memory_bytes  # the cap the grid was recorded under
     chosen, gpu, here = _device(device, simulate, seed, cap, host, warm=warm, nodes=layout)
     per_node = _per_node(gpus, count, here)
     world = per_node * count
@@ -375,11 +377,14 @@ def prepare(
     if goal is None:
         choices = " or ".join(o.value for o in Objective)
         raise ConfigError(f"unknown objective {objective!r}: use {choices}")
-    if goal is Objective.MFU and chosen.kind == "cpu":
+    # Real CPU probes, or their recordings replayed: an emulated device, no host to offload to.
+    on_cpu = chosen.kind == "cpu" or (
+        isinstance(chosen, ReplayDevice) and chosen.grid.device == "cpu"
+    )
+    if goal is Objective.MFU and on_cpu:
         raise ConfigError(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
-    on_cpu = chosen.kind == "cpu"
     _check_ranks(chosen, per_node, here)
     if cap is not None and not on_cpu and cap > gpu.memory_bytes:
         raise ConfigError(

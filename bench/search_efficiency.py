@@ -38,8 +38,14 @@ with, on seeds 0-2) and the held-out set (other scenarios, on seeds 3-5, that no
 chosen on). Each scenario runs on ``--seeds`` simulated GPUs (3 by default), each drawing its
 own model error and noise.
 
-    python bench/search_efficiency.py [--json] [--set tuning|held-out|both] [--scenarios N]
-                                      [--seeds N] [--strategies S]
+A third set, ``replay``, is measured rather than simulated: every complete grid recorded under
+``bench/data/<node>/<workload>/`` (``bench/record_grid.py``: every configuration of the space
+at every micro-batch up to its first OOM, real probes) answered by the replay device
+(autotune.devices.ReplayDevice), its oracle the grid's best recorded point, each probe charged
+the recorded wall time; the samplers' seeds vary, the grid does not.
+
+    python bench/search_efficiency.py [--json] [--set tuning|held-out|replay|both|all]
+                                      [--scenarios N] [--seeds N] [--strategies S]
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ import optuna
 
 from autotune.api import Tuning, prepare
 from autotune.config import Engine, TrainConfig
-from autotune.devices import SimulatedDevice
+from autotune.devices import ReplayDevice, SimulatedDevice
 from autotune.estimator.host import estimate_host, usable_host_bytes
 from autotune.estimator.memory import estimate_memory
 from autotune.estimator.plan import usable_bytes
@@ -118,6 +124,10 @@ HELD_OUT: list[Case] = [
 TUNING_SEEDS = (0, 1, 2)
 HELD_OUT_SEEDS = (3, 4, 5)
 SETS = {"tuning": (SCENARIOS, TUNING_SEEDS), "held-out": (HELD_OUT, HELD_OUT_SEEDS)}
+REPLAY_SEEDS = (0, 1, 2)
+"""Seeds of the samplers on the replayed grids (the recordings are the same under each)."""
+DATA = Path(__file__).parent / "data"
+"""Recorded grids: ``<node>/<workload>/`` with ``node.json`` and each probe's result."""
 NOISE = 0.02
 MODEL_ERROR = 0.05
 """Each configuration's own error, memory and step time (seeded, ±5 %): the memory model was
@@ -136,7 +146,7 @@ class Scenario:
     model_name: str
     gpu_name: str
     workload: Workload
-    device: SimulatedDevice
+    device: SimulatedDevice | ReplayDevice
     oracle: float
     capacity: int
     host_bytes: int | None = None
@@ -145,10 +155,52 @@ class Scenario:
     def label(self) -> str:
         w = self.workload
         host = f" host {self.host_bytes // GIB}GiB" if self.host_bytes else ""
+        replayed = " (replayed)" if isinstance(self.device, ReplayDevice) else ""
         return (
             f"{self.model_name} {w.world_size}x{self.gpu_name} seq{w.seq_len} "
-            f"gbs{w.global_batch}{host}"
+            f"gbs{w.global_batch}{host}{replayed}"
         )
+
+    @property
+    def probe_device(self) -> str:
+        """What the probes ask for: a replayed CPU grid was recorded on the CPU."""
+        replay = isinstance(self.device, ReplayDevice) and self.device.grid.device == "cpu"
+        return "cpu" if replay else "cuda"
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        """The emulated cap a replayed grid was recorded under."""
+        return (
+            self.device.grid.key.device_memory_bytes
+            if isinstance(self.device, ReplayDevice)
+            else None
+        )
+
+
+def replay_scenarios(root: Path = DATA) -> list[Scenario]:
+    """A scenario per recorded grid under ``root`` (a folder with ``node.json``)."""
+    found = []
+    for node in sorted(root.glob("*/*/node.json")):
+        facts = json.loads(node.read_text())
+        device = ReplayDevice.from_folder(
+            node.parent, host_memory_bytes=facts.get("host_memory_bytes")
+        )
+        grid = device.grid
+        w = facts["workload"]
+        workload = Workload(
+            seq_len=w["seq_len"], global_batch=w["global_batch"], world_size=w["gpus"]
+        )
+        best = grid.best(workload.global_batch)
+        if best is None:
+            continue
+        host = facts.get("host_memory_bytes") if grid.device == "cuda" else None
+        found.append(
+            Scenario(
+                grid.key.model, grid.gpu.key, workload, device, best[2],
+                grid.key.device_memory_bytes or usable_bytes(grid.gpu), host,
+            )
+        )  # fmt: skip
+    return found
 
 
 def _scenario(
@@ -167,7 +219,10 @@ def _scenario(
 
 
 def true_value(s: Scenario, config: TrainConfig, mbs: int) -> float:
-    """Noise-free tokens/s at the user's global batch on the simulated GPU; 0 if it OOMs."""
+    """Noise-free tokens/s at the user's global batch on the simulated GPU (on a replayed
+    grid: as recorded); 0 if it OOMs."""
+    if isinstance(s.device, ReplayDevice):
+        return s.device.grid.value(config, mbs, s.workload.global_batch)
     model = resolve_model(s.model_name)
     w = s.workload
     memory_factor, time_factor = s.device.bias(s.model_name, config)
@@ -222,7 +277,8 @@ class _Prober:
         w = self.s.workload
         spec = ProbeSpec(
             model=self.s.model_name, config=config, micro_batch_sizes=tuple(sizes),
-            seq_len=w.seq_len, num_processes=w.world_size, device="cuda",
+            seq_len=w.seq_len, num_processes=w.world_size, device=self.s.probe_device,
+            device_memory_bytes=self.s.device_memory_bytes,
         )  # fmt: skip
         result = self.s.device.launch(spec, self.tmp / f"p{self.launches}")
         self.elapsed += result.wall_s
@@ -251,15 +307,21 @@ class _Prober:
 
 def _space(s: Scenario) -> list[TrainConfig]:
     return configurations(
-        world_size=s.workload.world_size, num_layers=resolve_model(s.model_name).num_layers
+        world_size=s.workload.world_size,
+        num_layers=resolve_model(s.model_name).num_layers,
+        offload=s.probe_device == "cuda",  # an emulated device has no host to offload to
     )
 
 
 def _grid_configs(s: Scenario) -> list[TrainConfig]:
-    """DeepSpeed's autotuner's fast mode: ZeRO 0-3 (one GPU: the plain engine)."""
+    """DeepSpeed's autotuner's fast mode: ZeRO 0-3 (one GPU: the plain engine); on a replayed
+    grid, the stages it recorded (the others cannot be answered)."""
     if s.workload.world_size == 1:
         return [TrainConfig()]
-    return [TrainConfig(engine=Engine.DEEPSPEED, zero_stage=stage) for stage in (0, 1, 2, 3)]
+    stages = [TrainConfig(engine=Engine.DEEPSPEED, zero_stage=stage) for stage in (0, 1, 2, 3)]
+    if isinstance(s.device, ReplayDevice):
+        return [c for c in stages if c in s.device.grid.configs()]
+    return stages
 
 
 def _powers_of_two(s: Scenario) -> list[int]:
@@ -307,7 +369,7 @@ def _tuning(s: Scenario, tmp: Path) -> Tuning:
     return prepare(
         s.model_name, budget=1e9, seq_len=w.seq_len, global_batch=w.global_batch,
         gpus=w.world_size, device=s.device, storage=f"sqlite:///{tmp}/study.db",
-        trials_dir=tmp / "trials",
+        trials_dir=tmp / "trials", host_memory=s.host_bytes,
     )  # fmt: skip
 
 
@@ -427,32 +489,43 @@ def score(s: Scenario, trace: Trace) -> dict[str, Any]:
     }
 
 
-def run_set(
-    name: str, strategies: list[str], limit: int, scenarios: int, seeds: int, quiet: bool
-) -> list[dict[str, Any]]:
-    """Every strategy on every scenario of a set, each on the set's seeds."""
+def _set_scenarios(name: str, scenarios: int, seeds: int) -> list[tuple[int, Scenario]]:
+    """The set's scenarios, each with its seed: simulated GPUs drawn per seed, or the
+    recorded grids (the same recordings under every seed)."""
+    if name == "replay":
+        grids = replay_scenarios()[:scenarios]
+        return [(seed, s) for seed in REPLAY_SEEDS[:seeds] for s in grids]
     cases, set_seeds = SETS[name]
-    rows = []
+    found = []
     for repeat in set_seeds[:seeds]:
         for index, case in enumerate(cases[:scenarios]):
             seed = index + 1000 * repeat
             host = case[5] if len(case) > 5 else None
-            s = _scenario(*case[:5], seed=seed, host=host)
-            if s.oracle <= 0:
-                continue
-            for strategy in strategies:
-                with tempfile.TemporaryDirectory() as tmp:
-                    trace = STRATEGIES[strategy](s, Path(tmp), limit, seed)
-                row = {"set": name, "scenario": s.label, "seed": seed, "strategy": strategy}
-                rows.append({**row, **score(s, trace)})
-                if not quiet:
-                    r = rows[-1]
-                    print(
-                        f"{name:<8} {s.label:<46} seed {seed:<5} {strategy:<10} probes "
-                        f"{r['probes']:>3}  to 2%: {r['probes_to_2pct'] or '-':>3}  "
-                        f"regret {r['final_regret']:6.1%}",
-                        flush=True,
-                    )
+            found.append((seed, _scenario(*case[:5], seed=seed, host=host)))
+    return found
+
+
+def run_set(
+    name: str, strategies: list[str], limit: int, scenarios: int, seeds: int, quiet: bool
+) -> list[dict[str, Any]]:
+    """Every strategy on every scenario of a set, each on the set's seeds."""
+    rows = []
+    for seed, s in _set_scenarios(name, scenarios, seeds):
+        if s.oracle <= 0:
+            continue
+        for strategy in strategies:
+            with tempfile.TemporaryDirectory() as tmp:
+                trace = STRATEGIES[strategy](s, Path(tmp), limit, seed)
+            row = {"set": name, "scenario": s.label, "seed": seed, "strategy": strategy}
+            rows.append({**row, **score(s, trace)})
+            if not quiet:
+                r = rows[-1]
+                print(
+                    f"{name:<8} {s.label:<46} seed {seed:<5} {strategy:<10} probes "
+                    f"{r['probes']:>3}  to 2%: {r['probes_to_2pct'] or '-':>3}  "
+                    f"regret {r['final_regret']:6.1%}",
+                    flush=True,
+                )
     return rows
 
 
@@ -492,7 +565,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
-        "--set", choices=[*SETS, "both"], default="both", help="Scenarios and seeds to run."
+        "--set",
+        choices=[*SETS, "replay", "both", "all"],
+        default="all",
+        help="Scenarios and seeds to run (both: the simulated sets; all: and the replayed grids).",
     )
     parser.add_argument("--scenarios", type=int, default=100, help="The first N of each set.")
     parser.add_argument("--limit", type=int, default=60, help="Probes per strategy at most.")
@@ -505,7 +581,8 @@ def main() -> None:
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     strategies = args.strategies.split(",")
-    names = list(SETS) if args.set == "both" else [args.set]
+    sets = {"both": list(SETS), "all": [*SETS, "replay"]}
+    names = sets.get(args.set, [args.set])
     rows = [
         row
         for name in names
@@ -516,8 +593,9 @@ def main() -> None:
         return
     for name in names:
         mine = [r for r in rows if r["set"] == name]
+        seeds = REPLAY_SEEDS if name == "replay" else SETS[name][1]
         print(f"\n## {name} set: {len({r['scenario'] for r in mine})} scenarios, seeds "
-              f"{', '.join(str(s) for s in SETS[name][1][: args.seeds])}")  # fmt: skip
+              f"{', '.join(str(s) for s in seeds[: args.seeds])}")  # fmt: skip
         summary_table(mine, strategies)
         _per_scenario(mine, strategies)
         if "autotune" in strategies:

@@ -20,7 +20,15 @@ from typing import Any, Protocol
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec
 
-__all__ = ["Clock", "Device", "ProbeClock", "SetupResult", "SetupStep", "WallClock"]
+__all__ = [
+    "AnsweredDevice",
+    "Clock",
+    "Device",
+    "ProbeClock",
+    "SetupResult",
+    "SetupStep",
+    "WallClock",
+]
 
 
 class Clock(Protocol):
@@ -98,8 +106,9 @@ class SetupStep:
 
 class Device(Protocol):
     """Runs probes. Implementations: :class:`~autotune.devices.local.LocalDevice` (real ranks on
-    this node's GPUs or CPU) and :class:`~autotune.devices.simulated.SimulatedDevice` (the
-    estimator, with seeded error and noise; every result says ``simulated``).
+    this node's GPUs or CPU), :class:`~autotune.devices.simulated.SimulatedDevice` (the
+    estimator, with seeded error and noise; every result says ``simulated``) and
+    :class:`~autotune.devices.replay.ReplayDevice` (a grid recorded on a real GPU).
 
     Contract: :meth:`launch` blocks until the probe is over, writes ``result.json`` (and
     whatever else the device keeps) into ``probe_dir``, and returns the result; it never
@@ -109,7 +118,8 @@ class Device(Protocol):
 
     @property
     def kind(self) -> str:
-        """``cuda``, ``cpu`` or ``simulated``: a study's measurements never mix kinds."""
+        """``cuda``, ``cpu``, ``simulated`` or ``replay``: a study's measurements never mix
+        kinds."""
         ...
 
     def setup(self, spec: ProbeSpec) -> list[SetupStep]:
@@ -135,3 +145,21 @@ class Device(Protocol):
         """Release what the device holds between probes (a warm process); it may be used
         again after, and then sets itself up again."""
         ...
+
+
+class AnsweredDevice:
+    """What a device that answers probes without running them (the estimator, recordings)
+    has in common: each probe is charged the time it reports (:class:`ProbeClock`), and
+    there is nothing to set up before a probe or to release after."""
+
+    def clock(self) -> Clock:
+        """Budgets are charged the time each probe reports it took (on the GPU it stands
+        for), not the microseconds the answer took."""
+        return ProbeClock()
+
+    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
+        """Nothing to build or start."""
+        return []
+
+    def close(self) -> None:
+        """Nothing held."""

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import ConfigError, TrainConfig
-from autotune.devices.base import Clock, ProbeClock, SetupStep
-from autotune.hardware import GpuSpec
+from autotune.devices.base import AnsweredDevice
+from autotune.hardware import GpuSpec, cpu_device_spec
 from autotune.hardware.lookup import driver_spec
 from autotune.models import resolve_model
 from autotune.probe.metrics import probe_throughput
@@ -132,7 +132,7 @@ class Grid:
             if not isinstance(data, dict) or "spec" not in data or "outcome" not in data:
                 continue  # a plan, a node description: not a probe
             probe = ProbeResult.from_dict(data, path.parent)
-            if probe.outcome in _REPLAYED and probe.gpu_name:
+            if probe.outcome in _REPLAYED and (probe.gpu_name or probe.spec.device == "cpu"):
                 found.append(Recording(path=path, probe=probe))
         if not found:
             raise ConfigError(f"{folder} holds no recorded probe (result.json) to replay")
@@ -142,14 +142,23 @@ class Grid:
         chosen = [r for r in found if GridKey.of(r.probe.spec) == key]
         if not chosen:
             raise ConfigError(f"{folder} holds no recorded probe of {key}")
-        names = {r.probe.gpu_name for r in chosen}
+        names = {r.probe.gpu_name if r.probe.spec.device != "cpu" else "cpu" for r in chosen}
         if len(names) > 1:
             raise ConfigError(f"{folder} mixes recordings of {sorted(map(str, names))}")
         name = str(names.pop())
+        if name == "cpu":  # real CPU probes under an emulated device cap
+            if key.device_memory_bytes is None:
+                raise ConfigError(f"{folder}: CPU probes without an emulated device cap")
+            return cls(key=key, gpu=cpu_device_spec(key.device_memory_bytes), recordings=chosen)
         gpu = driver_spec(name)
         if gpu is None:
             raise ConfigError(f"the recordings' GPU {name!r} is not in the GPU catalogue")
         return cls(key=key, gpu=gpu, recordings=chosen)
+
+    @property
+    def device(self) -> str:
+        """Where the recordings ran: ``cuda``, or ``cpu`` (under an emulated cap)."""
+        return "cpu" if self.gpu.key == "cpu" else "cuda"
 
     def recorded(self, config: TrainConfig, micro_batch_size: int) -> list[_Recorded]:
         """The recordings of one point, oldest file first."""
@@ -160,31 +169,39 @@ class Grid:
         keys = {c for c, _ in self.points} | set(self.host_killed)
         return [TrainConfig.from_dict(json.loads(k)) for k in sorted(keys)]
 
-    def best(self, global_batch: int) -> tuple[TrainConfig, int, float] | None:
-        """The fastest recorded point at ``global_batch`` (sequences per optimizer step):
-        configuration, micro-batch size and tokens/s at the accumulation that reaches it,
-        from each recording's step times (the first recording of a point; None when no
-        recorded size divides the global batch)."""
+    def value(self, config: TrainConfig, micro_batch_size: int, global_batch: int) -> float:
+        """Recorded tokens/s of a point at ``global_batch`` (sequences per optimizer step), at
+        the accumulation that reaches it, from its first recording's step times; 0 for a
+        point recorded out of memory, not recorded, or whose size does not divide it."""
         world = self.key.num_processes * self.key.nodes
-        model = resolve_model(self.key.model)
+        found = self.recorded(config, micro_batch_size)
+        if not found or global_batch % (micro_batch_size * world):
+            return 0.0
+        size, probe = found[0].size, found[0].probe
+        if not size.ok or size.micro_step_s is None or size.optimizer_step_s is None:
+            return 0.0
+        spec = dataclasses.replace(
+            probe.spec, grad_accum=global_batch // (micro_batch_size * world)
+        )
+        speed = probe_throughput(
+            spec,
+            resolve_model(self.key.model),
+            micro_batch_size,
+            micro_step_s=size.micro_step_s,
+            optimizer_step_s=size.optimizer_step_s,
+            peak_flops=None,
+        )
+        return speed.tokens_per_second
+
+    def best(self, global_batch: int) -> tuple[TrainConfig, int, float] | None:
+        """The fastest recorded point at ``global_batch``: configuration, micro-batch size and
+        :meth:`value` (None when no recorded size fits and divides it)."""
         best: tuple[TrainConfig, int, float] | None = None
-        for (_, mbs), found in sorted(self.points.items()):
-            size, probe = found[0].size, found[0].probe
-            if not size.ok or global_batch % (mbs * world):
-                continue
-            if size.micro_step_s is None or size.optimizer_step_s is None:
-                continue
-            spec = dataclasses.replace(probe.spec, grad_accum=global_batch // (mbs * world))
-            speed = probe_throughput(
-                spec,
-                model,
-                mbs,
-                micro_step_s=size.micro_step_s,
-                optimizer_step_s=size.optimizer_step_s,
-                peak_flops=None,
-            )
-            if best is None or speed.tokens_per_second > best[2]:
-                best = (probe.spec.config, mbs, speed.tokens_per_second)
+        for config_key, mbs in sorted(self.points):
+            config = TrainConfig.from_dict(json.loads(config_key))
+            value = self.value(config, mbs, global_batch)
+            if value > 0 and (best is None or value > best[2]):
+                best = (config, mbs, value)
         return best
 
     def start_s(self) -> float:
@@ -201,7 +218,7 @@ def _overhead_s(probe: ProbeResult) -> float:
 
 
 @dataclass(kw_only=True)
-class ReplayDevice:
+class ReplayDevice(AnsweredDevice):
     """A real GPU's recorded grid, replayed (named as such in every result).
 
     Args:
@@ -229,17 +246,6 @@ class ReplayDevice:
     @property
     def label(self) -> str:
         return f"replay:{self.grid.gpu.key}"
-
-    def clock(self) -> Clock:
-        """Budgets are charged what the recorded probes took."""
-        return ProbeClock()
-
-    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
-        """Nothing to build or start: the recordings answer."""
-        return []
-
-    def close(self) -> None:
-        """Nothing held."""
 
     def launch(
         self,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import Offload, TrainConfig
-from autotune.devices.base import Clock, ProbeClock, SetupStep
+from autotune.devices.base import AnsweredDevice
 from autotune.estimator.cost import (
     HOST_BUILD_BYTES_PER_S,
     START_S,
@@ -48,7 +48,7 @@ __all__ = ["SimulatedDevice"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class SimulatedDevice:
+class SimulatedDevice(AnsweredDevice):
     """A GPU model answered by the estimator (fake hardware: named as such in every result)."""
 
     gpu: GpuSpec
@@ -125,17 +125,6 @@ class SimulatedDevice:
         key = json.dumps(["host", self.seed, model, layout])
         rng = random.Random(hashlib.sha256(key.encode()).digest())
         return 1.0 + rng.uniform(-self.model_error, self.model_error)
-
-    def clock(self) -> Clock:
-        """Budgets are charged the time each probe would have taken on the GPU."""
-        return ProbeClock()
-
-    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
-        """Nothing to build or start: the estimator answers."""
-        return []
-
-    def close(self) -> None:
-        """Nothing held."""
 
     def launch(
         self,

@@ -153,3 +153,32 @@ def test_the_search_replayed_on_the_h100_grid_finds_its_best(
         )
     # The budget was charged what the recorded probes took (the real run: 221.6 s for 3).
     assert 0 < summary.elapsed_s < 30 * 60
+
+
+CPU_GRID = Path(__file__).parents[2] / "bench" / "data" / "cpu-2core" / "tiny"
+
+
+def test_the_search_replayed_on_a_complete_recorded_grid_finds_its_best(tmp_path: Path) -> None:
+    """A complete grid (bench/record_grid.py: every configuration of the tiny model's
+    two-rank space at every size up to its first OOM, real CPU probes under an emulated
+    device, see bench/data/README.md): the replayed search ends within 2 % of the grid's best
+    recorded point, answered from recordings only (a complete grid leaves nothing to refuse),
+    in fewer probes than the grid has configurations."""
+    facts = json.loads((CPU_GRID / "node.json").read_text())
+    device = ReplayDevice.from_folder(CPU_GRID)
+    workload = facts["workload"]
+    tuning = prepare(
+        "tiny", budget="1h", seq_len=workload["seq_len"], global_batch=workload["global_batch"],
+        gpus=workload["gpus"], device=device, storage=f"sqlite:///{tmp_path}/study.db",
+        trials_dir=tmp_path / "trials",
+    )  # fmt: skip
+    assert tuning.template.device == "cpu" and tuning.template.device_memory_bytes == (
+        device.grid.key.device_memory_bytes
+    )
+    summary = tuning.run()
+    best = device.grid.best(workload["global_batch"])
+    assert best is not None and summary.best is not None
+    assert (summary.best.value or 0) >= 0.98 * best[2]
+    results = [ProbeResult.read(p.parent) for p in (tmp_path / "trials").rglob("result.json")]
+    assert results and all(r.outcome is not Outcome.ERROR for r in results)
+    assert len(results) < len(device.grid.configs())
