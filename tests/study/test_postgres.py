@@ -77,6 +77,20 @@ def _best_feasible(store: TrialStore) -> tuple[int, Any, float]:
     return latest.number, latest, means[top]
 
 
+def _close_and_reap(procs: list[subprocess.Popen[str]]) -> None:
+    """Close each helper process's standard input (its cue to end), then reap it; one still
+    running after a minute is killed."""
+    for proc in procs:
+        if proc.stdin is not None:
+            proc.stdin.close()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def test_trial_store_round_trip_on_postgresql(fresh_postgres_url: str, tmp_path: Path) -> None:
     url = fresh_postgres_url
     store = check_probes_become_trials(url, tmp_path)
@@ -296,15 +310,7 @@ def test_tuners_resuming_together_fail_each_trial_of_a_dead_one_once(
                         assert resumer.stdout.readline().strip() == "open"
             answers.append([r.stdout.readline().strip() for r in resumers if r.stdout])
     finally:
-        for resumer in resumers:
-            if resumer.stdin is not None:
-                resumer.stdin.close()
-        for resumer in resumers:
-            try:
-                resumer.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                resumer.kill()
-                resumer.wait()
+        _close_and_reap(resumers)
     for url, answer in zip(urls, answers, strict=True):
         errors = [a for a in answer if not a.startswith("[")]
         assert not errors, errors
@@ -515,13 +521,5 @@ def test_workers_starting_together_on_an_empty_database_all_open_it(
                 if answer != "ok":
                     failures.append(f"round {round_}: {answer}")
     finally:
-        for opener in openers:
-            if opener.stdin is not None:
-                opener.stdin.close()
-        for opener in openers:
-            try:
-                opener.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                opener.kill()
-                opener.wait()
+        _close_and_reap(openers)
     assert not failures, "\n".join(failures)
