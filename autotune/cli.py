@@ -395,7 +395,8 @@ def run(
         _print_json({"study": tuning.fingerprint.study_name, **summary.to_dict()})
     else:
         console.print(ranking_table(summary.measurements, tuning.capacity_bytes))
-        console.print(f"stopped: {summary.stop_reason}; {summary.probes} probes this run")
+        count = f"{summary.probes} probe{'' if summary.probes == 1 else 's'}"
+        console.print(f"stopped: {summary.stop_reason}; {count} this run")
         best = summary.best
         if best is None:
             console.print("[red]no configuration fits[/]")

@@ -244,3 +244,15 @@ def test_the_storage_url_can_come_from_the_environment(tmp_path: Path) -> None:
         "best", "--storage", f"sqlite:///{tmp_path / 'none.db'}", cwd=tmp_path, env=env
     )
     assert given.returncode != 0 and "none.db" in given.stderr
+
+
+def test_the_run_ends_with_its_probe_count_in_words(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    done = autotune(
+        "run", "--model", "tiny", "--simulate", "a100-40gb", "--budget", "5m",
+        "--storage", storage, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("stopped:"))
+    count = int(line.rsplit("; ", 1)[1].split()[0])
+    assert line.endswith(f"{count} probe this run" if count == 1 else f"{count} probes this run")
