@@ -57,6 +57,7 @@ bench: install
 	$(BIN)/python bench/model_states.py
 	$(BIN)/python bench/estimator_accuracy.py
 	$(BIN)/python bench/search_efficiency.py
+	$(BIN)/python bench/grid_vs_estimator.py
 	$(BIN)/python bench/cli_startup.py
 
 wheelhouse: install
