@@ -78,8 +78,8 @@ def run(probe_dir: Path, *, node_rank: int, master_addr: str, port: int, watch: 
     signal.signal(signal.SIGINT, lambda *_: stop_now.set())
     if watch:
         threading.Thread(target=_watch_stdin, args=(stop_now,), daemon=True).start()
-    procs: list[subprocess.Popen[bytes]] = []
     running = Running(procs=[], pgids=[], killed=set())
+    procs = running.procs
     try:
         for local in range(spec.num_processes):
             env = rank_environment(spec, local, port, node_rank=node_rank, master_addr=master_addr)
@@ -90,7 +90,6 @@ def run(probe_dir: Path, *, node_rank: int, master_addr: str, port: int, watch: 
                 process_group=running.pgids[0] if running.pgids else 0,
             )
             procs.append(proc)
-            running.procs.append(proc)
             if not running.pgids:
                 running.pgids.append(proc.pid)
         failed_at: float | None = None

@@ -33,7 +33,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autotune.probe.lifetime import PARENT_ENV
-from autotune.probe.nodes import NODE_REPORT, Nodes, agent_launches, read_node_report
+from autotune.probe.nodes import (
+    NODE_REPORT,
+    AgentLaunch,
+    Nodes,
+    agent_launches,
+    read_node_report,
+)
 from autotune.probe.ops import op_environment
 from autotune.probe.outcome import Classification, Outcome, RankExit, Stage, classify_probe
 from autotune.probe.output import OutputKeeper
@@ -99,7 +105,12 @@ def rank_environment(
 
 
 def _write_command(
-    spec: ProbeSpec, probe_dir: Path, port: int, spawn: str, nodes: Nodes | None
+    spec: ProbeSpec,
+    probe_dir: Path,
+    port: int,
+    spawn: str,
+    nodes: Nodes | None,
+    launches: list[AgentLaunch],
 ) -> None:
     worker = worker_command(probe_dir)
     folder = shlex.quote(str(probe_dir))
@@ -135,9 +146,7 @@ def _write_command(
             f"# What the launcher ran ({nodes.via}): an agent per node, each "
             "starting that node's ranks (node<K>.json: their exits):",
         ]
-        lines += [
-            shlex.join(launch.argv) for launch in agent_launches(probe_dir, nodes, port, os.environ)
-        ]
+        lines += [shlex.join(launch.argv) for launch in launches]
     (probe_dir / "cmd.txt").write_text("\n".join(lines) + "\n")
 
 
@@ -261,14 +270,19 @@ def _folder_id(probe_dir: Path) -> tuple[int, int] | None:
 
 
 def _prepare(
-    spec: ProbeSpec, probe_dir: Path, port: int, spawn: str, nodes: Nodes | None
+    spec: ProbeSpec,
+    probe_dir: Path,
+    port: int,
+    spawn: str,
+    nodes: Nodes | None,
+    launches: list[AgentLaunch],
 ) -> OutputKeeper:
     """Write the probe's folder (the spec, the command) and open its output pipes."""
     probe_dir.mkdir(parents=True, exist_ok=True)
     for stale in (*probe_dir.glob("rank*.json"), *probe_dir.glob("node*.json")):
         stale.unlink()
     (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
-    _write_command(spec, probe_dir, port, spawn, nodes)
+    _write_command(spec, probe_dir, port, spawn, nodes, launches)
     return OutputKeeper(probe_dir)
 
 
@@ -309,13 +323,11 @@ def _start_ranks(
             running.pgids.append(running.procs[0].pid)
 
 
-def _start_agents(
-    probe_dir: Path, nodes: Nodes, port: int, output: OutputKeeper, running: Running
-) -> None:
+def _start_agents(launches: list[AgentLaunch], output: OutputKeeper, running: Running) -> None:
     """Every node's agent (or the ``srun`` that starts them), each in a process group of its
     own; an agent on this machine dies with the launcher, one elsewhere when its ``ssh``
     closes (it watches its standard input, which the launcher holds open)."""
-    for launch in agent_launches(probe_dir, nodes, port, os.environ):
+    for launch in launches:
         env = dict(os.environ)
         env.pop(PARENT_ENV, None)
         if not launch.remote:
@@ -395,8 +407,9 @@ def launch_probe(
     port = free_port()
     spawner = spawner or SubprocessSpawner()
     kind = spawner.kind if across is None else "fresh"
+    launches = [] if across is None else agent_launches(probe_dir, across, port, os.environ)
     try:
-        output = _prepare(spec, probe_dir, port, kind, across)
+        output = _prepare(spec, probe_dir, port, kind, across, launches)
     except OSError as error:
         return _folder_failure(spec, probe_dir, kind, error)
     folder = _folder_id(probe_dir)
@@ -410,7 +423,7 @@ def launch_probe(
             if across is None:
                 _start_ranks(spec, probe_dir, port, spawner, output, running)
             else:
-                _start_agents(probe_dir, across, port, output, running)
+                _start_agents(launches, output, running)
             procs = running.procs
             failed_at: float | None = None
             while any(p.poll() is None for p in procs):
