@@ -483,10 +483,13 @@ def test_bash_parses_the_sbatch_script() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_shellcheck_finds_nothing_in_the_sbatch_script() -> None:
+@pytest.mark.parametrize(
+    "script", [SBATCH, Path(__file__).parents[1] / "bench" / "gpu_call.sh"], ids=lambda p: p.name
+)
+def test_shellcheck_finds_nothing_in_the_shell_scripts(script: Path) -> None:
     shellcheck = _program("shellcheck", "apt-get install -y --no-install-recommends shellcheck")
     done = subprocess.run(
-        [shellcheck, "--shell=bash", "--severity=style", str(SBATCH)],
+        [shellcheck, "--shell=bash", "--severity=style", str(script)],
         capture_output=True,
         text=True,
         check=False,

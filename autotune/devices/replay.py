@@ -12,10 +12,20 @@ probe of that workload size by size from what was measured:
   real ones did;
 - a size above one recorded ``oom`` of the same configuration: ``oom`` (memory only grows with
   the micro-batch), said so in its message;
+- a size at or above one recorded ``oom`` of a configuration that differs only in
+  checkpointing more blocks (a superset of this one's): ``oom`` (recomputing more blocks only
+  frees activations), said so in its message;
 - a configuration recorded as killed by the host's OOM killer: ``host_oom`` at every size
-  (its states are built before the first step);
+  (its states are built before the first step); on a GPU, so is every configuration that
+  differs from it only in checkpointing (activations live on the device: the host holds the
+  same offloaded states);
 - anything else was not recorded: the probe is an ``error`` that names the point. Nothing is
   guessed.
+
+The two cross-checkpointing rules (:meth:`Grid.host_oom_of`, :meth:`Grid.oom_from`) are what
+lets ``bench/record_grid.py`` skip the points they decide, so a grid costs fewer GPU minutes;
+a grid recorded with ``--complete`` measures those points too, and the replay then answers
+them as measured.
 
 Each replayed probe charges the budget what the recorded probes took (:class:`ProbeClock`):
 the start-up and build of the configuration's recording, and each size's recorded warm-up and
@@ -44,7 +54,7 @@ from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.probe.spec import ProbeSpec
 
-__all__ = ["Grid", "GridKey", "Recording", "ReplayDevice"]
+__all__ = ["Grid", "GridKey", "Recording", "ReplayDevice", "checkpoints_all_of"]
 
 _REPLAYED = (Outcome.OK, Outcome.OOM, Outcome.HOST_OOM)
 """Outcomes a recording stands for; an error, crash or timeout says more about the node's
@@ -70,6 +80,18 @@ class GridKey:
 
 def _config_key(config: TrainConfig) -> str:
     return json.dumps(config.to_dict(), sort_keys=True)
+
+
+def _family_key(config: TrainConfig) -> str:
+    """A configuration but for its checkpointing: what its siblings across ``ac_every`` share."""
+    return _config_key(dataclasses.replace(config, ac_every=0))
+
+
+def checkpoints_all_of(more: int, fewer: int) -> bool:
+    """Whether checkpointing every ``more``-th block recomputes every block that checkpointing
+    every ``fewer``-th does (blocks 0, k, 2k, ...: off is none, 1 is all, and every-4's
+    blocks are every-2's too), so its activations can only take less device memory."""
+    return fewer == 0 or (more > 0 and fewer % more == 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +185,45 @@ class Grid:
     def recorded(self, config: TrainConfig, micro_batch_size: int) -> list[_Recorded]:
         """The recordings of one point, oldest file first."""
         return self.points.get((_config_key(config), micro_batch_size), [])
+
+    def host_oom_of(self, config: TrainConfig) -> ProbeResult | None:
+        """The recorded probe that says the host's OOM killer stops ``config``: its own, or on
+        a GPU one of a configuration that differs only in checkpointing (None: none says so)."""
+        own = self.host_killed.get(_config_key(config))
+        if own is not None or self.device != "cuda":
+            return own
+        family = _family_key(config)
+        return next(
+            (
+                probe
+                for key, probe in sorted(self.host_killed.items())
+                if _family_key(TrainConfig.from_dict(json.loads(key))) == family
+            ),
+            None,
+        )
+
+    def oom_from(self, config: TrainConfig) -> tuple[int, _Recorded] | None:
+        """The smallest micro-batch size from which ``config`` runs out of device memory by
+        the recordings, and the recording that says so: an ``oom`` of its own (sizes above it
+        follow), or one of a configuration that differs only in checkpointing a superset of
+        its blocks (that size and those above follow). None: no recording bounds it."""
+        family, own = _family_key(config), _config_key(config)
+        found: list[tuple[int, int, _Recorded]] = []
+        for (key, mbs), recordings in self.points.items():
+            oom = next((r for r in recordings if r.size.outcome is Outcome.OOM), None)
+            if oom is None:
+                continue
+            other = oom.probe.spec.config
+            if key == own:
+                found.append((mbs, 0, oom))
+            elif _family_key(other) == family and checkpoints_all_of(
+                other.ac_every, config.ac_every
+            ):
+                found.append((mbs, 1, oom))
+        if not found:
+            return None
+        mbs, _, first = min(found, key=lambda f: (f[0], f[1], str(f[2].path)))
+        return mbs, first
 
     def configs(self) -> list[TrainConfig]:
         """Every configuration the grid recorded (a size, or a host OOM)."""
@@ -263,7 +324,7 @@ class ReplayDevice(AnsweredDevice):
             )
         probe_dir.mkdir(parents=True, exist_ok=True)
         (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
-        killed = self.grid.host_killed.get(_config_key(spec.config))
+        killed = self.grid.host_oom_of(spec.config)
         result = (
             self._replay(spec, probe_dir)
             if killed is None
@@ -272,7 +333,13 @@ class ReplayDevice(AnsweredDevice):
                 probe_dir,
                 outcome=Outcome.HOST_OOM,
                 stage=killed.stage or Stage.BUILD,
-                message=f"replayed: {killed.message}",
+                message=f"replayed: {killed.message}"
+                + (
+                    ""
+                    if killed.spec.config == spec.config
+                    else f" (recorded for {killed.spec.config.label()}: host memory does not "
+                    "depend on checkpointing)"
+                ),
                 sizes=[],
                 wall_s=killed.wall_s,
                 build_s=killed.build_s,
@@ -306,14 +373,8 @@ class ReplayDevice(AnsweredDevice):
                 continue  # as the worker: a larger size cannot fit either
             samples = self.grid.recorded(spec.config, mbs)
             if not samples:
-                smaller = [
-                    m
-                    for (c, m), found in self.grid.points.items()
-                    if c == _config_key(spec.config)
-                    and m < mbs
-                    and any(r.size.outcome is Outcome.OOM for r in found)
-                ]
-                if not smaller:
+                bound = self.grid.oom_from(spec.config)
+                if bound is None or bound[0] > mbs:
                     return self._answer(
                         spec,
                         probe_dir,
@@ -327,14 +388,16 @@ class ReplayDevice(AnsweredDevice):
                         wall_s=self.grid.start_s(),
                     )
                 failed = mbs
+                other = bound[1].probe.spec.config
                 sizes.append(
                     SizeResult(
                         micro_batch_size=mbs,
                         outcome=Outcome.OOM,
                         stage=Stage.FORWARD,
                         message=f"replayed: out of memory, as recorded at micro-batch "
-                        f"{max(smaller)}",
+                        f"{bound[0]}" + ("" if other == spec.config else f" for {other.label()}"),
                         ooms=1,
+                        extra={"recorded": str(bound[1].path)},
                     )
                 )
                 if spec.world_size > 1:

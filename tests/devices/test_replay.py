@@ -182,3 +182,40 @@ def test_the_search_replayed_on_a_complete_recorded_grid_finds_its_best(tmp_path
     results = [ProbeResult.read(p.parent) for p in (tmp_path / "trials").rglob("result.json")]
     assert results and all(r.outcome is not Outcome.ERROR for r in results)
     assert len(results) < len(device.grid.configs())
+
+
+def test_checkpointing_more_blocks_decides_points_of_its_siblings(
+    device: ReplayDevice, tmp_path: Path
+) -> None:
+    """On a GPU, recomputing more blocks only frees device memory, and host memory does not
+    depend on checkpointing: the two rules that answer a sibling's unrecorded points."""
+    # fsdp z3 ac:every ran out of memory at 16 (c1-fsdp-0): ac:every-2 does at 16 too, but
+    # its 8 was never measured and stays an error.
+    fsdp = TrainConfig(engine=Engine.FSDP, zero_stage=3, ac_every=2)
+    spec = ProbeSpec(
+        model="qwen2.5-1.5b", config=fsdp, micro_batch_sizes=(16,), seq_len=2048, device="cuda"
+    )
+    above = device.launch(spec, tmp_path / "a")
+    assert above.outcome is Outcome.OOM
+    assert "as recorded at micro-batch 16 for fsdp z3 ac:every" in above.sizes[0].message
+    assert above.sizes[0].extra["recorded"].endswith("c1-fsdp-0.json")
+    below = device.launch(dataclasses.replace(spec, micro_batch_sizes=(8,)), tmp_path / "b")
+    assert below.outcome is Outcome.ERROR
+    # A less checkpointed sibling's OOM says nothing of a more checkpointed one.
+    single_every = TrainConfig(engine=Engine.SINGLE, ac_every=1)
+    more = device.launch(
+        dataclasses.replace(spec, config=single_every, micro_batch_sizes=(32,)), tmp_path / "c"
+    )
+    # (single ac:off ran out at 8, c1-single-0; single ac:every's own OOM was at 16, grid-2)
+    assert more.outcome is Outcome.OOM
+    assert more.sizes[0].message.endswith("as recorded at micro-batch 16")
+    # llama-7b: deepspeed z3 off:params was killed building its states (ac:off and
+    # ac:every-4 both recorded so); ac:every-2 was never probed and is killed the same way.
+    llama = ReplayDevice.from_folder(FOLDER, key=GridKey("llama-7b", 2048, 1, 1, None))
+    z3 = TrainConfig(engine=Engine.DEEPSPEED, zero_stage=3, offload=Offload.PARAMS, ac_every=2)
+    killed = llama.launch(
+        ProbeSpec(model="llama-7b", config=z3, micro_batch_sizes=(1,), device="cuda"),
+        tmp_path / "d",
+    )
+    assert killed.outcome is Outcome.HOST_OOM
+    assert "host memory does not depend on checkpointing" in killed.message
