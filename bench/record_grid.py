@@ -137,9 +137,10 @@ def decide(grid: Grid | None, config: TrainConfig, sizes: list[int]) -> Decision
     """The sizes of ``config`` the grid does not decide yet (the replay device's rules)."""
     if grid is None:
         return Decision(tuple(sizes), "")
-    killed = grid.host_oom_of(config)
+    killed = grid.failed_building(config)
     if killed is not None:
-        return Decision((), f"host_oom, as recorded for {killed.spec.config.label()}")
+        what = killed.outcome.value
+        return Decision((), f"{what} while building, as recorded for {killed.spec.config.label()}")
     bound = grid.oom_from(config)
     if bound is None:
         return Decision(tuple(sizes), "")

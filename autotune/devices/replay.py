@@ -19,10 +19,13 @@ probe of that workload size by size from what was measured:
   (its states are built before the first step); on a GPU, so is every configuration that
   differs from it only in checkpointing (activations live on the device: the host holds the
   same offloaded states);
+- a configuration recorded out of device memory while it was built (its states do not fit,
+  before any step): ``oom`` while building, and so is every configuration that differs from
+  it only in checkpointing (no activation exists yet);
 - anything else was not recorded: the probe is an ``error`` that names the point. Nothing is
   guessed.
 
-The two cross-checkpointing rules (:meth:`Grid.host_oom_of`, :meth:`Grid.oom_from`) are what
+The cross-checkpointing rules (:meth:`Grid.failed_building`, :meth:`Grid.oom_from`) are what
 lets ``bench/record_grid.py`` skip the points they decide, so a grid costs fewer GPU minutes;
 a grid recorded with ``--complete`` measures those points too, and the replay then answers
 them as measured.
@@ -118,14 +121,16 @@ class Grid:
     """The recordings' GPU, from the name the driver gave."""
     recordings: list[Recording]
     points: dict[tuple[str, int], list[_Recorded]] = field(default_factory=dict)
-    host_killed: dict[str, ProbeResult] = field(default_factory=dict)
+    failed_builds: dict[str, ProbeResult] = field(default_factory=dict)
+    """Configurations recorded killed by the host's OOM killer or out of device memory while
+    being built (no size ran)."""
 
     def __post_init__(self) -> None:
         for recording in self.recordings:
             probe = recording.probe
             config = _config_key(probe.spec.config)
-            if probe.outcome is Outcome.HOST_OOM and not probe.sizes:
-                self.host_killed.setdefault(config, probe)
+            if probe.outcome in (Outcome.HOST_OOM, Outcome.OOM) and not probe.sizes:
+                self.failed_builds.setdefault(config, probe)
             for size in probe.sizes:
                 if size.outcome in (Outcome.OK, Outcome.OOM):
                     point = (config, size.micro_batch_size)
@@ -186,18 +191,21 @@ class Grid:
         """The recordings of one point, oldest file first."""
         return self.points.get((_config_key(config), micro_batch_size), [])
 
-    def host_oom_of(self, config: TrainConfig) -> ProbeResult | None:
-        """The recorded probe that says the host's OOM killer stops ``config``: its own, or on
-        a GPU one of a configuration that differs only in checkpointing (None: none says so)."""
-        own = self.host_killed.get(_config_key(config))
-        if own is not None or self.device != "cuda":
+    def failed_building(self, config: TrainConfig) -> ProbeResult | None:
+        """The recorded probe that says ``config`` fails while its model and states are built
+        (host OOM, or out of device memory before any step): its own, or one of a
+        configuration that differs only in checkpointing (for a host OOM, on a GPU only: on
+        the CPU the device's tensors are host memory too). None: none says so."""
+        own = self.failed_builds.get(_config_key(config))
+        if own is not None:
             return own
         family = _family_key(config)
         return next(
             (
                 probe
-                for key, probe in sorted(self.host_killed.items())
+                for key, probe in sorted(self.failed_builds.items())
                 if _family_key(TrainConfig.from_dict(json.loads(key))) == family
+                and (probe.outcome is Outcome.OOM or self.device == "cuda")
             ),
             None,
         )
@@ -227,7 +235,7 @@ class Grid:
 
     def configs(self) -> list[TrainConfig]:
         """Every configuration the grid recorded (a size, or a host OOM)."""
-        keys = {c for c, _ in self.points} | set(self.host_killed)
+        keys = {c for c, _ in self.points} | set(self.failed_builds)
         return [TrainConfig.from_dict(json.loads(k)) for k in sorted(keys)]
 
     def value(self, config: TrainConfig, micro_batch_size: int, global_batch: int) -> float:
@@ -324,20 +332,20 @@ class ReplayDevice(AnsweredDevice):
             )
         probe_dir.mkdir(parents=True, exist_ok=True)
         (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
-        killed = self.grid.host_oom_of(spec.config)
+        killed = self.grid.failed_building(spec.config)
         result = (
             self._replay(spec, probe_dir)
             if killed is None
             else self._answer(
                 spec,
                 probe_dir,
-                outcome=Outcome.HOST_OOM,
+                outcome=killed.outcome,
                 stage=killed.stage or Stage.BUILD,
                 message=f"replayed: {killed.message}"
                 + (
                     ""
                     if killed.spec.config == spec.config
-                    else f" (recorded for {killed.spec.config.label()}: host memory does not "
+                    else f" (recorded for {killed.spec.config.label()}: its build does not "
                     "depend on checkpointing)"
                 ),
                 sizes=[],

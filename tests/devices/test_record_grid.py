@@ -22,7 +22,7 @@ import pytest
 
 from autotune.devices import ReplayDevice
 from autotune.models import resolve_model
-from autotune.probe import Outcome
+from autotune.probe import Outcome, Stage
 from autotune.probe.spec import ProbeSpec
 from autotune.space import Workload, configurations, micro_batch_options
 
@@ -97,7 +97,7 @@ def test_the_points_skipped_replay_as_the_complete_grid_measured_them(
     assert len(recorded) < len(space) == len(list(complete.glob("[0-9]*.json")))
     assert recorded.isdisjoint(facts["implied"])
     assert recorded | set(facts["implied"]) == {f"{i:03d}" for i in range(len(space))}
-    assert any("host_oom" in why for why in facts["implied"].values())
+    assert any("host_oom while building" in why for why in facts["implied"].values())
     assert any("oom from micro-batch 1" in why for why in facts["implied"].values())
     assert facts["trimmed"], "a sweep cut short by a more checkpointed sibling's OOM"
     assert node(complete)["implied"] == {}
@@ -195,3 +195,42 @@ def test_one_gpu_call_records_what_fits_its_time_and_packs_it(tmp_path: Path) ->
         ["bash", str(script), "nothing"], env=env, capture_output=True, text=True, timeout=60
     )
     assert wrong.returncode == 2 and "use grid, run or overhead" in wrong.stderr
+
+
+def test_states_that_do_not_fit_are_probed_once(tmp_path: Path) -> None:
+    """Real CPU probes under an emulated 256 KiB device: the tiny model's states do not fit,
+    so its most checkpointed configuration runs out of memory while being built, and the
+    others are decided by it; the replay answers them as a complete recording does."""
+    cpu = ["--model", "tiny", "--device", "cpu", "--device-memory", "256KiB", "--gpus", "1"]
+    cpu += ["--seq-len", "128", "--global-batch", "8", "--trials-dir", str(tmp_path / "trials")]
+    folders = {}
+    for name, extra in (("ruled", []), ("complete", ["--complete"])):
+        folders[name] = tmp_path / name
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), *cpu, "--out", str(folders[name]), *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    space = configurations(world_size=1, num_layers=resolve_model("tiny").num_layers, offload=False)
+    assert len(space) >= 2
+    ruled = node(folders["ruled"])
+    assert len(list(folders["ruled"].glob("[0-9]*.json"))) == 1
+    assert len(ruled["implied"]) == len(space) - 1
+    assert all("oom while building" in why for why in ruled["implied"].values())
+    for config in space:
+        spec = ProbeSpec(
+            model="tiny",
+            config=config,
+            micro_batch_sizes=(1, 2),
+            seq_len=128,
+            device="cpu",
+            device_memory_bytes=256 * 1024,
+        )
+        replies = [
+            ReplayDevice.from_folder(folder).launch(spec, tmp_path / name / config.label())
+            for name, folder in folders.items()
+        ]
+        for reply in replies:
+            assert (reply.outcome, reply.stage, reply.sizes) == (Outcome.OOM, Stage.BUILD, [])

@@ -218,4 +218,4 @@ def test_checkpointing_more_blocks_decides_points_of_its_siblings(
         tmp_path / "d",
     )
     assert killed.outcome is Outcome.HOST_OOM
-    assert "host memory does not depend on checkpointing" in killed.message
+    assert "its build does not depend on checkpointing" in killed.message
