@@ -25,6 +25,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 GRIDS=${GRIDS:-$ROOT/bench/data}
 RUNS=${RUNS:-$ROOT/runs}
 LIMIT=${LIMIT:-540}
+WHEELS=${WHEELS:-$ROOT/wheelhouse}
 started=$SECONDS
 cd "$ROOT" || exit 2
 
@@ -39,12 +40,18 @@ fi
 
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=$ROOT/.ext
 mkdir -p "$TORCH_EXTENSIONS_DIR"
-if [ -d wheelhouse ]; then
+if [ -d "$WHEELS" ]; then
     if [ ! -f /tmp/site/.installed ]; then
-        # autotune itself runs from this checkout, never from a wheel
+        # autotune itself runs from this checkout, never from a wheel; what the node's image
+        # already holds (torch's numpy among them) is not shadowed
         wheels=()
-        for wheel in wheelhouse/*.whl; do
-            case $wheel in */autotune-*) ;; *) wheels+=("$wheel") ;; esac
+        for wheel in "$WHEELS"/*.whl; do
+            case ${wheel##*/} in
+                autotune-* | numpy-* | packaging-* | pyyaml-* | tqdm-* | markupsafe-* | \
+                    pygments-* | rich-* | typer-* | psutil-* | nvidia_ml_py-* | \
+                    markdown_it_py-* | mdurl-* | shellingham-* | annotated_doc-* | psycopg*) ;;
+                *) wheels+=("$wheel") ;;
+            esac
         done
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site "${wheels[@]}" || exit 2
