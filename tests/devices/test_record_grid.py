@@ -165,6 +165,7 @@ def test_one_gpu_call_records_what_fits_its_time_and_packs_it(tmp_path: Path) ->
         "PYTHON": sys.executable,
         "NODE": "simulated-h100",
         "GRIDS": str(grids),
+        "WHEELS": str(tmp_path / "no-wheels"),  # this environment has what the node lacks
     }
     script = SCRIPT.parent / "gpu_call.sh"
 
