@@ -48,7 +48,7 @@ from typing import Any
 from autotune import api
 from autotune.config import ConfigError, Engine, TrainConfig
 from autotune.devices import Device, LocalDevice, SimulatedDevice
-from autotune.devices.replay import Grid, GridKey, checkpoints_all_of
+from autotune.devices.replay import REPLAYED, Grid, GridKey, without_checkpointing
 from autotune.hardware import cpu_device_spec, detect_gpus, host_memory_bytes
 from autotune.models import resolve_model
 from autotune.probe import Outcome
@@ -61,8 +61,6 @@ SAME_NODE = ("gpu", "gpus", "software")
 """What a resumed recording must share with the folder's first: the GPU and the software
 (host memory too, within ``HOST_TOLERANCE``): one grid is one node's truth."""
 HOST_TOLERANCE = 0.02
-REPLAYED = ("ok", "oom", "host_oom")
-"""Outcomes a recording stands for (``autotune.devices.replay``); others are probed again."""
 
 
 def node_facts(device: Device, host_bytes: int | None) -> dict[str, Any]:
@@ -106,22 +104,24 @@ def recording_order(space: list[TrainConfig]) -> list[int]:
     first (its outcomes decide the others' where the replay rules allow)."""
     first: dict[TrainConfig, int] = {}
     for index, config in enumerate(space):
-        first.setdefault(_family(config), index)
+        first.setdefault(without_checkpointing(config), index)
 
     def rank(index: int) -> tuple[int, int, int]:
         ac = space[index].ac_every
-        return (first[_family(space[index])], 0 if ac else 1, ac)
+        return (first[without_checkpointing(space[index])], 0 if ac else 1, ac)
 
     return sorted(range(len(space)), key=rank)
 
 
-def _read(path: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(path.read_text())
-    return data
-
-
-def _family(config: TrainConfig) -> TrainConfig:
-    return TrainConfig.from_dict({**config.to_dict(), "ac_every": 0})
+def replayable(out: Path) -> dict[str, dict[str, Any]]:
+    """The probes recorded in ``out`` that the replay stands for, by name (``007``); an error
+    or a timeout is probed again."""
+    found = {}
+    for path in sorted(out.glob("[0-9]*.json")):
+        data = json.loads(path.read_text())
+        if Outcome(data["outcome"]) in REPLAYED:
+            found[path.stem] = data
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,19 +146,13 @@ def decide(grid: Grid | None, config: TrainConfig, sizes: list[int]) -> Decision
         return Decision(tuple(sizes), "")
     mbs, recorded = bound
     other = recorded.probe.spec.config
-    assert checkpoints_all_of(other.ac_every, config.ac_every)
     left = tuple(s for s in sizes if s < mbs)
     return Decision(left, f"oom from micro-batch {mbs}, as recorded for {other.label()}")
 
 
 def load_grid(out: Path, key: GridKey) -> Grid | None:
-    """The recordings already in ``out`` (None: none yet)."""
-    if not any(out.glob("[0-9]*.json")):
-        return None
-    try:
-        return Grid.from_folder(out, key)
-    except ConfigError:
-        return None  # only failed probes so far: nothing to decide from
+    """The recordings already in ``out`` (None: none the replay stands for yet)."""
+    return Grid.from_folder(out, key) if replayable(out) else None
 
 
 def predicted_s(spec: ProbeSpec, simulated: SimulatedDevice) -> float:
@@ -261,11 +255,9 @@ def record(args: argparse.Namespace) -> None:
         }
         facts_path.write_text(json.dumps(body, indent=2) + "\n")
 
-    key = GridKey(model.name, args.seq_len, 1 if args.gpus == 1 else args.gpus, 1, cap)
+    key = GridKey(args.model, args.seq_len, args.gpus, 1, cap)  # as the probes' specs say
     done = {
-        json.dumps(data["spec"]["config"], sort_keys=True)
-        for data in map(_read, args.out.glob("[0-9]*.json"))
-        if data["outcome"] in REPLAYED  # an error or a timeout is recorded again
+        json.dumps(data["spec"]["config"], sort_keys=True) for data in replayable(args.out).values()
     }
     started = time.monotonic()
     measured: list[tuple[float, float]] = []  # (predicted, measured) seconds this session
@@ -345,14 +337,11 @@ def record(args: argparse.Namespace) -> None:
     finally:
         device.close()
         session["wall_s"] = round(time.monotonic() - started, 1)
+        recorded_names = replayable(args.out)
         left = [
             f"{i:03d}"
             for i in range(len(space))
-            if f"{i:03d}" not in implied
-            and not (
-                (args.out / f"{i:03d}.json").exists()
-                and _read(args.out / f"{i:03d}.json")["outcome"] in REPLAYED
-            )
+            if f"{i:03d}" not in implied and f"{i:03d}" not in recorded_names
         ]
         final = "complete" if state == "complete" and not left else "incomplete"
         # a call that did nothing leaves node.json as it was

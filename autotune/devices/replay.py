@@ -57,9 +57,17 @@ from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.probe.spec import ProbeSpec
 
-__all__ = ["Grid", "GridKey", "Recording", "ReplayDevice", "checkpoints_all_of"]
+__all__ = [
+    "REPLAYED",
+    "Grid",
+    "GridKey",
+    "Recording",
+    "ReplayDevice",
+    "checkpoints_all_of",
+    "without_checkpointing",
+]
 
-_REPLAYED = (Outcome.OK, Outcome.OOM, Outcome.HOST_OOM)
+REPLAYED = (Outcome.OK, Outcome.OOM, Outcome.HOST_OOM)
 """Outcomes a recording stands for; an error, crash or timeout says more about the node's
 software that day than about the configuration, so it is not replayed."""
 
@@ -85,9 +93,9 @@ def _config_key(config: TrainConfig) -> str:
     return json.dumps(config.to_dict(), sort_keys=True)
 
 
-def _family_key(config: TrainConfig) -> str:
+def without_checkpointing(config: TrainConfig) -> TrainConfig:
     """A configuration but for its checkpointing: what its siblings across ``ac_every`` share."""
-    return _config_key(dataclasses.replace(config, ac_every=0))
+    return dataclasses.replace(config, ac_every=0)
 
 
 def checkpoints_all_of(more: int, fewer: int) -> bool:
@@ -159,7 +167,7 @@ class Grid:
             if not isinstance(data, dict) or "spec" not in data or "outcome" not in data:
                 continue  # a plan, a node description: not a probe
             probe = ProbeResult.from_dict(data, path.parent)
-            if probe.outcome in _REPLAYED and (probe.gpu_name or probe.spec.device == "cpu"):
+            if probe.outcome in REPLAYED and (probe.gpu_name or probe.spec.device == "cpu"):
                 found.append(Recording(path=path, probe=probe))
         if not found:
             raise ConfigError(f"{folder} holds no recorded probe (result.json) to replay")
@@ -199,12 +207,12 @@ class Grid:
         own = self.failed_builds.get(_config_key(config))
         if own is not None:
             return own
-        family = _family_key(config)
+        family = without_checkpointing(config)
         return next(
             (
                 probe
-                for key, probe in sorted(self.failed_builds.items())
-                if _family_key(TrainConfig.from_dict(json.loads(key))) == family
+                for _, probe in sorted(self.failed_builds.items())
+                if without_checkpointing(probe.spec.config) == family
                 and (probe.outcome is Outcome.OOM or self.device == "cuda")
             ),
             None,
@@ -215,7 +223,7 @@ class Grid:
         the recordings, and the recording that says so: an ``oom`` of its own (sizes above it
         follow), or one of a configuration that differs only in checkpointing a superset of
         its blocks (that size and those above follow). None: no recording bounds it."""
-        family, own = _family_key(config), _config_key(config)
+        family, own = without_checkpointing(config), _config_key(config)
         found: list[tuple[int, int, _Recorded]] = []
         for (key, mbs), recordings in self.points.items():
             oom = next((r for r in recordings if r.size.outcome is Outcome.OOM), None)
@@ -224,7 +232,7 @@ class Grid:
             other = oom.probe.spec.config
             if key == own:
                 found.append((mbs, 0, oom))
-            elif _family_key(other) == family and checkpoints_all_of(
+            elif without_checkpointing(other) == family and checkpoints_all_of(
                 other.ac_every, config.ac_every
             ):
                 found.append((mbs, 1, oom))
@@ -234,7 +242,7 @@ class Grid:
         return mbs, first
 
     def configs(self) -> list[TrainConfig]:
-        """Every configuration the grid recorded (a size, or a host OOM)."""
+        """Every configuration the grid recorded (a size, or a failed build)."""
         keys = {c for c, _ in self.points} | set(self.failed_builds)
         return [TrainConfig.from_dict(json.loads(k)) for k in sorted(keys)]
 
