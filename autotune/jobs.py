@@ -97,7 +97,8 @@ class Job:
         """``llama-7b seq 4096 gbs 256`` and whatever else the workload set itself."""
         parts = [self.model]
         for key in sorted(self.own - {"model"}):
-            parts.append(f"{key.replace('_', '-')} {_text(self.options[key])}")
+            value = _text(self.options[key])
+            parts.append(f"{key.replace('_', '-')} {masked(value) if key == 'storage' else value}")
         return " ".join(parts)
 
 

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from autotune.config import TrainConfig
+from autotune.probe import faults
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.launcher import SubprocessSpawner, launch_probe
 from autotune.probe.result import ProbeResult
@@ -69,6 +70,7 @@ def pytest_configure(config: pytest.Config) -> None:
     inherit, and the tests that send SIGINT to a tuner or to this process would see nothing."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    faults.arm()  # the tests' AUTOTUNE_TEST_FAULT reaches their probes; a real run's never does
 
 
 def probe_processes(result: ProbeResult) -> list[psutil.Process]:

@@ -57,6 +57,8 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("run", *CPU, "--hosts", "localhost,node2,node2"), "names a host twice"),
     (("run", *CPU, "--hosts", "localhost,127.0.0.2", "--gpus", "3"), "split evenly over 2"),
     (("run", *SIM, "--hosts", "localhost,node2"), "leave it out with --simulate"),
+    (("run", *CPU, "--hosts", "localhost,-oProxyCommand=touch pwned"), "is not a host name"),
+    (("probe", "--device", "cpu", "--hosts", "localhost,a;b"), "'a;b' is not a host name"),
     (("run", "--device", "cuda"), "no GPU"),
     (("probe", "--device", "cuda"), "no GPU is visible: use --device cpu"),
     (("run", *SIM, "--device-memory", "200GiB"), "more than the h100-80gb's 79.65 GiB"),
@@ -78,6 +80,7 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("trials", "--storage", "postgres//x"), "not a storage URL"),
     (("run", *SIM, "--storage", "mysql://u@h/db"), "cannot open trial storage 'mysql://u@h/db'"),
     (("best", "--storage", "postgresql://u:s3cret@127.0.0.1:1/db"), "u:***@127.0.0.1:1/db"),
+    (("best", "--storage", "postgresql://u@127.0.0.1:1/db?password=s3cret"), "?password=***'"),
     # The command line itself.
     (("plan", "--device-memory", "1GiB"), "No such option: --device-memory"),
     (("frobnicate",), "No such command 'frobnicate'"),

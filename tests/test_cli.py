@@ -10,13 +10,20 @@ from pathlib import Path
 
 import pytest
 
+ARMED_MAIN = (
+    "from autotune.probe import faults; faults.arm(); from autotune.cli import main; main()"
+)
+"""The test suite's entry point to the command: ``autotune.cli.main`` in a process armed for
+test faults (a real ``autotune`` never is)."""
+
 
 def autotune(
     *args: str, cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real console entry point in a fresh interpreter (``env`` added to ours)."""
+    """Run the real console entry point in a fresh interpreter (``env`` added to ours), armed
+    for the test faults of ``AUTOTUNE_TEST_FAULT`` as the suite's own entry point."""
     return subprocess.run(
-        [sys.executable, "-c", "from autotune.cli import main; main()", *args],
+        [sys.executable, "-c", ARMED_MAIN, *args],
         cwd=cwd,
         env={**os.environ, **(env or {})},
         capture_output=True,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autotune.config import ConfigError
-from autotune.jobs import freshness, read_jobs
+from autotune.jobs import JobResult, freshness, read_jobs
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import StudyResult
 from autotune.study.reader import read_studies
@@ -40,6 +40,16 @@ def test_the_job_file_merges_the_command_line_under_each_workload(tmp_path: Path
     assert second.options["seq_len"] == 4096 and second.options["engine"] == "fsdp"
     assert second.options["gpus"] == 4 and second.options["budget"] == "30m"
     assert second.label() == "qwen2.5-1.5b engine fsdp global-batch 64 seq-len 4096"
+
+
+def test_a_workloads_own_storage_is_masked_in_its_label_and_options(tmp_path: Path) -> None:
+    path = tmp_path / "nightly.yaml"
+    path.write_text(
+        "workloads:\n  - model: a\n    storage: postgresql://u:pw1@h/db?sslpassword=pw2\n"
+    )
+    [job] = read_jobs(path, {})
+    assert job.label() == "a storage postgresql://u:***@h/db?sslpassword=***"
+    assert "pw" not in json.dumps(JobResult(job=job, status="failed", why="x").to_dict())
 
 
 A = "workloads:\n  - model: a\n"

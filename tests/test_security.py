@@ -6,11 +6,18 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shlex
 import stat
+import subprocess
+import sys
 from pathlib import Path
+from urllib.parse import unquote
 
+import pytest
+
+from autotune.study.urls import masked, redact
 from tests.test_cli import TINY_CPU, autotune
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
@@ -97,3 +104,46 @@ def test_probe_folders_and_the_trial_database_are_not_open_to_other_users(tmp_pa
         assert not _private(tmp_path / made), _private(tmp_path / made)
     assert stat.S_IMODE((tmp_path / "db" / "t.db").stat().st_mode) == 0o640
     assert stat.S_IMODE((tmp_path / "p").stat().st_mode) == 0o750
+
+
+def test_an_inherited_test_fault_variable_does_nothing_in_a_real_run(tmp_path: Path) -> None:
+    """``AUTOTUNE_TEST_FAULT`` in the environment of the real command (not the test suite's
+    armed entry point) reaches no rank: the probe trains and is ok, and its folder holds no
+    fault request. The armed entry point, given the same variable, does fail the rank."""
+    env = {**os.environ, "AUTOTUNE_TEST_FAULT": "error"}
+    args = ("probe", *TINY_CPU, "--micro-batch", "1", "--json")
+    real = subprocess.run(
+        [sys.executable, "-c", "from autotune.cli import main; main()", *args,
+         "--trials-dir", str(tmp_path / "real")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert real.returncode == 0, real.stderr
+    assert json.loads(real.stdout)["outcome"] == "ok"
+    assert not list((tmp_path / "real").rglob("test-fault"))
+    armed = autotune(*args, "--trials-dir", str(tmp_path / "armed"), cwd=tmp_path, env=env)
+    assert json.loads(armed.stdout)["outcome"] == "error", armed.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "shown", "secrets"),
+    [
+        ("postgresql://u:pw@h/db", "postgresql://u:***@h/db", ["pw"]),
+        ("postgresql+psycopg://u:p%40w@h:5/db", "postgresql+psycopg://u:***@h:5/db", ["p@w"]),
+        ("postgresql://u@h/db?password=pw&sslmode=require",
+         "postgresql://u@h/db?password=***&sslmode=require", ["pw"]),
+        ("postgresql://u@h/db?sslpassword=pw&passfile=/home/u/.pgpass&sslkey=/k.pem",
+         "postgresql://u@h/db?sslpassword=***&passfile=***&sslkey=***",
+         ["pw", "/home/u/.pgpass", "/k.pem"]),
+        ("postgresql://u@h/db?options=-c%20statement_timeout%3D5", None, []),
+        ("sqlite:///trials/autotune.db?timeout=30", None, []),
+    ],
+)  # fmt: skip
+def test_every_secret_form_of_a_storage_url_is_masked(
+    url: str, shown: str | None, secrets: list[str]
+) -> None:
+    """The user part's password and libpq's secret fields (``password``, ``sslpassword``,
+    ``passfile``, ``sslkey``) are masked; what is no secret is kept as given. A driver's error
+    that quotes a secret decoded loses it too."""
+    assert masked(url) == (shown or url)
+    error = redact(f"cannot parse {url!r}, near {unquote(url)!r}", url)
+    assert all(secret not in error for secret in secrets), error

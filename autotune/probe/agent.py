@@ -6,7 +6,8 @@ interpreters in a process group of their own, with torchrun's variables for thei
 the whole world, and supervises them as the launcher does on one node: after one rank fails
 the others get :data:`~autotune.probe.launcher.FAILURE_GRACE_S` to write their reports, then
 the group is ended. A SIGTERM (the launcher's timeout or Ctrl-C, forwarded by ``srun``), the
-end of its standard input with ``--watch-stdin`` (the ``ssh`` that started it is gone) or its
+end of its standard input with ``--watch-stdin`` (the ``ssh`` that started it is gone; the
+first line of that input is the environment the launcher forwards) or its
 parent's death ends the ranks too. It then writes ``node<K>.json``: every rank's exact exit
 status (a signal as a negative code), which the launcher turns into the probe's verdict as it
 does a local rank's. It imports no torch: it only starts and reaps processes.
@@ -57,12 +58,24 @@ def _write_report(path: Path, data: dict[str, Any]) -> None:
     partial.replace(path)
 
 
+def _read_environment() -> None:
+    """Add the environment the launcher sends as the first line of standard input (one JSON
+    object of names to values) to this process's, for the ranks to inherit."""
+    line = sys.stdin.buffer.readline()
+    try:
+        received = json.loads(line) if line.strip() else {}
+    except ValueError:
+        received = {}
+    if isinstance(received, dict):
+        os.environ.update({str(k): str(v) for k, v in received.items()})
+
+
 def _watch_stdin(stop_now: threading.Event) -> None:
     """Set ``stop_now`` once standard input ends (the ``ssh`` session is gone)."""
     while True:
         try:
-            chunk = os.read(0, 4096)
-        except OSError:
+            chunk = sys.stdin.buffer.read1(4096)  # type: ignore[union-attr]
+        except (OSError, ValueError):
             break
         if not chunk:
             break
@@ -77,6 +90,7 @@ def run(probe_dir: Path, *, node_rank: int, master_addr: str, port: int, watch: 
     signal.signal(signal.SIGTERM, lambda *_: stop_now.set())
     signal.signal(signal.SIGINT, lambda *_: stop_now.set())
     if watch:
+        _read_environment()
         threading.Thread(target=_watch_stdin, args=(stop_now,), daemon=True).start()
     running = Running(procs=[], pgids=[], killed=set())
     procs = running.procs

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from autotune.probe.faults import FAULT_FILE, write_request
 from autotune.probe.lifetime import PARENT_ENV
 from autotune.probe.nodes import (
     NODE_REPORT,
@@ -282,6 +283,7 @@ def _prepare(
     for stale in (*probe_dir.glob("rank*.json"), *probe_dir.glob("node*.json")):
         stale.unlink()
     (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
+    write_request(probe_dir)  # a test fault, only where the test suite armed this process
     _write_command(spec, probe_dir, port, spawn, nodes, launches)
     return OutputKeeper(probe_dir)
 
@@ -289,7 +291,7 @@ def _prepare(
 def _folder_failure(spec: ProbeSpec, probe_dir: Path, spawn: str, error: OSError) -> ProbeResult:
     """The result of a probe whose folder could not be written (no rank started; what the
     attempt began to write is removed, and no result.json is written)."""
-    for name in ("config.json", "cmd.txt"):
+    for name in ("config.json", "cmd.txt", FAULT_FILE):
         with contextlib.suppress(OSError):
             (probe_dir / name).unlink()
     why = error.strerror or str(error)
@@ -341,6 +343,13 @@ def _start_agents(launches: list[AgentLaunch], output: OutputKeeper, running: Ru
                 stdin=subprocess.PIPE if launch.watch else subprocess.DEVNULL,
                 process_group=0,
             )
+        if launch.watch and proc.stdin is not None:
+            # The agent's environment travels here, not on a command line ``ps`` shows.
+            try:
+                proc.stdin.write(json.dumps(dict(launch.environment or {})).encode() + b"\n")
+                proc.stdin.flush()
+            except OSError:
+                pass  # it is gone already: its exit is the verdict
         running.procs.append(proc)
         running.pgids.append(proc.pid)
 

@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import ConfigError
-from autotune.probe.lifetime import PARENT_ENV
 
 __all__ = [
     "NODE_REPORT",
     "AgentLaunch",
     "Nodes",
     "agent_launches",
+    "check_host",
     "expand_hostlist",
     "is_local_host",
     "nodes_from_environment",
@@ -137,6 +137,29 @@ def _expand_one(item: str, whole: str) -> list[str]:
     return [f"{prefix}{n}{tail}" for n in numbers for tail in tails]
 
 
+_HOST = re.compile(
+    r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?(?:[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\])$"
+)
+"""A host as ``ssh`` and ``srun`` take it: a name or an address (IPv6 in brackets), with an
+optional ``user@``. Nothing that starts with ``-`` (an option to ``ssh``) or holds a space,
+a quote or a shell character."""
+
+
+def check_host(host: str) -> str:
+    """``host``, when it is a host name or address.
+
+    Raises:
+        ConfigError: Anything else: an option in disguise (``-oProxyCommand=...``), an empty
+            name, spaces or shell characters.
+    """
+    if len(host) > 255 or not _HOST.match(host):
+        raise ConfigError(
+            f"{host!r} is not a host name: use names or addresses like node2, 10.0.0.2 or "
+            "user@node2, separated by commas"
+        )
+    return host
+
+
 def _loopback(host: str) -> bool:
     return host == "localhost" or re.fullmatch(r"127(\.\d{1,3}){3}", host) is not None
 
@@ -161,7 +184,7 @@ def nodes_from_environment(
             neither; a host list that repeats a host it reaches by ``ssh``.
     """
     if hosts:
-        hosts = tuple(hosts)
+        hosts = tuple(check_host(host) for host in hosts)
         wanted = nodes if nodes is not None else len(hosts)
         if wanted > len(hosts):
             raise ConfigError(
@@ -181,7 +204,7 @@ def nodes_from_environment(
         return Nodes(hosts=chosen, via="ssh" if remote else "local")
     allocation = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if environ.get("SLURM_JOB_ID") and allocation:
-        listed = expand_hostlist(allocation)
+        listed = [check_host(host) for host in expand_hostlist(allocation)]
         wanted = nodes if nodes is not None else len(listed)
         if wanted > len(listed):
             raise ConfigError(
@@ -198,19 +221,17 @@ def nodes_from_environment(
     return None
 
 
-FORWARDED_PREFIXES = ("AUTOTUNE_", "TORCH_", "NCCL_", "GLOO_", "OMP_", "PYTHONPATH", "HF_")
+FORWARDED_PREFIXES = ("TORCH_", "NCCL_", "GLOO_", "OMP_", "PYTHONPATH", "HF_")
 """The variables an agent started by ``ssh`` gets from the tuner's environment (``ssh``
-passes none; ``srun`` passes all). The launcher's own parent pid is never among them."""
+passes none; ``srun`` passes all): what the ranks read. None of autotune's own: the ranks
+never need the storage URL, and the launcher's parent pid is this host's."""
 
 
 def forwarded_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """What of the tuner's environment an agent on another host needs: where DeepSpeed's ops
-    live, the CUDA arch list, NCCL's and gloo's settings, test hooks."""
-    return {
-        key: value
-        for key, value in environ.items()
-        if key.startswith(FORWARDED_PREFIXES) and key != PARENT_ENV
-    }
+    live, the CUDA arch list, NCCL's and gloo's settings. It travels on the ``ssh`` session's
+    standard input, never on a command line (which ``ps`` shows on both hosts)."""
+    return {key: value for key, value in environ.items() if key.startswith(FORWARDED_PREFIXES)}
 
 
 def agent_command(
@@ -235,6 +256,9 @@ class AgentLaunch:
     """It reaches other hosts (``srun``, ``ssh``): the launcher's parent pid is not passed."""
     watch: bool = False
     """The agent watches its standard input (``ssh``): the launcher holds it open."""
+    environment: Mapping[str, str] | None = None
+    """What the launcher writes to a watching agent's standard input first, as one JSON line:
+    the variables the agent adds to its own environment (:func:`forwarded_environment`)."""
 
 
 def agent_launches(
@@ -242,8 +266,8 @@ def agent_launches(
 ) -> list[AgentLaunch]:
     """What the launcher runs to start every node's agent: one ``srun`` step for all nodes
     (one task per node), or one command per node: the agent itself for this machine, ``ssh
-    HOST ...`` for another (the remote command is one string for its shell, every word
-    quoted, the forwarded environment set with ``env``)."""
+    -- HOST ...`` for another (the remote command is one string for its shell, every word
+    quoted; the forwarded environment goes on the session's standard input)."""
     if nodes.via == "srun":
         srun = ["srun", f"--nodes={nodes.count}", f"--ntasks={nodes.count}"]
         srun += ["--ntasks-per-node=1", f"--nodelist={','.join(nodes.hosts)}"]
@@ -257,10 +281,14 @@ def agent_launches(
             )
             continue
         command = agent_command(probe_dir, nodes, port, rank, watch=True)
-        env = [f"{k}={v}" for k, v in sorted(forwarded_environment(environ).items())]
-        remote = f"cd {shlex.quote(str(Path.cwd()))} && exec {shlex.join(['env', *env, *command])}"
+        remote = f"cd {shlex.quote(str(Path.cwd()))} && exec {shlex.join(command)}"
         launches.append(
-            AgentLaunch(argv=["ssh", "-o", "BatchMode=yes", host, remote], remote=True, watch=True)
+            AgentLaunch(
+                argv=["ssh", "-o", "BatchMode=yes", "--", host, remote],
+                remote=True,
+                watch=True,
+                environment=forwarded_environment(environ),
+            )
         )
     return launches
 

@@ -33,6 +33,7 @@ from autotune.hardware import peak_flops_for
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.data import synthetic_batch
 from autotune.probe.engines import EngineContext, Trainee, build_trainee, load_engine
+from autotune.probe.faults import FAULT_ENV, fault_for, read_request
 from autotune.probe.lifetime import PARENT_ENV, die_with_parent
 from autotune.probe.memory import LiveTensorBytes, MemoryMeter, apply_cuda_limit
 from autotune.probe.metrics import now, probe_throughput, synchronize
@@ -89,24 +90,14 @@ class _Report:
         os.replace(tmp, self.path)
 
 
-FAULT_ENV = "AUTOTUNE_TEST_FAULT"
-"""Test hook: ``KIND@RANK`` (or ``KIND`` for every rank; ``KIND@RANK:ENGINE`` only in probes
-of that engine) makes that rank fail for real, so the launcher's handling of each fault can be
-tested. Right after the build: ``segfault``, ``sigkill``, ``hang``, ``error``, and ``flood``
-(write :data:`FLOOD_BYTES` to stdout and to stderr as fast as it can, then train on). After the
-last size, before a clean exit: ``garble`` (its report cut in half), ``empty`` (emptied),
-``noreport`` (deleted)."""
-REPORT_FAULTS = ("garble", "empty", "noreport")
 FLOOD_BYTES = 100 << 20
+_fault_request = ""
+"""This probe's test fault request (:mod:`autotune.probe.faults`), read from its folder."""
 
 
 def _fault(rank: int, engine: str) -> str | None:
-    """The fault ``FAULT_ENV`` asks of this rank, if any."""
-    kind, _, where = os.environ.get(FAULT_ENV, "").partition("@")
-    which, _, only = where.partition(":")
-    if not kind or (which and int(which) != rank) or (only and only != engine):
-        return None
-    return kind
+    """The fault the probe's test fault request asks of this rank, if any."""
+    return fault_for(_fault_request, rank, engine)
 
 
 def _flood() -> None:
@@ -128,14 +119,14 @@ def _inject_fault(rank: int, engine: str) -> None:
     elif kind == "hang":
         time.sleep(10**6)
     elif kind == "error":
-        raise RuntimeError("injected failure (AUTOTUNE_TEST_FAULT)")
+        raise RuntimeError(f"injected failure ({FAULT_ENV})")
     elif kind == "flood":
         _flood()
 
 
 def _spoil_report(path: Path, rank: int, engine: str) -> None:
-    """The report faults of ``FAULT_ENV``: what a torn write, a full disk or another process
-    would leave of the report."""
+    """The report faults of a test fault request: what a torn write, a full disk or another
+    process would leave of the report."""
     kind = _fault(rank, engine)
     if kind == "garble":
         text = path.read_text()
@@ -458,6 +449,8 @@ def _measure(probe: _Probe, built: _Built) -> int:
 
 def run(probe_dir: Path) -> int:
     """Run this rank's part of the probe in ``probe_dir``; returns the exit code."""
+    global _fault_request
+    _fault_request = read_request(probe_dir)
     with contextlib.ExitStack() as stack:  # holds the CPU's tensor byte counter
         probe = _start(probe_dir, stack)
         if probe is None:

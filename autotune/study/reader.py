@@ -43,7 +43,7 @@ from autotune.study.measurement import (
     point,
     pool,
 )
-from autotune.study.urls import check_storage_url, masked
+from autotune.study.urls import check_storage_url, masked, redact
 
 __all__ = ["KNOWN_SCHEMAS", "cannot_open", "read_studies", "sqlite_path"]
 
@@ -77,7 +77,7 @@ def cannot_open(url: str, error: Exception) -> ConfigError:
     """The one line that says a storage URL cannot be opened, and what to use."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return ConfigError(
-        f"cannot open trial storage {masked(url)!r}: {masked(reason)}; {_hint(reason)}"
+        f"cannot open trial storage {masked(url)!r}: {redact(reason, url)}; {_hint(reason)}"
     )
 
 

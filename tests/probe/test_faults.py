@@ -23,10 +23,11 @@ from conftest import RunProbe, probe_failure_text, read_json
 
 import autotune
 from autotune.config import Engine, TrainConfig
+from autotune.probe.faults import FAULT_ENV
 from autotune.probe.launcher import read_report
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.output import HEAD_BYTES, TAIL_BYTES, CappedLog
-from autotune.probe.worker import FAULT_ENV, FLOOD_BYTES
+from autotune.probe.worker import FLOOD_BYTES
 
 DDP = TrainConfig(engine=Engine.DDP)
 ROOT = os.geteuid() == 0

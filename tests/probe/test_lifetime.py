@@ -14,6 +14,8 @@ TUNER = """
 import sys
 from pathlib import Path
 from autotune.config import TrainConfig
+from autotune.probe import faults
+faults.arm()  # the test suite's tuner: its AUTOTUNE_TEST_FAULT reaches the ranks
 from autotune.probe.launcher import SubprocessSpawner, launch_probe
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.spec import ProbeSpec

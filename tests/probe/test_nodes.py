@@ -10,6 +10,7 @@ agents behave under them as on a real node (node rank from Slurm's variables; th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,8 +18,11 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import kill_tuner_once_ranks_run, probe_failure_text, probe_processes
 
@@ -136,22 +140,32 @@ def test_srun_starts_one_agent_per_node_and_ssh_one_quoted_command_per_host(
     assert "--node-rank" not in argv  # each task takes SLURM_NODEID
     assert argv[argv.index("--master-addr") + 1] == "g1"
 
-    environ = {"AUTOTUNE_TEST_FAULT": "hang@1", "NCCL_DEBUG": "INFO", "HOME": "/root"}
+    environ = {
+        "AUTOTUNE_TEST_FAULT": "hang@1",
+        "AUTOTUNE_STORAGE": "postgresql://u:s3cret@db/x",
+        "NCCL_DEBUG": "INFO",
+        "HF_TOKEN": "hf_s3cret",
+        "HOME": "/root",
+    }
     environ[PARENT_ENV] = "123"
-    assert forwarded_environment(environ) == {"AUTOTUNE_TEST_FAULT": "hang@1", "NCCL_DEBUG": "INFO"}
+    # Nothing of autotune's own is forwarded (the ranks never need the storage URL; test
+    # faults travel in the probe folder), and nothing forwarded is on a command line.
+    assert forwarded_environment(environ) == {"NCCL_DEBUG": "INFO", "HF_TOKEN": "hf_s3cret"}
     local, remote = agent_launches(
         probe_dir, Nodes(hosts=("localhost", "node2"), via="ssh"), 29500, environ
     )
     assert not local.remote and local.argv[local.argv.index("--node-rank") + 1] == "0"
+    assert not local.environment
     assert remote.remote and remote.watch
-    assert remote.argv[:4] == ["ssh", "-o", "BatchMode=yes", "node2"]
+    assert remote.environment == {"NCCL_DEBUG": "INFO", "HF_TOKEN": "hf_s3cret"}
+    assert remote.argv[:5] == ["ssh", "-o", "BatchMode=yes", "--", "node2"]
+    assert not any("s3cret" in word or "NCCL_DEBUG" in word for word in remote.argv)
     # The remote shell gets one string in which every word is quoted: the hostile folder name
     # is one argument of the agent, and runs nothing.
-    words = ["sh", "-c", f"printf '%s\\n' {remote.argv[4].split(' && exec ', 1)[1]}"]
+    words = ["sh", "-c", f"printf '%s\\n' {remote.argv[5].split(' && exec ', 1)[1]}"]
     printed = subprocess.run(words, cwd=tmp_path, capture_output=True, text=True, check=True)
     assert str(probe_dir) in printed.stdout.splitlines()
     assert "--watch-stdin" in printed.stdout.splitlines()
-    assert "AUTOTUNE_TEST_FAULT=hang@1" in printed.stdout.splitlines()
     assert not (tmp_path / "pwned").exists()
 
 
@@ -237,11 +251,15 @@ sys.exit(max((abs(c) for c in codes), default=0))
 
 FAKE_SSH = """\
 #!/bin/sh
-# A fake ssh (this machine has no second host): drops the options and the host, then runs the
-# remote command in a shell here, its standard input the session's, as sshd would.
+# A fake ssh (this machine has no second host): records its command line, drops the options,
+# the "--" and the host, then runs the remote command in a shell here with a fresh login's
+# environment (nothing of the caller's but PATH and HOME), its standard input the session's,
+# as sshd would.
+[ -n "$FAKE_SSH_LOG" ] && printf '%s\\n' "$*" >> "$FAKE_SSH_LOG"
 while [ "$1" = "-o" ]; do shift 2; done
+[ "$1" = "--" ] && shift
 shift
-exec /bin/sh -c "$1"
+exec env -i PATH="$PATH" HOME="$HOME" /bin/sh -c "$1"
 """
 
 
@@ -278,6 +296,8 @@ TUNER = """
 import sys
 from pathlib import Path
 from autotune.config import TrainConfig
+from autotune.probe import faults
+faults.arm()  # the test suite's tuner: its AUTOTUNE_TEST_FAULT reaches the ranks
 from autotune.probe.launcher import launch_probe
 from autotune.probe.nodes import Nodes
 from autotune.probe.spec import ProbeSpec
@@ -309,6 +329,54 @@ def test_every_nodes_ranks_die_with_a_killed_tuner(tmp_path: Path, via: str, sec
         cwd=ROOT,
     )
     kill_tuner_once_ranks_run(tuner, probe_dir, ranks=2, processes=4)  # 2 agents, 2 ranks
+
+
+def test_ssh_carries_the_environment_on_stdin_and_no_secret_on_any_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through ssh (a fake that gives the remote command a fresh login's environment), the
+    remote rank gets what it needs of the tuner's environment from the session's standard
+    input; the storage URL's password and a token reach no command line (``ps`` on either
+    host), no ``cmd.txt``, and no rank's environment; the hang the suite asked of the remote
+    rank reaches it through the shared probe folder."""
+    bin_dir = tmp_path / "bin"
+    _fake(bin_dir, "ssh", FAKE_SSH)
+    log = tmp_path / "ssh.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SSH_LOG", str(log))
+    monkeypatch.setenv("AUTOTUNE_STORAGE", "postgresql://tuner:s3cret-pw@db/autotune")
+    monkeypatch.setenv("GLOO_AUTOTUNE_MARKER", "forwarded")
+    monkeypatch.setenv("AUTOTUNE_TEST_FAULT", "hang@1")
+    seen: dict[str, str] = {}
+    command_lines: list[str] = []
+    probe_dir = tmp_path / "probe"
+
+    def watch() -> None:  # the remote rank's environment, read while it hangs
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not seen:
+            for process in psutil.process_iter(["cmdline"]):
+                line = " ".join(process.info["cmdline"] or [])
+                if str(probe_dir) not in line:
+                    continue
+                command_lines.append(line)
+                with contextlib.suppress(psutil.Error):
+                    environ = process.environ()
+                    if environ.get("RANK") == "1" and "autotune.probe.worker" in line:
+                        seen.update(environ)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    nodes = Nodes(hosts=("127.0.0.1", "node2"), via="ssh")
+    result = launch_probe(_spec(timeout_s=20.0), probe_dir, nodes=nodes)
+    watcher.join()
+    _no_leftovers(result)
+    assert result.outcome is Outcome.TIMEOUT, probe_failure_text(result)
+    assert seen.get("GLOO_AUTOTUNE_MARKER") == "forwarded", sorted(seen)
+    assert "AUTOTUNE_STORAGE" not in seen and "AUTOTUNE_TEST_FAULT" not in seen
+    written = log.read_text() + (probe_dir / "cmd.txt").read_text() + "\n".join(command_lines)
+    assert "-- node2" in log.read_text()
+    assert "s3cret-pw" not in written and "GLOO_AUTOTUNE_MARKER" not in written
 
 
 def test_autotune_run_tunes_across_two_nodes_and_exports_their_launch(tmp_path: Path) -> None:
