@@ -15,16 +15,18 @@ message says what to do. Nothing here imports torch: only the ranks of a real pr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.config import Attention, ConfigError, Engine, Precision, TrainConfig
+from autotune.config import DEVICES, Attention, ConfigError, Engine, Precision, TrainConfig
 from autotune.devices import Device, LocalDevice, ReplayDevice, SimulatedDevice
 from autotune.devices.base import SetupResult, SetupStep
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, usable_bytes
@@ -101,6 +103,18 @@ def _bytes(value: str | int | None, what: str, *, zero: bool = False) -> int | N
     return size
 
 
+def _reserve(value: str | int, gpu: GpuSpec) -> int:
+    """``--reserve``: device memory kept from the plan, less than the whole card."""
+    reserve = _bytes(value, "--reserve", zero=True) or 0
+    if reserve >= gpu.memory_bytes:
+        raise ConfigError(
+            f"--reserve {format_bytes(reserve)} is all of the {gpu.name}'s "
+            f"{format_bytes(gpu.memory_bytes)} or more: leave it out (default "
+            f"{format_bytes(DEVICE_RESERVE_BYTES)}) or keep it below the card's memory"
+        )
+    return reserve
+
+
 def _fraction(value: str | float, what: str) -> float:
     if isinstance(value, str):
         return parse_fraction(value, what)
@@ -165,6 +179,9 @@ class Plan:
     rows: list[PlanRow]
     seconds: float
     """How long the prediction took."""
+    host: HostAssumed
+    """The host the plan assumes for offload: its memory and cores, and where they come
+    from."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -175,8 +192,63 @@ class Plan:
             "global_batch": self.workload.global_batch,
             "predicted": True,
             "seconds": self.seconds,
+            "host": self.host.to_dict(),
             "rows": [row.to_dict() for row in self.rows],
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostAssumed:
+    """The host a plan assumes: a node's memory for the job and its CPU cores (host Adam
+    under offload runs on them), each with where it comes from."""
+
+    memory_bytes: int | None
+    """None: the host memory is not checked."""
+    cores: int | None
+    """None: 16 cores per GPU, the estimator's default."""
+    memory_from: str
+    cores_from: str
+
+    def text(self) -> str:
+        memory = (
+            "host memory not checked"
+            if self.memory_bytes is None
+            else f"host memory {format_bytes(self.memory_bytes)}"
+        )
+        cores = "16 cores per GPU" if self.cores is None else f"{self.cores} cores"
+        return f"host: {memory} ({self.memory_from}); {cores} ({self.cores_from})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "memory_bytes": self.memory_bytes,
+            "memory_from": self.memory_from,
+            "cores": self.cores,
+            "cores_from": self.cores_from,
+        }
+
+
+def _host_assumed(
+    memory: int | None, cores: int | None, *, here: bool, simulated: bool = False
+) -> HostAssumed:
+    """The host a plan or a run assumes: what was given, else this node's when the plan is
+    for this node, else none checked and 16 cores per GPU (a plan for another node must not
+    take this machine's figures: give ``--host-memory`` and ``--host-cores`` for it)."""
+    elsewhere = "a simulated node" if simulated else "a plan for another node"
+    if memory is not None:
+        memory_from = "--host-memory"
+    elif here:
+        memory, memory_from = host_memory_bytes(), "this node's"
+    else:
+        memory_from = f"{elsewhere}: give --host-memory to check it"
+    if cores is not None:
+        cores_from = "--host-cores"
+    elif here:
+        cores, cores_from = os.cpu_count() or 1, "this node's"
+    else:
+        cores_from = f"{elsewhere}: the estimator's default; --host-cores sets it"
+    return HostAssumed(
+        memory_bytes=memory, cores=cores, memory_from=memory_from, cores_from=cores_from
+    )
 
 
 def plan(
@@ -193,6 +265,7 @@ def plan(
     headroom: str | float = 0.0,
     reserve: str | int = DEVICE_RESERVE_BYTES,
     host_memory: str | int | None = None,
+    host_cores: int | None = None,
 ) -> Plan:
     """Predict peak memory and throughput of every configuration (no GPU needed).
 
@@ -209,12 +282,21 @@ def plan(
         headroom: Memory a fitting configuration leaves free (``"10%"`` or 0.1).
         reserve: Device memory kept for the CUDA context and the allocator.
         host_memory: Host memory of a node for the job (``"125GiB"``); default: what this
-            node gives it (its RAM, or its container's limit).
+            node gives it (its RAM, or its container's limit) when the plan is for this
+            node's GPU, else not checked.
+        host_cores: CPU cores of a node; default: this node's when the plan is for its GPU,
+            else 16 per GPU.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
-    host = _bytes(host_memory, "--host-memory")
     target, here = _gpu(gpu)
-    workload = _workload(spec, seq_len, global_batch, gpus if gpus is not None else here)
+    detected = detect_gpus() if gpu is not None else None
+    local = gpu is None or (
+        detected is not None and detected.spec is not None and detected.spec.key == target.key
+    )
+    host = _host_assumed(
+        _bytes(host_memory, "--host-memory"), _count(host_cores, "--host-cores"), here=local
+    )
+    workload = _workload(spec, seq_len, global_batch, _count(gpus, "--gpus") or here)
     started = time.perf_counter()
     rows = plan_rows(
         spec,
@@ -224,9 +306,10 @@ def plan(
         precision=precision,
         attention=attention,
         gpus_per_node=gpus_per_node,
-        reserve=_bytes(reserve, "--reserve", zero=True) or 0,
+        reserve=_reserve(reserve, target),
         headroom=_fraction(headroom, "headroom"),
-        host_memory_bytes=host if host is not None else host_memory_bytes(),
+        host_memory_bytes=host.memory_bytes,
+        host_cores=host.cores,
     )
     return Plan(
         model=spec,
@@ -234,6 +317,7 @@ def plan(
         workload=workload,
         rows=rows,
         seconds=time.perf_counter() - started,
+        host=host,
     )
 
 
@@ -298,18 +382,21 @@ def _device(
     *,
     warm: bool,
     nodes: Nodes | None = None,
+    cores: int | None = None,
 ) -> tuple[Device, GpuSpec, int]:
     """The device that answers probes, the GPU to plan for and the GPUs here (on each node)."""
+    if isinstance(device, str) and device not in DEVICES:
+        raise ConfigError(f"unknown device {device!r}: use {', '.join(DEVICES)}")
     if simulate is not None:
-        simulated = SimulatedDevice.named(simulate, seed=seed, host_memory_bytes=host)
+        simulated = SimulatedDevice.named(
+            simulate, seed=seed, host_memory_bytes=host, host_cores=cores
+        )
         return simulated, simulated.gpu, 8
     if isinstance(device, SimulatedDevice):
         return device, device.gpu, 8
     if isinstance(device, ReplayDevice):
         return device, device.gpu, device.grid.key.num_processes  # the recordings' CPU or GPU
     if isinstance(device, str):
-        if device not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
         if device == "auto":
             if detect_gpus() is None:
                 raise ConfigError(
@@ -334,6 +421,16 @@ def _host_for(device: Device, given: int | None) -> int | None:
     return given if given is not None else host_memory_bytes()
 
 
+def _cores_for(device: Device, given: int | None) -> int | None:
+    """The host cores a run plans for: as given, the simulated node's, or this node's (None
+    for a recorded grid: 16 per GPU)."""
+    if isinstance(device, SimulatedDevice):
+        return device.host_cores
+    if isinstance(device, ReplayDevice):
+        return given
+    return given if given is not None else os.cpu_count()
+
+
 def prepare(
     model: str,
     *,
@@ -347,6 +444,7 @@ def prepare(
     device_memory: str | int | None = None,
     headroom: str | float = 0.0,
     host_memory: str | int | None = None,
+    host_cores: int | None = None,
     objective: Objective | str = Objective.TOKENS,
     storage: str = DEFAULT_STORAGE,
     trials_dir: str | Path = "trials",
@@ -365,11 +463,14 @@ def prepare(
     budget_s = _seconds(budget, "the budget")
     cap = _bytes(device_memory, "--device-memory")
     host = _bytes(host_memory, "--host-memory")
+    cores = _count(host_cores, "--host-cores")
     layout = _nodes(nodes, hosts, simulated=simulate is not None or not isinstance(device, str))
     count = layout.count if layout is not None else (nodes or 1)
     if isinstance(device, ReplayDevice) and cap is None:
         cap = device.grid.key.device_memory_bytes  # the cap the grid was recorded under
-    chosen, gpu, here = _device(device, simulate, seed, cap, host, warm=warm, nodes=layout)
+    chosen, gpu, here = _device(
+        device, simulate, seed, cap, host, warm=warm, nodes=layout, cores=cores
+    )
     per_node = _per_node(gpus, count, here)
     world = per_node * count
     workload = _workload(spec, seq_len, global_batch, world)
@@ -419,6 +520,7 @@ def prepare(
         reserve=0 if on_cpu or cap is not None else DEVICE_RESERVE_BYTES,
         offload=not on_cpu,  # a CPU emulating a device has no host to offload to
         host_memory_bytes=_host_for(chosen, host),
+        host_cores=_cores_for(chosen, cores),
         device="cpu" if on_cpu else "cuda",
         gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
     )
@@ -454,8 +556,7 @@ def _nodes(
 ) -> Nodes | None:
     """The nodes real probes span (``--hosts``, or the Slurm allocation the run is in), or
     None for this node alone; a simulated device has no hosts (``nodes`` alone counts)."""
-    if nodes is not None and nodes < 1:
-        raise ConfigError(f"--nodes {nodes}: use 1 or more")
+    _count(nodes, "--nodes")
     listed = [h.strip() for h in hosts.split(",")] if isinstance(hosts, str) else hosts
     if listed is not None and not all(listed):
         raise ConfigError(f"--hosts {hosts!r} has an empty name: use --hosts this-host,node2")
@@ -466,8 +567,20 @@ def _nodes(
     return nodes_from_environment(os.environ, nodes=nodes, hosts=listed)
 
 
+_FOLDER_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9._-]{1,128}$")
+"""One folder name: no separator, not ``.`` or ``..``."""
+
+
+def _count(value: int | None, option: str) -> int | None:
+    """A count the user gave (``--gpus``), refused below 1 under its own name."""
+    if value is not None and value < 1:
+        raise ConfigError(f"{option} {value}: use 1 or more")
+    return value
+
+
 def _per_node(gpus: int | None, nodes: int, here: int) -> int:
     """Ranks on each node: ``gpus`` in all split evenly over the nodes, or every GPU here."""
+    _count(gpus, "--gpus")
     if gpus is None:
         return here
     if gpus % nodes:
@@ -592,7 +705,7 @@ def tune_jobs(
         try:
             studies = read_studies(storage, last=0)
             tuning = prepare(model, **options)
-        except ConfigError as error:
+        except (ConfigError, ValueError) as error:
             result = JobResult(job=job, status="failed", why=str(error))
         else:
             fresh = freshness(
@@ -732,8 +845,21 @@ def probe(
         hosts: The nodes' names (``"this-host,node2"``), this one first; others are
             reached by ``ssh``.
     """
-    seq_len = _seq_len(resolve_model(model), seq_len)  # fails fast on an unknown name
+    shape = resolve_model(model)  # fails fast on an unknown name
+    seq_len = _seq_len(shape, seq_len)
     config = config or TrainConfig()
+    if config.ac_every > shape.num_layers:
+        raise ConfigError(
+            f"checkpointing every {config.ac_every} blocks of {shape.name}'s "
+            f"{shape.num_layers} checkpoints only its first block: use --ac every-"
+            f"{shape.num_layers} or less"
+        )
+    if not _FOLDER_NAME.match(folder):
+        raise ConfigError(
+            f"--study {folder!r} is not a folder name: use letters, digits, '.', '_' or '-' "
+            "(it is made under --trials-dir, never elsewhere)"
+        )
+    _count(gpus, "--gpus")
     layout = _nodes(nodes, hosts, simulated=not isinstance(device, str))
     count = layout.count if layout is not None else 1
     if isinstance(device, str):
@@ -742,8 +868,8 @@ def probe(
             raise ConfigError("--device cuda, but no GPU is visible: use --device cpu")
         if device == "auto":
             device = "cuda" if detected else "cpu"
-        if device not in ("cuda", "cpu"):
-            raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
+        if device not in DEVICES:
+            raise ConfigError(f"unknown device {device!r}: use {', '.join(DEVICES)}")
         # One probe: nothing to share with warm workers.
         chosen: Device = LocalDevice(device, warm=False, nodes=layout)
         here = detected.count if detected and device == "cuda" else 1
@@ -954,21 +1080,35 @@ def write_report(
 
 
 def write_new_file(path: Path, text: str, *, force: bool = False) -> None:
-    """Write an output file (``-o``): created exclusively, so that an existing file is never
-    overwritten unless ``force``, even one that appeared since it was last checked.
+    """Write an output file (``-o``) whole or not at all: the text goes to a temporary file
+    beside it, which then takes the name (a link, which fails on an existing file, unless
+    ``force``; a rename with it). An existing file is never overwritten without ``force``,
+    even one that appeared since it was last checked, and a full disk leaves no empty or
+    partial file behind.
 
     Raises:
         ConfigError: When ``path`` exists without ``force``, or cannot be written.
     """
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        with path.open("w" if force else "x", encoding="utf-8") as file:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with open(descriptor, "w", encoding="utf-8") as file:
             file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        if force:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)  # atomic, and refuses an existing name
     except FileExistsError:
         raise ConfigError(
             f"{path} exists: add --force to overwrite it, or pick another -o"
         ) from None
     except OSError as error:
         raise ConfigError(f"cannot write {path}: {error.strerror or error}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
 
 
 def _trial(found: StudyResult, number: int) -> Measurement:

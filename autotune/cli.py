@@ -53,17 +53,12 @@ class UsageError(Exception):
 
 
 def _parse_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise UsageError(
-            f"invalid micro-batch {text!r}: use a positive integer or a list like 1,2,4"
-        ) from None
-    if not sizes or min(sizes) < 1:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isascii() and part.isdigit() and int(part) >= 1 for part in parts):
         raise UsageError(
             f"invalid micro-batch {text!r}: use a positive integer or a list like 1,2,4"
         )
-    return sizes
+    return tuple(int(part) for part in parts)
 
 
 # Options several commands share.
@@ -109,6 +104,13 @@ GlobalBatchOption = Annotated[
     int | None, typer.Option(help="Sequences per optimizer step (default: 8 per GPU).")
 ]
 HeadroomOption = Annotated[str, typer.Option(help="Memory to leave free, e.g. 10%.")]
+HostCoresOption = Annotated[
+    int | None,
+    typer.Option(
+        help="CPU cores of a node, which host Adam under offload runs on (default: this "
+        "node's; for another node's GPU or --simulate: 16 per GPU).",
+    ),
+]
 HostMemoryOption = Annotated[
     str | None,
     typer.Option(
@@ -222,12 +224,12 @@ def probe(
 
 
 def _parse_engines(text: str | None) -> list[Engine] | None:
-    if not text:
+    if text is None:
         return None
+    choices = ", ".join(e.value for e in Engine)
     try:
-        return [Engine(part.strip()) for part in text.split(",") if part.strip()]
+        return [Engine(part.strip()) for part in text.split(",")]
     except ValueError:
-        choices = ", ".join(e.value for e in Engine)
         raise UsageError(f"unknown engine in {text!r}: use {choices}, comma-separated") from None
 
 
@@ -255,6 +257,7 @@ def plan(
         ),
     ] = None,
     host_memory: HostMemoryOption = None,
+    host_cores: HostCoresOption = None,
     top: Annotated[int, typer.Option(help="Rows to show (0: all).")] = 15,
     json_output: JsonOption = False,
 ) -> None:
@@ -262,6 +265,8 @@ def plan(
     from autotune import api
     from autotune.report.tables import plan_table
 
+    if top < 0:
+        raise UsageError(f"--top {top}: use a number of rows, or 0 for all")
     found = api.plan(
         model,
         gpu=gpu,
@@ -274,7 +279,8 @@ def plan(
         attention=attention,
         headroom=headroom,
         host_memory=host_memory,
-        **({"reserve": reserve} if reserve is not None else {}),
+        host_cores=host_cores,
+        reserve=api.DEVICE_RESERVE_BYTES if reserve is None else reserve,
     )
     if json_output:
         _print_json(found.to_dict())
@@ -284,6 +290,7 @@ def plan(
         f"{found.model.name} on {w.world_size} x {found.gpu.name}, seq {w.seq_len}, global "
         f"batch {w.global_batch}: predicted, not measured"
     )
+    console.print(found.host.text(), style="dim", markup=False, highlight=False)
     console.print(plan_table(found.rows, title=title, top=top, seconds=found.seconds))
 
 
@@ -311,6 +318,7 @@ def run(
     ] = None,
     headroom: HeadroomOption = "0%",
     host_memory: HostMemoryOption = None,
+    host_cores: HostCoresOption = None,
     objective: Annotated[
         str, typer.Option(help="What to maximize: tokens (tokens/s) or mfu.")
     ] = "tokens",
@@ -361,6 +369,7 @@ def run(
         "device_memory": device_memory,
         "headroom": headroom,
         "host_memory": host_memory,
+        "host_cores": host_cores,
         "objective": objective,
         "storage": storage,
         "trials_dir": str(trials_dir),
@@ -374,7 +383,7 @@ def run(
     if max_age is not None:
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
     options["engines"] = _parse_engines(options.pop("engine"))
-    tuning = api.prepare(model or "llama-7b", **options)
+    tuning = api.prepare("llama-7b" if model is None else model, **options)
     simulated = tuning.device.kind == "simulated"
     w = tuning.workload
     if not json_output:
@@ -399,7 +408,7 @@ def run(
         console.print(f"stopped: {summary.stop_reason}; {count} this run")
         best = summary.best
         if best is None:
-            console.print("[red]no configuration fits[/]")
+            console.print(f"[red]{summary.why_no_best}[/]")
         else:
             console.print(
                 f"[bold]best: {best.config.label()} at micro-batch {best.micro_batch_size} "
@@ -505,20 +514,35 @@ def best(
     raise typer.Exit(0 if any(s.best for s in studies) else 1)
 
 
+TRIALS_SHOWN = 50
+"""Trials per study ``autotune trials`` shows as a table unless asked for more: a study of
+10,000 trials takes seconds to lay out in full."""
+
+
 @app.command()
 def trials(
     model: FilterModel = None,
     gpu: FilterGpu = None,
     storage: StorageOption = DEFAULT_STORAGE,
     last: Annotated[
-        int | None, typer.Option(min=1, help="Only the last N trials of each study.")
+        int | None,
+        typer.Option(
+            min=1,
+            help=f"Only the last N trials of each study (the table's default: "
+            f"{TRIALS_SHOWN}; --json: all).",
+        ),
     ] = None,
+    every: Annotated[bool, typer.Option("--all", help="Every trial, in the table too.")] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Every probe of every matching study: configuration, size, outcome, speed, memory."""
     from autotune import api
     from autotune.report.tables import trials_table
 
+    if every and last is not None:
+        raise UsageError("--all and --last: give one of them")
+    if last is None and not every and not json_output:
+        last = TRIALS_SHOWN
     studies = api.trials(model=model, gpu=gpu, storage=storage, last=last, best=False)
     shown = {s.study_name: sorted(s.measurements, key=lambda m: m.number) for s in studies}
     if json_output:
@@ -530,7 +554,7 @@ def trials(
         )
         return
     for s in studies:
-        console.print(trials_table(s.study_name, shown[s.study_name]))
+        console.print(trials_table(s.study_name, shown[s.study_name], total=s.trial_count))
 
 
 @app.command()

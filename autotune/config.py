@@ -88,6 +88,10 @@ def checkpointed_fraction(num_layers: int, every: int) -> float:
     return len(range(0, num_layers, every)) / num_layers
 
 
+DEVICES = ("auto", "cuda", "cpu")
+"""Where probes run (``--device``): the GPUs here, the CPU, or the GPUs if any."""
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""
 

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.config import ConfigError, Engine
-from autotune.study.fingerprint import Fingerprint
+from autotune.config import DEVICES, ConfigError, Engine
+from autotune.hardware import gpu_spec
+from autotune.models import resolve_model
+from autotune.study.fingerprint import Fingerprint, Objective
 from autotune.study.measurement import Measurement, StudyResult
 from autotune.study.urls import masked
 
@@ -46,7 +48,7 @@ __all__ = ["FIELDS", "Freshness", "Job", "JobResult", "freshness", "read_jobs"]
 
 FIELDS: dict[str, tuple[type, ...]] = {
     "model": (str,),
-    "budget": (str, int, float),
+    "budget": (str, int, float),  # numbers are refused with a word: durations take a unit
     "seq_len": (int,),
     "global_batch": (int,),
     "gpus": (int,),
@@ -54,7 +56,8 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "hosts": (str, list),
     "engine": (str, list),
     "headroom": (str, int, float),
-    "host_memory": (str, int),
+    "host_memory": (str, int),  # numbers are refused with a word: sizes take a unit
+    "host_cores": (int,),
     "device_memory": (str, int),
     "objective": (str,),
     "simulate": (str,),
@@ -121,6 +124,10 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise ConfigError(f"cannot read the job file {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not a text file in UTF-8 (byte {error.start}): a job file is YAML text"
+        ) from None
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as error:
@@ -131,7 +138,14 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
     if not isinstance(root, yaml.MappingNode):
         line = root.start_mark.line + 1 if root is not None else 1
         raise ConfigError(f"{path}:{line}: a job file is a mapping with a workloads: list")
-    entries = {key.value: (key, value) for key, value in root.value}
+    entries: dict[str, tuple[Any, Any]] = {}
+    for key, value in root.value:
+        if key.value in entries:
+            raise ConfigError(
+                f"{path}:{key.start_mark.line + 1}: {key.value}: is set twice (the second would "
+                "silently replace the first): keep one, with every workload under it"
+            )
+        entries[key.value] = (key, value)
     unknown = sorted(set(entries) - {"workloads"})
     if unknown:
         key = entries[unknown[0]][0]
@@ -164,10 +178,18 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
                 raise ConfigError(f"{at}: unknown field {key_node.value!r}: {hint}")
             if key in own:
                 raise ConfigError(f"{at}: {key} is set twice")
-            value = loader.construct_object(value_node, deep=True)
+            try:
+                value = loader.construct_object(value_node, deep=True)
+            except yaml.YAMLError as error:
+                problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+                raise ConfigError(f"{at}: {key}: {problem} (plain values only)") from None
             own[key] = _checked(key, value, at)
         if "model" not in own:
             raise ConfigError(f"{where}: no model: every workload names its model")
+        try:
+            resolve_model(str(own["model"]))
+        except ValueError as error:
+            raise ConfigError(f"{where}: {error}") from None
         options = {**{k: v for k, v in defaults.items() if v is not None}, **own}
         jobs.append(Job(index=index, line=line, options=options, own=frozenset(own)))
     loader.dispose()
@@ -181,20 +203,31 @@ def _checked(key: str, value: Any, at: str) -> Any:
         wanted = " or ".join(_TYPE_NAMES[t] for t in types)
         raise ConfigError(f"{at}: {key} must be {wanted}, not {value!r}")
     try:
-        if key == "budget" and isinstance(value, str) and parse_duration(value) <= 0:
+        if key == "budget" and not isinstance(value, str):
+            raise ConfigError(f"budget {value!r} has no unit: write it like 45m, 90s or 1h30m")
+        if key == "budget" and parse_duration(str(value)) <= 0:
             raise ConfigError(f"the budget must be positive, like 30m, not {value!r}")
-        if key in ("device_memory", "host_memory") and isinstance(value, str):
-            parse_size(value)
-        if key == "headroom" and isinstance(value, str):
-            parse_fraction(value, "headroom")
+        if key in ("device_memory", "host_memory") and isinstance(value, int):
+            raise ConfigError(f"{key} {value!r} has no unit: write it like 40GiB")
+        if key in ("device_memory", "host_memory") and parse_size(str(value)) <= 0:
+            raise ConfigError(f"{key} must be a positive size, like 40GiB, not {value!r}")
+        if key == "headroom":
+            parse_fraction(str(value), "headroom")
+        if key == "objective" and value not in set(Objective):
+            choices = " or ".join(o.value for o in Objective)
+            raise ConfigError(f"unknown objective {value!r}: use {choices}")
+        if key == "device" and value not in DEVICES:
+            raise ConfigError(f"unknown device {value!r}: use {', '.join(DEVICES)}")
+        if key == "simulate":
+            gpu_spec(str(value))
         if key == "engine":
-            names = value if isinstance(value, list) else value.split(",")
+            names = value if isinstance(value, list) else str(value).split(",")
             for name in names:
                 Engine(str(name).strip())
             value = ",".join(str(name).strip() for name in names)
         if key == "hosts" and isinstance(value, list):
             value = ",".join(str(host).strip() for host in value)
-        if key in ("seq_len", "global_batch", "gpus", "nodes") and value <= 0:
+        if key in ("seq_len", "global_batch", "gpus", "nodes", "host_cores") and value <= 0:
             raise ConfigError(f"{key} must be positive, not {value}")
     except ConfigError as error:
         raise ConfigError(f"{at}: {error}") from None

@@ -8,6 +8,7 @@ the search and the exports all enumerate the same :func:`configurations`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -20,6 +21,11 @@ __all__ = [
     "ladder_key",
     "micro_batch_options",
 ]
+
+
+MAX_GLOBAL_BATCH = 1 << 24
+"""The largest global batch taken (16,777,216 sequences: far above any published run's, whose
+global batches are thousands of sequences, and still quick to factor)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +43,11 @@ class Workload:
         for name in ("seq_len", "global_batch", "world_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1")
+        if self.global_batch > MAX_GLOBAL_BATCH:
+            raise ConfigError(
+                f"global batch {self.global_batch:,} is more sequences per step than any "
+                f"training run takes: use {MAX_GLOBAL_BATCH:,} or fewer"
+            )
         if self.global_batch % self.world_size:
             raise ConfigError(
                 f"global batch {self.global_batch} is not a multiple of {self.world_size} GPUs: "
@@ -59,9 +70,11 @@ class Workload:
 
 
 def micro_batch_options(workload: Workload, limit: int | None = None) -> list[int]:
-    """Micro-batch sizes that reach the global batch exactly: divisors of the per-rank batch."""
+    """Micro-batch sizes that reach the global batch exactly: divisors of the per-rank batch
+    (found up to its square root, each with its co-divisor)."""
     per_rank = workload.per_rank_batch
-    sizes = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    small = [m for m in range(1, math.isqrt(per_rank) + 1) if per_rank % m == 0]
+    sizes = sorted({*small, *(per_rank // m for m in small)})
     return [m for m in sizes if limit is None or m <= limit]
 
 
@@ -130,6 +143,17 @@ def configurations(
                 )
             except ConfigError:
                 continue  # e.g. fp16 with FSDP2, pure bf16 with DeepSpeed
+    if not found and engines is not None:
+        usable = {
+            e.value for e, _, where in _sharding(world_size) if offload or where is Offload.NONE
+        }
+        named = ",".join(sorted(e.value for e in allowed))
+        gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
+        raise ConfigError(
+            f"--engine {named} leaves no configuration on {gpus}"
+            f"{'' if offload else ' without offload'}: use --engine "
+            f"{' or '.join(sorted(usable))}"
+        )
     return sorted(found, key=ladder_key)
 
 

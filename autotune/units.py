@@ -30,7 +30,9 @@ _BINARY: dict[str, int] = {
 # Decimal (SI) multipliers: "GB" is 10**9, as on GPU datasheets and disk labels.
 _DECIMAL: dict[str, int] = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 
-_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(
+    r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE | re.ASCII
+)
 _SIZE_HELP = "use a number with a unit, like 20GiB, 512MiB or 80GB"
 
 
@@ -103,9 +105,10 @@ _DURATION_TOKEN_RE = re.compile(
     r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>"
     + "|".join(sorted(_DURATION_UNITS, key=len, reverse=True))
     + r")\s*",
-    re.IGNORECASE,
+    re.IGNORECASE | re.ASCII,
 )
-_PLAIN_NUMBER_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*$")
+_PLAIN_NUMBER_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*$", re.ASCII)
+"""Digits are ASCII's only: ``５m`` (full-width) is refused, not read as 5 minutes."""
 _DURATION_HELP = "use a number with a unit, like 90s, 30m, 1h30m or 2h (a plain number is seconds)"
 
 
@@ -162,6 +165,8 @@ def parse_fraction(text: str, what: str = "fraction") -> float:
     """
     value = text.strip()
     try:
+        if not value.isascii():
+            raise ValueError(value)
         fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
     except ValueError:
         raise ValueError(f"invalid {what} {text!r}: use a percentage like 10%") from None

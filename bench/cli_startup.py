@@ -113,6 +113,9 @@ def main() -> None:
             f"autotune trials --last 50 ({args.trials:,} trials)": [
                 "trials", "--storage", large, "--last", "50",
             ],
+            f"autotune trials ({args.trials:,} trials, the table's default)": [
+                "trials", "--storage", large,
+            ],
         }  # fmt: skip
         rows = []
         for label, command in commands.items():
@@ -127,10 +130,10 @@ def main() -> None:
         f"fresh-process wall time, median of {args.repeats} ({platform.node()}, "
         f"Python {platform.python_version()}, {machine})"
     )
-    print(f"{'command':<40} {'median':>8}  goal")
+    print(f"{'command':<58} {'median':>8}  goal")
     for row in rows:
         mark = "ok" if row["median_s"] < GOAL_S else "MISSED"
-        print(f"{row['command']:<40} {row['median_s']:>7.2f}s  < {GOAL_S:.0f} s {mark}")
+        print(f"{row['command']:<58} {row['median_s']:>7.2f}s  < {GOAL_S:.0f} s {mark}")
 
 
 if __name__ == "__main__":

@@ -45,10 +45,10 @@ def test_the_job_file_merges_the_command_line_under_each_workload(tmp_path: Path
 def test_a_workloads_own_storage_is_masked_in_its_label_and_options(tmp_path: Path) -> None:
     path = tmp_path / "nightly.yaml"
     path.write_text(
-        "workloads:\n  - model: a\n    storage: postgresql://u:pw1@h/db?sslpassword=pw2\n"
+        "workloads:\n  - model: tiny\n    storage: postgresql://u:pw1@h/db?sslpassword=pw2\n"
     )
     [job] = read_jobs(path, {})
-    assert job.label() == "a storage postgresql://u:***@h/db?sslpassword=***"
+    assert job.label() == "tiny storage postgresql://u:***@h/db?sslpassword=***"
     assert "pw" not in json.dumps(JobResult(job=job, status="failed", why="x").to_dict())
 
 
@@ -75,16 +75,37 @@ A = "workloads:\n  - model: a\n"
         (A + "    headroom: 150%\n", r":3: workload 1: .*150%"),
         (A + "    global_batch: 0\n", r":3: workload 1: global_batch must be positive"),
         (A + "    gpus: 2\n    gpus: 4\n", r":4: workload 1: gpus is set twice"),
+        (A + "workloads:\n  - model: b\n", r":3: workloads: is set twice"),
+        (A + "  - model: llama-7bb\n", r":3: workload 2: unknown model 'llama-7bb'"),
+        (A + "    budget: .nan\n", r":3: workload 1: budget nan has no unit"),
+        (A + "    budget: .inf\n", r":3: workload 1: budget inf has no unit"),
+        (A + "    budget: 45\n", r":3: workload 1: budget 45 has no unit: write it like 45m"),
+        (A + "    budget: -5\n", r":3: workload 1: budget -5 has no unit"),
+        (A + "    headroom: 150\n", r":3: workload 1: .*headroom '150' must be between 0% and"),
+        (A + "    device_memory: -1\n", r":3: workload 1: device_memory -1 has no unit"),
+        (A + "    device_memory: 0GiB\n", r":3: workload 1: device_memory must be a positive"),
+        (A + "    objective: speed\n", r":3: workload 1: unknown objective 'speed'"),
+        (A + "    device: tpu\n", r":3: workload 1: unknown device 'tpu'"),
+        (A + "    simulate: h100x\n", r":3: workload 1: .*unknown GPU 'h100x'"),
+        (A + "    seed: !!python/object/apply:os.system [echo hi]\n",
+         r":3: workload 1: seed: could not determine a constructor"),
     ],
 )  # fmt: skip
 def test_a_bad_job_file_is_one_line_naming_file_line_and_field(
     tmp_path: Path, text: str, says: str
 ) -> None:
     path = tmp_path / "nightly.yaml"
-    path.write_text(text)
+    path.write_text(text.replace("model: a\n", "model: tiny\n"))
     with pytest.raises(ConfigError, match=rf"^{path}{says}") as raised:
         read_jobs(path, {})
     assert "\n" not in str(raised.value)
+
+
+def test_a_job_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "nightly.yaml"
+    path.write_bytes(b"workloads:\n  - model: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: not a text file in UTF-8"):
+        read_jobs(path, {})
 
 
 FP = Fingerprint(

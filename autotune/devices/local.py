@@ -13,7 +13,7 @@ from pathlib import Path
 from autotune.devices.base import Clock, SetupResult, SetupStep, WallClock
 from autotune.probe.forkserver import ForkServerError, WarmWorkers
 from autotune.probe.launcher import Spawner, SubprocessSpawner, launch_probe
-from autotune.probe.lifetime import PARENT_ENV
+from autotune.probe.lifetime import PARENT_ENV, descendants, kill_all
 from autotune.probe.nodes import Nodes
 from autotune.probe.ops import (
     BUILD_WAIT_S,
@@ -131,8 +131,10 @@ class LocalDevice:
             try:
                 code = proc.wait()
             except BaseException:
+                compilers = descendants([proc.pid])  # ninja's: process groups of their own
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # its compiler jobs too
+                    os.killpg(proc.pid, signal.SIGKILL)
+                kill_all(compilers)
                 proc.wait()
                 raise
         seconds = time.monotonic() - started

@@ -72,6 +72,9 @@ class SimulatedDevice(AnsweredDevice):
     optimistic: the H100 run measured 1.4-2x their step time)."""
     host_memory_bytes: int | None = None
     """Host memory of the simulated node (None: not limited)."""
+    host_cores: int | None = None
+    """CPU cores of the simulated node, which host Adam under offload runs on (None: 16 per
+    GPU, the estimator's default)."""
 
     @classmethod
     def named(cls, gpu: str, **kwargs: Any) -> SimulatedDevice:
@@ -203,6 +206,7 @@ class SimulatedDevice(AnsweredDevice):
                 grad_accum=spec.grad_accum,
                 world_size=spec.world_size,
                 gpus_per_node=self.gpus_per_node,
+                host_cores=self.host_cores,
             )
             jitter = self._jitter(spec, mbs) * time_factor
             speed = probe_throughput(

@@ -170,6 +170,7 @@ def plan(
     offload: bool = True,
     host_memory_bytes: int | None = None,
     host_reserve: int = HOST_RESERVE_BYTES,
+    host_cores: int | None = None,
     device: str = "cuda",
 ) -> list[PlanRow]:
     """Every configuration of the space, fastest fitting first, then the nearest misses.
@@ -188,6 +189,8 @@ def plan(
         host_memory_bytes: The host memory of a node, for the job; None: the host is not
             checked (predictions are still on every row).
         host_reserve: Host bytes kept for the system (see HOST_RESERVE_BYTES).
+        host_cores: CPU cores of a node, which host Adam under offload runs on; None: 16
+            per GPU.
         device: ``cuda``, or ``cpu`` when the CPU emulates the device (no pinned memory;
             the device's tensors are host memory).
 
@@ -229,6 +232,7 @@ def plan(
                 grad_accum=workload.grad_accum(m),
                 world_size=workload.world_size,
                 gpus_per_node=gpus_per_node,
+                host_cores=host_cores,
             )
             for m in sizes
         }

@@ -107,17 +107,27 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     """
     if name_or_path in _PRESETS:
         return ModelSpec(name=name_or_path, config=_PRESETS[name_or_path])
+    if not name_or_path.strip():
+        raise ValueError(
+            f"the model name is empty: use one of {', '.join(_PRESETS)}, or a path to a config.json"
+        )
     path = Path(name_or_path).expanduser()
-    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+        has_config = is_dir and (path / "config.json").is_file()
+    except OSError:  # a name too long for a path, say: no file, so a name
+        is_file = is_dir = has_config = False
+    if is_file or has_config:
         return load_config(path)
-    if path.is_dir():
+    if is_dir:
         raise ValueError(
             f"{name_or_path!r} holds no config.json: pass the folder of a Hugging Face model "
             "(its config.json is enough) or the file itself"
         )
+    shown = name_or_path if len(name_or_path) <= 80 else name_or_path[:77] + "..."
     near = difflib.get_close_matches(name_or_path.lower(), _PRESETS, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(near)}? " if near else ""
     raise ValueError(
-        f"unknown model {name_or_path!r}: {hint}use one of {', '.join(_PRESETS)}, "
+        f"unknown model {shown!r}: {hint}use one of {', '.join(_PRESETS)}, "
         "or a path to a config.json"
     )

@@ -107,7 +107,7 @@ def run(probe_dir: Path, *, node_rank: int, master_addr: str, port: int, watch: 
             if not running.pgids:
                 running.pgids.append(proc.pid)
         failed_at: float | None = None
-        while any(p.poll() is None for p in procs):
+        while None in [p.poll() for p in procs]:  # poll each: a later one may have failed
             if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
                 failed_at = time.monotonic()
             if stop_now.is_set() or (

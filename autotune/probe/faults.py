@@ -28,8 +28,9 @@ __all__ = [
 FAULT_ENV = "AUTOTUNE_TEST_FAULT"
 """In an armed process: ``KIND@RANK`` (or ``KIND`` for every rank; ``KIND@RANK:ENGINE`` only
 in probes of that engine) makes that rank fail for real. Right after the build:
-``segfault``, ``sigkill``, ``hang``, ``error``, and ``flood`` (a flood of stdout and stderr,
-then training on). After the last size, before a clean exit: ``garble`` (its report cut in
+``segfault``, ``sigkill``, ``hang``, ``error``, ``flood`` (a flood of stdout and stderr,
+then training on) and ``stray`` (a child in a process group of its own, as ninja starts its
+compilers, then a hang). After the last size, before a clean exit: ``garble`` (its report cut in
 half), ``empty`` (emptied), ``noreport`` (deleted)."""
 FAULT_FILE = "test-fault"
 """The request in a probe's folder, written by an armed launcher."""

@@ -19,6 +19,7 @@ started in the first case, the ranks are stopped at once in the second.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shlex
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autotune.probe.faults import FAULT_FILE, write_request
-from autotune.probe.lifetime import PARENT_ENV
+from autotune.probe.lifetime import PARENT_ENV, descendants, kill_all
 from autotune.probe.nodes import (
     NODE_REPORT,
     AgentLaunch,
@@ -212,15 +213,18 @@ def signal_groups(running: Running, sig: int) -> None:
 
 
 def stop(running: Running, grace_s: float = TERM_GRACE_S) -> None:
-    """SIGTERM the groups, then SIGKILL whatever is still there after ``grace_s``."""
+    """SIGTERM the groups, then SIGKILL whatever is still there after ``grace_s``, and every
+    process the ranks started outside their groups (ninja's compilers)."""
+    strays = descendants(p.pid for p in running.procs if p.poll() is None)
     for index, proc in enumerate(running.procs):
         if proc.poll() is None:
             running.killed.add(index)
     signal_groups(running, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(p.poll() is None for p in running.procs):
+    while time.monotonic() < deadline and None in [p.poll() for p in running.procs]:
         time.sleep(0.05)
     signal_groups(running, signal.SIGKILL)
+    kill_all(strays)
     for proc in running.procs:
         proc.wait()
 
@@ -294,16 +298,44 @@ def _folder_failure(spec: ProbeSpec, probe_dir: Path, spawn: str, error: OSError
     for name in ("config.json", "cmd.txt", FAULT_FILE):
         with contextlib.suppress(OSError):
             (probe_dir / name).unlink()
-    why = error.strerror or str(error)
+    fault = folder_fault(probe_dir, error.strerror or str(error))
     return ProbeResult(
         spec=spec,
         probe_dir=probe_dir,
         outcome=Outcome.ERROR,
         stage=Stage.STARTUP,
-        message=f"the probe folder {probe_dir} cannot be written ({why}): no rank was started",
+        message=f"{fault}; no rank was started",
         spawn=spawn,
         device=spec.device,
+        tuner_fault=fault,
     )
+
+
+DISK_FAULTS = tuple(os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS))
+"""What a rank's failure says when the disk under its probe folder, not its configuration,
+failed it ("No space left on device", "Disk quota exceeded", "Read-only file system")."""
+
+
+def disk_fault(probe_dir: Path, *texts: str) -> str | None:
+    """The tuner's fault in a failed probe's message or log tail, if one names a disk
+    fault: the probe says nothing about its configuration."""
+    said = next((d for d in DISK_FAULTS if any(d in text for text in texts)), None)
+    return None if said is None else folder_fault(probe_dir, said)
+
+
+def folder_fault(probe_dir: Path, why: str) -> str:
+    """A probe folder that cannot be written, and what to do."""
+    return f"the probe folder {probe_dir} cannot be written ({why}): {folder_hint(why)}"
+
+
+def folder_hint(why: str) -> str:
+    """What to do about a trials folder that cannot be made or written, by what the system
+    said (``strerror``)."""
+    if why in (os.strerror(errno.ENOTDIR), os.strerror(errno.EEXIST)):
+        return "a file is in the way: give --trials-dir a folder"
+    if why in (os.strerror(errno.EACCES), os.strerror(errno.EPERM), os.strerror(errno.EROFS)):
+        return "check its permissions, or choose another --trials-dir"
+    return "free space there or choose another --trials-dir"
 
 
 def _start_ranks(
@@ -390,6 +422,41 @@ def _agent_exits(
     return exits, pids
 
 
+def _node_fault(
+    spec: ProbeSpec,
+    probe_dir: Path,
+    nodes: Nodes,
+    launches: list[AgentLaunch],
+    running: Running,
+    reports: list[dict[str, Any] | None],
+    stderr_tail: str,
+) -> str | None:
+    """Why a node's agent never started (``ssh`` could not reach its host, ``srun`` was
+    refused), or None: a remote launch that failed before its agent or any rank of its
+    wrote a word is the node's fault, not the configuration's."""
+    for index, (launch, proc) in enumerate(zip(launches, running.procs, strict=False)):
+        code = proc.returncode
+        if not launch.remote or code in (None, 0) or index in running.killed:
+            continue
+        served = range(nodes.count) if nodes.via == "srun" else [index]
+        ranks = [n * spec.num_processes + r for n in served for r in range(spec.num_processes)]
+        reported = any(read_node_report(probe_dir / NODE_REPORT.format(n)) for n in served)
+        if reported or any(reports[rank] for rank in ranks):
+            continue
+        said = [line.strip() for line in stderr_tail.splitlines() if line.strip()]
+        host = "the allocation's nodes" if nodes.via == "srun" else nodes.hosts[index]
+        why = f": {said[-1]}" if said else ""
+        check = (
+            "check that sbatch/salloc gave this job those nodes"
+            if nodes.via == "srun"
+            else f"check that 'ssh {host} true' works from here without a password"
+        )
+        return (
+            f"the node agent on {host} did not start ({launch.argv[0]} exited {code}{why}): {check}"
+        )
+    return None
+
+
 def launch_probe(
     spec: ProbeSpec,
     probe_dir: Path,
@@ -435,7 +502,7 @@ def launch_probe(
                 _start_agents(launches, output, running)
             procs = running.procs
             failed_at: float | None = None
-            while any(p.poll() is None for p in procs):
+            while None in [p.poll() for p in procs]:  # poll each: a later one may have failed
                 elapsed = time.monotonic() - started
                 if on_poll is not None:
                     on_poll(elapsed)
@@ -458,7 +525,8 @@ def launch_probe(
             signal_groups(running, signal.SIGKILL)
             for proc in running.procs:
                 if isinstance(proc, subprocess.Popen) and proc.stdin is not None:
-                    proc.stdin.close()
+                    with contextlib.suppress(OSError):  # an agent long gone: a broken pipe
+                        proc.stdin.close()
     finally:
         output.close()
     wall = time.monotonic() - started
@@ -523,10 +591,19 @@ def launch_probe(
             for e, pid in zip(exits, pids, strict=True)
         ],
     )
+    if result.outcome not in (Outcome.OK, Outcome.OOM):
+        result.tuner_fault = disk_fault(probe_dir, result.message, stderr_tail)
+        if across is not None:
+            result.tuner_fault = result.tuner_fault or _node_fault(
+                spec, probe_dir, across, launches, running, reports, stderr_tail
+            )
     if not gone:
         try:
             result.write()
         except OSError as error:
             note = f"result.json could not be written ({error.strerror or error})"
             result.message = f"{result.message}; {note}" if result.message else note
+            result.tuner_fault = result.tuner_fault or folder_fault(
+                probe_dir, error.strerror or str(error)
+            )
     return result

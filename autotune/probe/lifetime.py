@@ -13,8 +13,11 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Iterable
 
-__all__ = ["PARENT_ENV", "die_with_parent"]
+import psutil
+
+__all__ = ["PARENT_ENV", "descendants", "die_with_parent", "kill_all"]
 
 PARENT_ENV = "AUTOTUNE_PARENT_PID"
 """Set by the spawner to its own pid, so a rank can tell whether its parent is already gone."""
@@ -35,3 +38,26 @@ def die_with_parent(parent: int | None) -> None:
             return
         if parent is not None and os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)  # it ended before the request was made
+
+
+def descendants(pids: Iterable[int]) -> list[psutil.Process]:
+    """Every live process below ``pids``, found while they live. A process group does not
+    hold them all: ninja starts each compiler in a process group of its own, so a kill of a
+    probe's (or a build step's) groups leaves its compilers running unless they are ended
+    one by one too."""
+    found: list[psutil.Process] = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            found.extend(psutil.Process(pid).children(recursive=True))
+    return found
+
+
+def kill_all(processes: Iterable[psutil.Process]) -> None:
+    """SIGKILL each process still alive (psutil checks it is the same process, not a new one
+    with its pid) and reap what it can."""
+    alive = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+            alive.append(process)
+    psutil.wait_procs(alive, timeout=5)

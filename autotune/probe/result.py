@@ -146,6 +146,10 @@ class ProbeResult:
     peak_flops: float | None = None
     num_params: int | None = None
     exits: list[dict[str, Any]] = field(default_factory=list)
+    tuner_fault: str | None = None
+    """Why the probe could not run or be read for a reason of the tuner's own, not the
+    configuration's (its folder cannot be written: a full disk, a quota, permissions), or
+    None. Such a probe is no evidence about its configuration."""
 
     @property
     def emulated_limit_bytes(self) -> int | None:
@@ -177,6 +181,7 @@ class ProbeResult:
             "build_s": self.build_s,
             "sizes": [s.to_dict() for s in self.sizes],
             "exits": self.exits,
+            "tuner_fault": self.tuner_fault,
             "probe_dir": str(self.probe_dir),
             "spec": self.spec.to_dict(),
         }
@@ -213,6 +218,7 @@ class ProbeResult:
             peak_flops=data.get("peak_flops"),
             num_params=data.get("num_params"),
             exits=data.get("exits", []),
+            tuner_fault=data.get("tuner_fault"),
         )
 
 

@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -91,6 +92,9 @@ class _Report:
 
 
 FLOOD_BYTES = 100 << 20
+STRAY_MARK = "autotune-test-stray"
+"""On the command line of the child the ``stray`` fault starts."""
+_fault_dir = ""
 _fault_request = ""
 """This probe's test fault request (:mod:`autotune.probe.faults`), read from its folder."""
 
@@ -122,6 +126,11 @@ def _inject_fault(rank: int, engine: str) -> None:
         raise RuntimeError(f"injected failure ({FAULT_ENV})")
     elif kind == "flood":
         _flood()
+    elif kind == "stray":
+        # What ninja does with each compiler: a child in a process group of its own.
+        stray = [sys.executable, "-c", "import time; time.sleep(600)", STRAY_MARK, _fault_dir]
+        subprocess.Popen(stray, process_group=0, stdin=subprocess.DEVNULL)
+        time.sleep(10**6)
 
 
 def _spoil_report(path: Path, rank: int, engine: str) -> None:
@@ -449,8 +458,8 @@ def _measure(probe: _Probe, built: _Built) -> int:
 
 def run(probe_dir: Path) -> int:
     """Run this rank's part of the probe in ``probe_dir``; returns the exit code."""
-    global _fault_request
-    _fault_request = read_request(probe_dir)
+    global _fault_request, _fault_dir
+    _fault_request, _fault_dir = read_request(probe_dir), str(probe_dir)
     with contextlib.ExitStack() as stack:  # holds the CPU's tensor byte counter
         probe = _start(probe_dir, stack)
         if probe is None:

@@ -7,7 +7,7 @@ command line only prints it. ``--json`` output comes from the results' own ``to_
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -222,11 +222,17 @@ def jobs_table(results: Iterable[JobResult]) -> Table:
     return table
 
 
-def trials_table(study_name: str, measurements: Iterable[Measurement]) -> Table:
-    """Every trial of one study: configuration, size, outcome, speed, memory, folder."""
+def trials_table(
+    study_name: str, measurements: Sequence[Measurement], *, total: int | None = None
+) -> Table:
+    """The trials of one study: configuration, size, outcome, speed, memory, folder; with
+    ``total`` above the rows given, a caption says how many are not shown."""
+    caption = None
+    if total is not None and total > len(measurements):
+        caption = f"the last {len(measurements)} of {total:,} trials: --last N or --all for more"
     table = Table(
         "#", "configuration", "mbs", "outcome", "tokens/s", "MFU", "peak", "probe folder",
-        header_style="bold", title=study_name,
+        header_style="bold", title=study_name, caption=caption,
     )  # fmt: skip
     for m in measurements:
         outcome = m.outcome or m.state.lower()

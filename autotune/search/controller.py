@@ -23,7 +23,9 @@ neither the probe's timeout nor the measured probe durations that scale the pred
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -38,7 +40,7 @@ from autotune.devices.base import Clock, Device, SetupResult
 from autotune.estimator.cost import build_seconds, probe_seconds
 from autotune.estimator.plan import PlanRow
 from autotune.models import resolve_model
-from autotune.probe.launcher import new_probe_dir
+from autotune.probe.launcher import folder_hint, new_probe_dir
 from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeTemplate
@@ -101,6 +103,25 @@ class RunSummary:
     """How long that probe is expected to take."""
     setups: list[SetupResult] = field(default_factory=list)
     """The device's set-up steps this run (building DeepSpeed ops), in order."""
+
+    @property
+    def why_no_best(self) -> str | None:
+        """Why the run ends without a best (None when it has one). "No configuration fits"
+        only where configurations were measured and none fit; a run cut short, or stopped by
+        a fault of its own, says so instead."""
+        if self.best is not None:
+            return None
+        if self.interrupted:
+            return (
+                f"no best yet: the run was interrupted ({self.interrupted}) before a "
+                "configuration that fits was measured; run again to go on"
+            )
+        if self.failure:
+            return f"no best: the run stopped on a fault of its own ({self.failure})"
+        ended = ("interrupted", "stale", None)
+        if all(m.outcome in ended for m in self.measurements):
+            return "no best: no configuration was measured"
+        return "no configuration fits"
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best
@@ -184,6 +205,8 @@ class Controller:
         self._setups: list[SetupResult] = []
         self._setting_up: str | None = None
         """The set-up step running now, if one is."""
+        self._probing = False
+        """A probe is running (an interruption stops it and records it interrupted)."""
 
     def elapsed(self) -> float:
         """Budget used so far, by the clock."""
@@ -298,16 +321,19 @@ class Controller:
                         f"with {left:.0f} s left; a run with more budget resumes there"
                     )
                     break
-                self.on_event(
+                announce = functools.partial(
+                    self.on_event,
                     Event(
                         kind="probe",
                         proposal=proposal,
                         best=self.store.best(measurements),
                         probes=probes,
                         budget_left_s=left,
-                    )
+                    ),
                 )
-                result = self._probe(proposal, left_s=left, predicted_s=predicted_s)
+                result = self._probe(
+                    proposal, left_s=left, predicted_s=predicted_s, announce=announce
+                )
                 if result is None:
                     # Another worker took a point of it: propose again from what it claimed,
                     # after a random pause (two workers that withdrew at once part ways).
@@ -325,12 +351,16 @@ class Controller:
                     )
                 )
         except _Stop as stop:
-            reason = str(stop)
+            reason, failure = str(stop), stop.failure
         except STORAGE_ERRORS as error:
             failure = storage_problem(error)
+            lost = self.store.lost_file()
             reason = (
-                f"the trial database failed: {failure}; the trials recorded before are kept, "
-                "and a probe that was running is probed again by the next run"
+                f"the trial database failed: {failure}; {lost}, and the trials it held are "
+                "lost with it"
+                if lost
+                else f"the trial database failed: {failure}; the trials recorded before are "
+                "kept, and a probe that was running is probed again by the next run"
             )
         except KeyboardInterrupt as stop:
             interrupted = str(stop) or "Ctrl-C"
@@ -342,6 +372,8 @@ class Controller:
                 "no probe was running"
                 if waiting
                 else f"interrupted ({interrupted}): the running probe was stopped and recorded"
+                if self._probing
+                else f"interrupted ({interrupted}) between probes: no probe was running"
             )
         try:
             measurements = self.store.measurements()
@@ -402,9 +434,16 @@ class Controller:
         return max(min(guard, left_s), MIN_PROBE_TIMEOUT_S), left_s < guard
 
     def _probe(
-        self, proposal: Proposal, *, left_s: float, predicted_s: float
+        self,
+        proposal: Proposal,
+        *,
+        left_s: float,
+        predicted_s: float,
+        announce: Callable[[], None],
     ) -> ProbeResult | None:
-        """Probe the proposal; None when another worker claimed one of its points first."""
+        """Probe the proposal (``announce`` once its points are claimed, so a point another
+        worker took is never shown as a probe); None when another worker claimed one of its
+        points first."""
         timeout_s, budget_bound = self._timeout(left_s)
         spec = self.template.spec(
             proposal.config,
@@ -417,10 +456,9 @@ class Controller:
                 self.trials_dir.resolve(), _folder(self.store.study.study_name)
             )
         except OSError as error:
-            raise _Stop(
-                f"no probe folder can be made in {self.trials_dir} "
-                f"({error.strerror or error}): free space there or choose another --trials-dir"
-            ) from None
+            why = f"no probe folder can be made in {self.trials_dir} ({error.strerror or error})"
+            hint = folder_hint(error.strerror or str(error))
+            raise _Stop(f"{why}: {hint}", failure=why) from None
         trials: list[Trial] = []
         try:
             # An interruption inside the claim leaves RUNNING trials of this process, which
@@ -435,10 +473,21 @@ class Controller:
                 with contextlib.suppress(OSError):
                     probe_dir.rmdir()  # another worker holds a point of it: no probe here
                 return None
+            announce()
+            self._probing = True  # until the probe returns: an interruption leaves it set
             result = self.device.launch(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))
+            self._probing = False
         except KeyboardInterrupt:
             self.store.interrupt(trials, probe_dir, "interrupted")
             raise
+        if result.tuner_fault:
+            # No evidence about the configuration: the claim is taken back, the run stops.
+            self.store.withdraw(trials, result.tuner_fault)
+            shutil.rmtree(probe_dir, ignore_errors=True)
+            raise _Stop(
+                f"{result.tuner_fault}; nothing was recorded against {proposal.config.label()}",
+                failure=result.tuner_fault,
+            )
         self._durations.append(result.wall_s)
         self._predicted.append(predicted_s)
         self.clock.charge(result.wall_s)
@@ -446,12 +495,24 @@ class Controller:
             # Cut by the end of the budget, not hung: a later run with time retries it.
             self.store.interrupt(trials, probe_dir, "the budget ended during the probe")
             return result
-        self.store.record(trials, result)
+        try:
+            self.store.record(trials, result)
+        except STORAGE_ERRORS:
+            # Mark the probe's trials interrupted where the database still takes that much
+            # (the next run retries them either way: as interrupted, or as stale).
+            with contextlib.suppress(*STORAGE_ERRORS):
+                self.store.interrupt(trials, probe_dir, "its result could not be recorded")
+            raise
         return result
 
 
 class _Stop(Exception):
-    """Ends the run early with its message as the reason (no probe is running)."""
+    """Ends the run early with its message as the reason (no probe is running); with
+    ``failure``, a fault of the tuner's own (the run's summary says it failed)."""
+
+    def __init__(self, reason: str, *, failure: str | None = None) -> None:
+        super().__init__(reason)
+        self.failure = failure
 
 
 def _folder(study_name: str) -> str:

@@ -13,13 +13,14 @@ of its attributes (``POOLED_ATTRS``), and counting the trials only which have a 
 size and which are withdrawn claims.
 
 It reads only the schema it knows (``KNOWN_SCHEMAS``, Optuna's Alembic revision); a database
-of any other revision, or one without Optuna's tables, is read through Optuna instead, which
-upgrades or explains it. Nothing is written: a SQLite file that does not exist holds no study
-and is not created.
+of any other revision is read through Optuna instead, read-only. Nothing is written: a SQLite
+file that does not exist, or is empty, holds no study and is neither created nor given
+tables; a SQLite file of another program (:func:`refuse_foreign_sqlite`) is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sqlite3
@@ -44,8 +45,24 @@ from autotune.study.measurement import (
     pool,
 )
 from autotune.study.urls import check_storage_url, masked, redact
+from autotune.units import format_duration
 
-__all__ = ["KNOWN_SCHEMAS", "cannot_open", "read_studies", "sqlite_path"]
+__all__ = [
+    "GRACE_S",
+    "HEARTBEAT_S",
+    "KNOWN_SCHEMAS",
+    "OPTUNA_TABLES",
+    "cannot_open",
+    "read_studies",
+    "refuse_foreign_sqlite",
+    "sqlite_path",
+]
+
+HEARTBEAT_S = 30
+"""A running tuner touches its RUNNING trials this often; after ``GRACE_S`` without a beat
+they are failed (their tuner died, on another host) and their point is retried once;
+``autotune trials`` shows them as stale from then on."""
+GRACE_S = 180
 
 KNOWN_SCHEMAS = frozenset({"v3.2.0.a"})
 """Optuna's schema revisions (``alembic_version``) this reader understands: Optuna 3.2 to 5."""
@@ -71,6 +88,73 @@ def sqlite_path(url: str) -> Path | None:
         return None
     path = Path(url.removeprefix("sqlite:///").partition("?")[0])
     return None if str(path) in ("", ":memory:") else path.expanduser()
+
+
+OPTUNA_TABLES: dict[str, frozenset[str]] = {
+    "studies": frozenset({"study_id", "study_name"}),
+    "version_info": frozenset({"version_info_id", "schema_version", "library_version"}),
+    "alembic_version": frozenset({"version_num"}),
+    "study_directions": frozenset({"study_direction_id", "direction", "study_id", "objective"}),
+    "study_user_attributes": frozenset({"study_user_attribute_id", "study_id", "key"}),
+    "study_system_attributes": frozenset({"study_system_attribute_id", "study_id", "key"}),
+    "trials": frozenset(
+        {"trial_id", "number", "study_id", "state", "datetime_start", "datetime_complete"}
+    ),
+    "trial_heartbeats": frozenset({"trial_heartbeat_id", "trial_id", "heartbeat"}),
+    "trial_intermediate_values": frozenset({"trial_intermediate_value_id", "trial_id", "step"}),
+    "trial_params": frozenset({"param_id", "trial_id", "param_name", "param_value"}),
+    "trial_system_attributes": frozenset({"trial_system_attribute_id", "trial_id", "key"}),
+    "trial_user_attributes": frozenset({"trial_user_attribute_id", "trial_id", "key"}),
+    "trial_values": frozenset({"trial_value_id", "trial_id", "objective", "value"}),
+}
+"""Optuna's tables (schema 3.2 to 5) and columns each has: a database whose every table is
+one of these, with at least these columns, is Optuna's (perhaps still being created by
+another tuner, which makes the tables one by one on SQLite)."""
+
+
+def _foreign_tables(path: Path) -> list[str] | None:
+    """The tables of the SQLite file ``path`` that are not Optuna's (a name Optuna does not
+    use, or one of its names with other columns), or None when it is not a database at all
+    (opening it says so). Read-only: the file keeps every byte."""
+    try:
+        connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            names = [
+                name
+                for (name,) in connection.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'"
+                )
+                if not name.startswith("sqlite_")
+            ]
+            foreign = []
+            for name in names:
+                columns = {row[1] for row in connection.execute(f"PRAGMA table_info('{name}')")}
+                if name not in OPTUNA_TABLES or not OPTUNA_TABLES[name] <= columns:
+                    foreign.append(name)
+            return foreign
+        finally:
+            connection.close()
+    except sqlite3.Error:
+        return None
+
+
+def refuse_foreign_sqlite(path: Path) -> None:
+    """Refuse a SQLite file that holds a table Optuna's schema does not have, before anything
+    reads or writes it: it is someone else's database, even where some of its tables happen
+    to be named ``studies`` or ``trials``.
+
+    Raises:
+        ConfigError: One line naming the file and its foreign tables, and what to do.
+    """
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    foreign = _foreign_tables(path)
+    if foreign:
+        shown = ", ".join(sorted(foreign)[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise ConfigError(
+            f"{path} is a SQLite database of something else (tables: {shown}): autotune keeps "
+            "its trials in a database of its own; give --storage another file"
+        )
 
 
 def cannot_open(url: str, error: Exception) -> ConfigError:
@@ -115,8 +199,10 @@ def read_studies(
         raise ConfigError(f"cannot show the last {last} trials: use 0 or more")
     check_storage_url(url)
     path = sqlite_path(url)
-    if path is not None and not path.is_file():
+    if path is not None and (not path.is_file() or path.stat().st_size == 0):
         return []
+    if path is not None:
+        refuse_foreign_sqlite(path)
     if path is not None and "?" not in url:
         studies = _read_sqlite_file(url, path, last, best)
     else:
@@ -231,6 +317,8 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
     )
     of_studies = f"trial_id IN (SELECT trial_id FROM trials WHERE study_id IN ({studies}))"
     rows = _TrialRows()
+    running = [row[0] for row in trials if str(getattr(row[3], "name", row[3])) == "RUNNING"]
+    rows.silent = _silent_for(query, running) if running else {}
     if last is None:  # every row of every trial
         rows.read(query, of_studies)
         counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn())
@@ -316,6 +404,40 @@ def _counted(
     return counted
 
 
+def _silent_for(query: Query, trial_ids: list[int]) -> dict[int, float]:
+    """Seconds since each trial's last heartbeat (its start where it has none), by the
+    database's own clock, which is the one that stamps heartbeats: ``LOCALTIMESTAMP``
+    (PostgreSQL: the session's zone, as the stored stamps), else ``CURRENT_TIMESTAMP``
+    (SQLite: UTC, as the stored stamps)."""
+    now = None
+    for sql in ("SELECT LOCALTIMESTAMP", "SELECT CURRENT_TIMESTAMP"):
+        try:
+            now = parse_time(query(sql)[0][0])
+        except Exception:  # SQLite has no LOCALTIMESTAMP: either driver's error
+            continue
+        if now is not None:
+            break
+    if now is None:
+        return {}
+    now = now.replace(tzinfo=None)
+    ids = _ints(trial_ids)
+    last = {
+        trial_id: parse_time(start)
+        for trial_id, start in query(
+            f"SELECT trial_id, datetime_start FROM trials WHERE trial_id IN ({ids})"
+        )
+    }
+    for trial_id, beat in query(
+        f"SELECT trial_id, heartbeat FROM trial_heartbeats WHERE trial_id IN ({ids})"
+    ):
+        last[trial_id] = parse_time(beat) or last.get(trial_id)
+    return {
+        trial_id: (now - when.replace(tzinfo=None)).total_seconds()
+        for trial_id, when in last.items()
+        if when is not None
+    }
+
+
 def _ints(values: Iterable[int]) -> str:
     return ",".join(str(int(v)) for v in values)
 
@@ -351,6 +473,8 @@ class _TrialRows:
         self.values: dict[int, float] = {}
         self._decoded: dict[str, Any] = {}
         self._externals: dict[str, Callable[[float], Any]] = {}
+        self.silent: dict[int, float] = {}
+        """Seconds since each RUNNING trial's tuner last heartbeat (or the trial started)."""
 
     def _loads(self, text: str) -> Any:
         try:
@@ -424,8 +548,18 @@ class _TrialRows:
         )
 
     def decode(self, trial: _Trial) -> Measurement:
-        """A trial from the rows read of it."""
-        return decode(self.stored(trial))
+        """A trial from the rows read of it; a RUNNING one whose tuner stopped heartbeating
+        longer ago than the grace period reads as ``stale``."""
+        measurement = decode(self.stored(trial))
+        silent = self.silent.get(trial.trial_id) if trial.state == "RUNNING" else None
+        if silent is None or silent <= GRACE_S:
+            return measurement
+        return dataclasses.replace(
+            measurement,
+            outcome="stale",
+            message=f"no heartbeat from its tuner for {format_duration(silent)}: the tuner is "
+            "gone, and the next run fails this trial and probes its point again",
+        )
 
     def point(self, trial: _Trial) -> Point:
         """A trial as pooling reads it, from the rows read of it."""

@@ -33,7 +33,6 @@ import functools
 import os
 import random
 import socket
-import sqlite3
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -53,17 +52,21 @@ from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
 from autotune.study.measurement import Measurement, StoredTrial, best_point, decode
-from autotune.study.reader import FINGERPRINT_ATTR, cannot_open, sqlite_path
+from autotune.study.reader import (
+    FINGERPRINT_ATTR,
+    GRACE_S,
+    HEARTBEAT_S,
+    WITHDRAWN,
+    cannot_open,
+    refuse_foreign_sqlite,
+    sqlite_path,
+)
 from autotune.study.urls import check_storage_url, masked
 
 __all__ = ["STORAGE_ERRORS", "TrialStore", "open_storage", "storage_problem"]
 
 _T = TypeVar("_T")
 
-HEARTBEAT_S = 30
-"""A running tuner touches its RUNNING trials this often; after ``GRACE_S`` without a beat
-they are failed (their tuner died, on another host) and their point is retried once."""
-GRACE_S = 180
 OPEN_ATTEMPTS = 5
 """Tries to open a storage whose tables another worker is creating at the same moment."""
 
@@ -127,33 +130,6 @@ def storage_problem(error: BaseException) -> str:
     return masked(text.splitlines()[0] if text else type(cause).__name__)
 
 
-def _refuse_foreign_sqlite(url: str, path: Path) -> None:
-    """A SQLite file that holds tables, none of them Optuna's, is someone else's database:
-    Optuna would add its tables to it. Refused before anything is written."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    try:
-        connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            tables = {
-                name
-                for (name,) in connection.execute(
-                    "SELECT name FROM sqlite_master WHERE type = 'table'"
-                )
-            }
-        finally:
-            connection.close()
-    except sqlite3.Error:
-        return  # not a database at all: opening it says so
-    # Any of Optuna's tables: another tuner may be creating the rest this very moment.
-    if tables and not tables & {"studies", "study_directions", "version_info", "trials"}:
-        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
-        raise ConfigError(
-            f"{path} is a SQLite database of something else (tables: {shown}): autotune keeps "
-            "its trials in a database of its own; give --storage another file"
-        )
-
-
 def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBStorage:
     """An Optuna RDB storage with heartbeats; SQLite's folder is created.
 
@@ -167,9 +143,27 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
     """
     check_storage_url(url)
     path = sqlite_path(url)
+    if path is not None:
+        refuse_foreign_sqlite(path)
+    new_file = path is not None and not read_only and not path.exists()
     if path is not None and not read_only:
-        _refuse_foreign_sqlite(url, path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise cannot_open(url, error) from None
+    try:
+        return _open(url, path, read_only)
+    except ConfigError:
+        if new_file and path is not None:
+            # The file SQLite made before it failed (a full disk) is no database: not left.
+            with contextlib.suppress(OSError):
+                if path.stat().st_size == 0:
+                    path.unlink()
+        raise
+
+
+def _open(url: str, path: Path | None, read_only: bool) -> RDBStorage:
+    """:func:`open_storage`'s open, with its retries."""
     skip: dict[str, Any] = (
         {"skip_compatibility_check": True, "skip_table_creation": True} if read_only else {}
     )
@@ -208,6 +202,35 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
         except Exception as error:  # SQLAlchemy raises many kinds; all mean "cannot open"
             raise cannot_open(url, error) from None
     raise AssertionError("unreachable")
+
+
+def _has_optuna_schema(url: str) -> bool:
+    """Whether the database holds Optuna's tables and its version row, read with a plain
+    connection (Optuna's own open writes the version row where it is missing).
+
+    Raises:
+        ConfigError: When the database cannot be reached.
+    """
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            if not sqlalchemy.inspect(connection).has_table("version_info"):
+                return False
+            rows = connection.execute(sqlalchemy.text("SELECT COUNT(*) FROM version_info"))
+            return bool(rows.scalar())
+    except sqlalchemy.exc.SQLAlchemyError as error:
+        raise cannot_open(url, error) from None
+    finally:
+        engine.dispose()
+
+
+def _file_id(database: str | None) -> tuple[int, int] | None:
+    """A SQLite file's device and inode (None where there is no such file)."""
+    try:
+        found = os.stat(database) if database and database != ":memory:" else None
+    except OSError:
+        return None
+    return None if found is None else (found.st_dev, found.st_ino)
 
 
 class TrialStore:
@@ -251,6 +274,18 @@ class TrialStore:
         self.retry_window_s = RETRY_WINDOW_S
         """How long a lost database server is retried before a call gives up (0: never)."""
         self._server = self.storage.engine.dialect.name != "sqlite"
+        self._file = _file_id(self.storage.engine.url.database) if not self._server else None
+
+    def lost_file(self) -> str | None:
+        """What became of a SQLite file that was deleted or replaced since the study was
+        opened (its trials are gone with it), or None while it is the file opened."""
+        if self._file is None:
+            return None
+        database = self.storage.engine.url.database or ""
+        now = _file_id(database)
+        if now == self._file:
+            return None
+        return f"{database} was {'deleted' if now is None else 'replaced'} while the run went on"
 
     def _retrying(self, call: Callable[[], _T]) -> _T:
         """``call()``, retried with a growing pause (1, 2, 4, ... 16 s) while the database
@@ -279,19 +314,24 @@ class TrialStore:
     def existing(cls, storage: str | RDBStorage = DEFAULT_STORAGE) -> list[TrialStore]:
         """Every autotune study in a storage (studies without a fingerprint are skipped).
 
-        Reads only: a SQLite file that does not exist holds no study and is not created.
+        Reads only: a SQLite file that does not exist or is empty, and a database without
+        Optuna's tables, hold no study and are given none; an older schema is not upgraded.
         """
         if isinstance(storage, str):
             path = sqlite_path(storage)
-            if path is not None and not path.is_file():
+            if path is not None and (not path.is_file() or path.stat().st_size == 0):
                 return []
+            if not _has_optuna_schema(storage):
+                return []  # no study yet; Optuna's open would write its version row
+            opened = open_storage(storage, read_only=True)
             try:
-                opened = open_storage(storage, read_only=True)
                 summaries = optuna.get_all_study_summaries(opened, include_best_trial=False)
-            except (ConfigError, sqlalchemy.exc.SQLAlchemyError):
-                # An older schema, or none yet: the full open checks, upgrades or says why.
-                opened = open_storage(storage)
-                summaries = optuna.get_all_study_summaries(opened, include_best_trial=False)
+            except sqlalchemy.exc.SQLAlchemyError as error:
+                raise ConfigError(
+                    f"cannot read the trial storage {masked(storage)!r}: "
+                    f"{storage_problem(error)}; its schema may be an older Optuna's, which "
+                    "autotune run with this --storage upgrades"
+                ) from None
         else:
             opened = storage
             summaries = optuna.get_all_study_summaries(opened, include_best_trial=False)
@@ -359,10 +399,22 @@ class TrialStore:
         )
         if not taken:
             return trials
-        for trial in trials:
-            trial.set_user_attr("withdrawn", True)
-            self.study.tell(trial, state=TrialState.PRUNED)
+        self._withdraw(trials, "another worker holds or measured one of its points")
         return None
+
+    def withdraw(self, trials: Iterable[Trial], why: str) -> None:
+        """Take back a claim whose probe did not run for a reason of the tuner's own (its
+        folder cannot be written): the trials are not counted, and nothing is recorded
+        against their points, which any later run probes as new."""
+        self.storage.scoped_session.remove()  # start from a fresh session, as interrupt does
+        self._retrying(lambda: self._withdraw(list(trials), why))
+
+    def _withdraw(self, trials: list[Trial], why: str) -> None:
+        for trial in trials:
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                trial.set_user_attr(WITHDRAWN, True)
+                trial.set_user_attr("message", why)
+                self.study.tell(trial, state=TrialState.PRUNED)
 
     def beat(self, trials: Iterable[Trial]) -> None:
         """Tell the storage these trials' tuner is alive (from the probe's progress callback)."""

@@ -84,3 +84,23 @@ def test_plan_covers_every_preset_and_a_70b_model_on_64_gpus_quickly() -> None:
     elapsed = time.perf_counter() - started
     print(f"llama-70b on 64 GPUs: {len(rows)} configurations planned in {elapsed * 1000:.0f} ms")
     assert any(r.fits for r in rows)
+
+
+def test_a_plan_for_another_node_takes_no_host_figure_of_this_one() -> None:
+    """``plan --gpu h100-80gb`` on a machine without that GPU: no host memory is checked and
+    host Adam gets 16 cores per GPU, each said with where it comes from; ``--host-memory``
+    and ``--host-cores`` set them, and more cores make host Adam (offload) faster."""
+    from autotune import api
+    from autotune.config import Offload
+
+    other = api.plan("llama-7b", gpu="h100-80gb", gpus=8)
+    assert other.host.memory_bytes is None and other.host.cores is None
+    assert "give --host-memory" in other.host.text() and "16 cores per GPU" in other.host.text()
+    assert all(row.host_capacity_bytes is None for row in other.rows)
+    given = api.plan("llama-7b", gpu="h100-80gb", gpus=8, host_memory="1TiB", host_cores=224)
+    assert given.host.memory_bytes == 1 << 40 and given.host.cores == 224
+    assert given.to_dict()["host"]["cores_from"] == "--host-cores"
+
+    config = next(r.config for r in other.rows if r.config.offload is Offload.OPTIMIZER and r.time)
+    speeds = [next(r for r in p.rows if r.config == config).speeds for p in (other, given)]
+    assert all(speeds[1][m] > speeds[0][m] for m in speeds[0])  # 28 cores per GPU, not 16

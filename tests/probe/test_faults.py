@@ -28,6 +28,7 @@ from autotune.probe.launcher import read_report
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.output import HEAD_BYTES, TAIL_BYTES, CappedLog
 from autotune.probe.worker import FLOOD_BYTES
+from tests.test_cli import autotune as run_autotune
 
 DDP = TrainConfig(engine=Engine.DDP)
 ROOT = os.geteuid() == 0
@@ -291,3 +292,59 @@ def test_run_stops_with_one_line_when_no_probe_folder_can_be_made(tmp_path: Path
     assert reason.startswith(f"no probe folder can be made in {trials} (")
     assert "choose another --trials-dir" in reason
     assert autotune.trials(storage=storage)[0].measurements == []
+
+
+def test_a_full_trials_dir_stops_the_run_and_poisons_no_configuration(tmp_path: Path) -> None:
+    """The trials folder's disk is full (its folders can be made, no file written): the first
+    probe cannot start, the run stops with one line saying so (exit 1, and no "no
+    configuration fits"), and the study holds nothing against the configuration. Once there
+    is room, the next run probes that very configuration and finds a best."""
+    if not ROOT:
+        pytest.skip("a full file system needs a tmpfs mount (root)")
+    trials = tmp_path / "trials"
+    trials.mkdir()
+    _mount_tmpfs(trials, "size=64k")
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    args = (
+        *("run", "--model", "tiny", "--device", "cpu", "--device-memory", "4MiB"),
+        *("--seq-len", "32", "--global-batch", "4", "--engine", "single", "--budget", "2m"),
+        *("--storage", storage, "--trials-dir", str(trials)),
+    )
+    try:
+        with (trials / "filler").open("wb") as filler, pytest.raises(OSError):
+            filler.write(b"x" * (1 << 20))
+            filler.flush()
+        done = run_autotune(*args, cwd=tmp_path)
+        assert "Traceback" not in done.stderr, done.stderr
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "No space left on device" in done.stdout and "free space there" in done.stdout
+        assert "no configuration fits" not in done.stdout
+        assert "no best: the run stopped on a fault of its own" in done.stdout
+        assert autotune.trials(storage=storage)[0].measurements == []
+        (trials / "filler").unlink()
+        again = run_autotune(*args, "--json", cwd=tmp_path)
+        assert again.returncode == 0, again.stderr
+        summary = json.loads(again.stdout)
+        assert summary["best"] is not None and summary["probes"] >= 1
+    finally:
+        subprocess.run(["umount", "-l", str(trials)], check=False)
+
+
+def test_a_trials_dir_that_is_a_file_fails_the_run_even_with_an_earlier_best(
+    tmp_path: Path,
+) -> None:
+    """A run that still has probes to make, with ``--trials-dir`` naming a regular file,
+    stops before its first probe with one line that says a file is in the way, and exits 1
+    though the study already holds a best (which it still prints)."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    sim = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--storage", storage)
+    first = run_autotune(*sim, "--budget", "3m", "--json", cwd=tmp_path)
+    assert json.loads(first.stdout)["best"] is not None, first.stderr
+    (tmp_path / "afile").write_text("not a folder\n")
+    done = run_autotune(*sim, "--budget", "30m", "--trials-dir", "afile", cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (
+        "no probe folder can be made in afile (Not a directory): a file is in the way: "
+        "give --trials-dir a folder" in " ".join(done.stdout.split())
+    )
+    assert "best: " in done.stdout and (tmp_path / "afile").read_text() == "not a folder\n"

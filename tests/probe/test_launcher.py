@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from conftest import (
@@ -33,6 +34,7 @@ from autotune.probe.launcher import launch_probe, rank_environment
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec
+from autotune.probe.worker import STRAY_MARK
 
 FAULT_ENV = "AUTOTUNE_TEST_FAULT"
 DDP = TrainConfig(engine=Engine.DDP)
@@ -243,6 +245,22 @@ def test_hang_is_timeout(
     assert result.wall_s >= 15.0
     assert result.exits[1]["killed_by_launcher"]
     assert result.exits[1]["returncode"] is not None and result.exits[1]["returncode"] < 0
+
+
+def test_a_timeout_ends_what_the_ranks_started_in_groups_of_its_own(
+    run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank starts a child in a process group of its own (as ninja starts each
+    compiler of an op build) and hangs: at the timeout the launcher ends the children too,
+    not only the ranks' group."""
+    result = _fault_probe(run_probe, monkeypatch, "stray", timeout_s=15.0)
+    assert result.outcome is Outcome.TIMEOUT, probe_failure_text(result)
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if STRAY_MARK in (p.info["cmdline"] or []) and str(result.probe_dir) in p.info["cmdline"]
+    ]
+    assert not left, f"the ranks' children outlived the probe: {left}"
 
 
 @BOTH_SPAWNERS

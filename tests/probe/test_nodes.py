@@ -379,6 +379,39 @@ def test_ssh_carries_the_environment_on_stdin_and_no_secret_on_any_command_line(
     assert "s3cret-pw" not in written and "GLOO_AUTOTUNE_MARKER" not in written
 
 
+FAILING_SSH = """\
+#!/bin/sh
+# An ssh that cannot reach its host: ssh's own exit code for its own errors is 255.
+echo "ssh: connect to host node2 port 22: Connection refused" >&2
+exit 255
+"""
+
+
+def test_an_agent_that_cannot_start_is_the_nodes_fault_said_at_once(tmp_path: Path) -> None:
+    """``ssh`` fails at once: the probe is not left to its timeout, and neither its verdict
+    nor the run's is about the configuration. ``autotune run`` stops with one line naming
+    the host and what to check, exit 1, and records nothing against the configuration."""
+    from tests.test_cli import autotune
+
+    bin_dir = tmp_path / "bin"
+    _fake(bin_dir, "ssh", FAILING_SSH)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    done = autotune(
+        "run", "--model", "tiny", "--device", "cpu", "--device-memory", "4MiB", "--seq-len",
+        "32", "--hosts", "127.0.0.1,node2", "--budget", "10m", "--storage", storage, "--json",
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["best"] is None and summary["probes"] == 0
+    reason = summary["stop_reason"]
+    assert reason.startswith("the node agent on node2 did not start (ssh exited 255: ssh: "), reason
+    assert "check that 'ssh node2 true' works" in reason and "nothing was recorded" in reason
+    listed = autotune("trials", "--storage", storage, "--json", cwd=tmp_path)
+    assert json.loads(listed.stdout)[0]["trials"] == []
+
+
 def test_autotune_run_tunes_across_two_nodes_and_exports_their_launch(tmp_path: Path) -> None:
     """``autotune run --hosts`` end to end on two loopback nodes: the study is the two-node
     workload's, its probes ran an agent per node, and the export launches on both nodes."""

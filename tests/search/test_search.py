@@ -275,3 +275,33 @@ def test_search_lands_within_2_percent_when_the_estimator_is_off_by_10(
     # timing noise ordered it second (a mean of two 2 % measurements is off by 1.4 %).
     runs = [m for m in summary.measurements if m.key == top and m.state == "COMPLETE"]
     assert chosen >= 0.98 * oracle or (len(runs) >= REPEATS and chosen >= 0.96 * oracle)
+
+
+def test_a_run_without_a_best_says_why_and_no_configuration_fits_only_when_none_did() -> None:
+    """The run's last line: an interruption, a fault of the tuner's own and a run that
+    measured nothing each say so; "no configuration fits" only where configurations were
+    measured and none fit."""
+    from autotune.config import TrainConfig
+    from autotune.search.controller import RunSummary
+    from autotune.study.measurement import Measurement
+
+    def measured(outcome: str, state: str = "COMPLETE") -> Measurement:
+        return Measurement(
+            number=0, config=TrainConfig(), micro_batch_size=1, state=state, outcome=outcome,
+            feasible=False, value=None,
+        )  # fmt: skip
+
+    def summary(**fields: object) -> RunSummary:
+        return RunSummary(stop_reason="x", probes=1, elapsed_s=1.0, best=None, **fields)  # type: ignore[arg-type]
+
+    oom = [measured("oom")]
+    interrupted = summary(interrupted="SIGTERM", measurements=[measured("interrupted", "FAIL")])
+    assert (interrupted.why_no_best or "").startswith(
+        "no best yet: the run was interrupted (SIGTERM)"
+    )
+    failed = summary(failure="the probe folder t cannot be written (No space left on device)")
+    assert "a fault of its own (the probe folder t cannot be written" in (failed.why_no_best or "")
+    assert summary(measurements=[]).why_no_best == "no best: no configuration was measured"
+    stale = summary(measurements=[measured("stale", "FAIL")])
+    assert stale.why_no_best == "no best: no configuration was measured"
+    assert summary(measurements=oom).why_no_best == "no configuration fits"

@@ -296,3 +296,43 @@ print(json.dumps(sorted(m for m in heavy if m in sys.modules)))
 def test_a_negative_number_of_trials_to_show_is_bad_input(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="use 0 or more"):
         read_studies(f"sqlite:///{tmp_path}/a.db", last=-1)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_trial_whose_tuner_stopped_heartbeating_reads_as_stale(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """``autotune trials`` on a study where a tuner died mid-probe: its RUNNING trial reads
+    as ``stale`` once its heartbeat is older than the grace period (by the database's own
+    clock), while a live tuner's trial, just beaten, still reads as running."""
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path}/a.db"
+    else:
+        url = request.getfixturevalue("fresh_postgres_url")
+    store = TrialStore(_fingerprint(), storage=url)
+    dead = store.ask(TrainConfig(engine="fsdp", zero_stage=3), 1)
+    alive = store.ask(TrainConfig(engine="fsdp", zero_stage=3), 2)
+    store.beat([dead, alive])
+    engine = sqlalchemy.create_engine(url)
+    minutes_ago = (
+        "datetime('now', '-10 minutes')"
+        if kind == "sqlite"
+        else "LOCALTIMESTAMP - INTERVAL '10 minutes'"
+    )
+    with engine.begin() as connection:
+        for table, column in (("trial_heartbeats", "heartbeat"), ("trials", "datetime_start")):
+            connection.execute(
+                sqlalchemy.text(
+                    f"UPDATE {table} SET {column} = {minutes_ago} WHERE trial_id = :id"
+                ),
+                {"id": dead._trial_id},
+            )
+    engine.dispose()
+    [study] = read_studies(url)
+    by_number = {m.number: m for m in study.measurements}
+    assert by_number[dead.number].state == "RUNNING"
+    assert by_number[dead.number].outcome == "stale"
+    assert "no heartbeat from its tuner for 10m" in (by_number[dead.number].message or "")
+    assert by_number[alive.number].outcome is None  # its tuner is alive
+    [latest] = read_studies(url, last=2)
+    assert {m.outcome for m in latest.measurements} == {"stale", None}

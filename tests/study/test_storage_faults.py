@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -66,7 +67,9 @@ def _tmpfs(path: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-@pytest.mark.parametrize("kind", ["random bytes", "truncated", "another program's"])
+@pytest.mark.parametrize(
+    "kind", ["random bytes", "truncated", "another program's", "named like Optuna's"]
+)
 def test_a_file_that_is_no_trial_database_is_refused_and_kept(tmp_path: Path, kind: str) -> None:
     db = tmp_path / "t.db"
     if kind == "random bytes":
@@ -75,10 +78,16 @@ def test_a_file_that_is_no_trial_database_is_refused_and_kept(tmp_path: Path, ki
         done = autotune(*RUN, "--storage", f"sqlite:///{db}", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         db.write_bytes(db.read_bytes()[: db.stat().st_size // 3])
-    else:
+    elif kind == "another program's":
         with contextlib.closing(sqlite3.connect(db)) as connection:
             connection.execute("CREATE TABLE invoices (id INTEGER, total REAL)")
             connection.execute("INSERT INTO invoices VALUES (1, 9.5)")
+            connection.commit()
+    else:  # a school's database: its tables are named as two of Optuna's, their columns not
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            connection.execute("CREATE TABLE studies (id INTEGER, subject TEXT)")
+            connection.execute("CREATE TABLE trials (id INTEGER, study INTEGER, score REAL)")
+            connection.execute("INSERT INTO studies VALUES (1, 'chemistry')")
             connection.commit()
     before = db.read_bytes()
     for command in (RUN, ("best",), ("trials",)):
@@ -89,6 +98,25 @@ def test_a_file_that_is_no_trial_database_is_refused_and_kept(tmp_path: Path, ki
                                     or "malformed" in line), line  # fmt: skip
         assert db.read_bytes() == before, command  # never repaired, migrated or overwritten
     assert [p.name for p in tmp_path.iterdir()] == ["t.db"] or kind == "truncated"
+
+
+def test_reading_commands_write_nothing_into_an_empty_or_new_database(tmp_path: Path) -> None:
+    """``best`` and ``trials`` on a 0-byte file or a database with no table find no study
+    (they say so, exit 2) and leave the file as it was: a reading command creates no table."""
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    bare = tmp_path / "bare.db"
+    with contextlib.closing(sqlite3.connect(bare)) as connection:
+        connection.execute("PRAGMA user_version = 7")  # a database file with no table
+        connection.commit()
+    for db in (empty, bare):
+        before = db.read_bytes()
+        for command in ("best", "trials"):
+            done = autotune(command, "--storage", f"sqlite:///{db}", cwd=tmp_path)
+            assert done.returncode == 2 and "no autotune study in" in _line(done.stderr)
+            assert db.read_bytes() == before, (db.name, command)
+        assert read_studies(f"sqlite:///{db}?timeout=5") == []  # through Optuna, read-only
+        assert db.read_bytes() == before
 
 
 def test_a_database_locked_too_long_is_a_bounded_wait_then_one_line(tmp_path: Path) -> None:
@@ -153,9 +181,10 @@ def test_a_full_disk_stops_the_run_with_its_trials_intact_and_the_next_run_goes_
 def test_two_tuners_on_one_sqlite_file_share_the_study_safely(tmp_path: Path) -> None:
     """SQLite serializes writers with its file lock and every claim is one transaction, so
     two tuner processes on one file are safe (PostgreSQL is for many workers and nodes): both
-    finish, no point is measured twice, nothing is left running."""
+    finish, no point is measured twice, nothing is left running. The second tuner's live log
+    numbers only the probes it ran: a point lost to the other tuner is not shown as a probe."""
     db = tmp_path / "t.db"
-    args = [*RUN, "--gpus", "8", "--storage", f"sqlite:///{db}", "--json"]
+    args = [*RUN, "--gpus", "8", "--storage", f"sqlite:///{db}"]
     tuners = [
         subprocess.Popen(
             [
@@ -163,6 +192,7 @@ def test_two_tuners_on_one_sqlite_file_share_the_study_safely(tmp_path: Path) ->
                 "-c",
                 "from autotune.cli import main; main()",
                 *args,
+                *(("--json",) if n == 0 else ()),
                 "--trials-dir",
                 str(tmp_path / f"w{n}"),
             ],
@@ -176,7 +206,11 @@ def test_two_tuners_on_one_sqlite_file_share_the_study_safely(tmp_path: Path) ->
     outputs = [tuner.communicate(timeout=240) for tuner in tuners]
     for tuner, (_, err) in zip(tuners, outputs, strict=True):
         assert tuner.returncode == 0, err
-    assert sum(json.loads(out)["probes"] for out, _ in outputs) > 0
+    assert json.loads(outputs[0][0])["probes"] >= 0
+    log = outputs[1][0]
+    numbers = [int(n) for n in re.findall(r"^probe (\d+): ", log, flags=re.MULTILINE)]
+    ran = int(re.findall(r"; (\d+) probes? this run", log)[-1])
+    assert numbers == list(range(1, ran + 1)), log  # each a probe it ran, numbered once
     [study] = read_studies(f"sqlite:///{db}")
     complete = [m for m in study.measurements if m.state == "COMPLETE"]
     points = Counter((*m.key, m.repeat) for m in complete)
@@ -256,3 +290,48 @@ def test_a_server_gone_past_the_retry_window_stops_the_call_and_loses_nothing(
         postgres_server.resume()
     [kept] = TrialStore(_fingerprint(), storage=url).measurements()
     assert kept.state == "RUNNING"  # visible to the next run: retried, never lost silently
+
+
+def test_a_full_disk_leaves_no_empty_database_and_no_empty_output_file(tmp_path: Path) -> None:
+    """On a full file system: ``run`` with a new database there refuses with one line and
+    leaves no 0-byte ``.db``; ``export -o`` and ``report -o`` refuse with one line and leave no
+    empty file, so that once there is room the same commands write it (no "exists")."""
+    study = f"sqlite:///{tmp_path / 'study.db'}"
+    done = autotune(*RUN, "--storage", study, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    with _tmpfs(tmp_path / "full", "16m") as folder:
+        with (folder / "filler").open("wb") as filler, pytest.raises(OSError):
+            filler.write(b"x" * (32 << 20))
+            filler.flush()
+        refused = autotune(*RUN, "--storage", f"sqlite:///{folder / 't.db'}", cwd=tmp_path)
+        assert refused.returncode == 2 and "full" in _line(refused.stderr)
+        outputs = (
+            ("export", "--format", "accelerate", "-o", str(folder / "accelerate.yaml")),
+            ("report", "-o", str(folder / "report.html")),
+        )
+        for command in outputs:
+            failed = autotune(*command, "--storage", study, cwd=tmp_path)
+            assert failed.returncode == 2, failed.stderr
+            assert "No space left on device" in _line(failed.stderr)
+        assert sorted(p.name for p in folder.iterdir()) == ["filler"]
+        (folder / "filler").unlink()
+        for command in outputs:
+            written = autotune(*command, "--storage", study, cwd=tmp_path)
+            assert written.returncode == 0, written.stderr
+        assert sorted(p.name for p in folder.iterdir()) == ["accelerate.yaml", "report.html"]
+        assert "distributed_type" in (folder / "accelerate.yaml").read_text()
+
+
+def test_a_database_deleted_or_replaced_under_a_store_is_said_so(tmp_path: Path) -> None:
+    """What a run says when its SQLite file goes: the store sees that its file was deleted or
+    replaced (not "the trials recorded before are kept")."""
+    db = tmp_path / "t.db"
+    fingerprint = Fingerprint(
+        model="tiny", seq_len=32, global_batch=4, gpu="cpu", gpu_memory_bytes=1 << 30, gpus=1
+    )
+    store = TrialStore(fingerprint, storage=f"sqlite:///{db}")
+    assert store.lost_file() is None
+    db.rename(tmp_path / "moved.db")
+    assert store.lost_file() == f"{db} was deleted while the run went on"
+    db.write_bytes(b"")
+    assert store.lost_file() == f"{db} was replaced while the run went on"
