@@ -5,6 +5,14 @@ BIN := $(VENV)/bin
 # GPU nodes take a CUDA build of torch from the range pyproject.toml admits; CPU machines take
 # the CPU build 2.13.0 (never a multi-GB CUDA download). Override with TORCH_SPEC=...
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.11,<2.15' || echo 'torch==2.13.0')
+# Where a CPU machine gets that CPU build: a wheel pip already finds without an index (a
+# find-links folder of pip's own configuration) is taken as it is; otherwise PyTorch's CPU
+# index, because PyPI's torch for Linux is the CUDA build. TORCH_INDEX=URL forces an index.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+# Every other package at the version CI tested (torch's range aside): refresh on purpose with
+# `make constraints`, then run the tests.
+CONSTRAINTS := constraints.txt
 PYTEST_ARGS ?=
 # Wheels for an offline Python 3.12 x86_64 GPU node that already has torch and transformers.
 WHEEL_PYTHON ?= 3.12
@@ -12,17 +20,29 @@ WHEEL_PLATFORMS := --platform manylinux2014_x86_64 --platform manylinux_2_17_x86
 WHEEL_PACKAGES ?= optuna sqlalchemy alembic greenlet typer rich hjson pydantic nvidia-ml-py psutil \
 	psycopg psycopg-binary
 
-.PHONY: install run test test-fast lint bench wheelhouse clean
+.PHONY: install run test test-fast lint bench wheelhouse clean constraints
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet setuptools wheel
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	@# torch itself from an index when asked (or when a CPU machine has no local CPU wheel);
+	@# then torch's own dependencies, as every other package, from the default index.
+	@index="$(TORCH_INDEX)"; \
+	if [ -z "$$index" ] && ! command -v nvidia-smi >/dev/null 2>&1 \
+		&& ! $(BIN)/pip download --quiet --no-deps --no-index --dest "$$(mktemp -d)" \
+			"$(TORCH_SPEC)" >/dev/null 2>&1; then \
+		index="$(TORCH_CPU_INDEX)"; \
+	fi; \
+	if [ -n "$$index" ]; then \
+		echo "$(TORCH_SPEC) from $$index"; \
+		$(BIN)/pip install --quiet --no-deps --index-url "$$index" "$(TORCH_SPEC)" || exit 1; \
+	fi; \
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) "$(TORCH_SPEC)"
 	@# DeepSpeed's setup.py imports torch: build it against the torch just installed.
-	$(BIN)/pip install --quiet --no-build-isolation "deepspeed>=0.16"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) --no-build-isolation "deepspeed>=0.16"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev]"
 	@# DeepSpeed JIT-builds the CPU probes' shared-memory op on first use (about a minute): build
 	@# it now, so no probe pays for it. A failed build only warns (the tuner builds it later).
 	$(BIN)/python -m autotune.probe.ops build deepspeed_shm_comm \
@@ -42,7 +62,7 @@ run: install
 	fi
 
 test: install
-	$(BIN)/python -m pytest -q --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
@@ -68,6 +88,21 @@ wheelhouse: install
 	$(BIN)/pip wheel --quiet --no-deps --wheel-dir wheelhouse .
 	@echo "wheelhouse/ ready: on the node run"
 	@echo "  pip install --no-index --find-links wheelhouse autotune deepspeed $(WHEEL_PACKAGES)"
+
+# Pin what a fresh install resolves today, in a venv of its own (run the tests on the new
+# file before committing it).
+constraints:
+	rm -rf .venv-constraints
+	$(PYTHON) -m venv .venv-constraints
+	.venv-constraints/bin/pip install --quiet setuptools wheel "$(TORCH_SPEC)"
+	.venv-constraints/bin/pip install --quiet --no-build-isolation "deepspeed>=0.16"
+	.venv-constraints/bin/pip install --quiet ".[dev]"
+	@{ echo "# What make install and CI install (torch's range aside): make constraints refreshes it."; \
+	   .venv-constraints/bin/pip freeze --exclude-editable \
+	     | grep -v -E '^(autotune|torch|triton|nvidia-(cu|cuda|cublas|cudnn|cufft|curand|cusolver|cusparse|nccl|nvjitlink|nvtx))\b' \
+	     | LC_ALL=C sort -f; } > $(CONSTRAINTS)
+	rm -rf .venv-constraints
+	@echo "$(CONSTRAINTS): $$(grep -c '==' $(CONSTRAINTS)) packages pinned"
 
 clean:
 	rm -rf $(VENV) wheelhouse build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
