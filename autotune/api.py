@@ -24,11 +24,21 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from autotune.config import DEVICES, Attention, ConfigError, Engine, Precision, TrainConfig
+from autotune.config import (
+    DEVICES,
+    Attention,
+    ConfigError,
+    Engine,
+    NothingFits,
+    Precision,
+    TrainConfig,
+)
 from autotune.devices import Device, LocalDevice, ReplayDevice, SimulatedDevice
 from autotune.devices.base import SetupResult, SetupStep
+from autotune.estimator.host import estimate_host, usable_host_bytes
+from autotune.estimator.memory import estimate_memory
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, usable_bytes
 from autotune.estimator.plan import plan as plan_rows
 from autotune.hardware import (
@@ -52,7 +62,7 @@ from autotune.study.fingerprint import (
     Objective,
     software_versions,
 )
-from autotune.study.measurement import Measurement, StudyResult
+from autotune.study.measurement import Measurement, StudyResult, best_point
 from autotune.study.urls import masked
 from autotune.units import format_bytes, parse_duration, parse_fraction, parse_size
 
@@ -439,6 +449,8 @@ def prepare(
     global_batch: int | None = None,
     gpus: int | None = None,
     engines: Iterable[Engine] | None = None,
+    precision: Precision | str | None = None,
+    attention: Attention | str = Attention.SDPA,
     device: str | Device = "auto",
     simulate: str | None = None,
     device_memory: str | int | None = None,
@@ -493,6 +505,8 @@ def prepare(
             f"{format_bytes(gpu.memory_bytes)}: leave it out to use the whole card, or cap it lower"
         )
     capacity = cap if cap is not None else usable_bytes(gpu)
+    chosen_precision = _choice(Precision, precision, "--precision")
+    chosen_attention = _choice(Attention, attention, "--attention") or Attention.SDPA
     software = software_versions()
     detected = detect_gpus() if chosen.kind == "cuda" else None
     if detected is not None and detected.driver:
@@ -509,6 +523,8 @@ def prepare(
         software=software,
         capped=cap is not None,
         nodes=count,
+        precision=None if chosen_precision is None else chosen_precision.value,
+        attention=None if chosen_attention is Attention.SDPA else chosen_attention.value,
     )
     share = _fraction(headroom, "headroom")
     capped_gpu = gpu if cap is None or on_cpu else dataclasses.replace(gpu, memory_bytes=cap)
@@ -517,6 +533,8 @@ def prepare(
         capped_gpu,  # a cap is what the allocator may hold: the plan's capacity, no reserve
         workload,
         engines=engines,
+        precision=chosen_precision,
+        attention=chosen_attention,
         reserve=0 if on_cpu or cap is not None else DEVICE_RESERVE_BYTES,
         offload=not on_cpu,  # a CPU emulating a device has no host to offload to
         host_memory_bytes=_host_for(chosen, host),
@@ -524,7 +542,7 @@ def prepare(
         device="cpu" if on_cpu else "cuda",
         gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
     )
-    _check_something_fits(rows, spec, world, capacity)
+    _check_something_fits(rows, spec, world, capacity, on_cpu=on_cpu)
     from autotune.study.store import TrialStore
 
     store = TrialStore(fingerprint, storage=storage, headroom=share)
@@ -608,24 +626,72 @@ def _check_ranks(device: Device, ranks: int, here: int) -> None:
         )
 
 
-def _check_something_fits(rows: list[PlanRow], spec: ModelSpec, world: int, capacity: int) -> None:
+def _check_probe_host(model: ModelSpec, spec: ProbeSpec, given: int | None) -> None:
+    """Refuse a probe predicted to need more host memory than the node gives the job, as
+    ``run`` leaves such configurations out: at its largest size, the offloaded states and
+    each rank's process, and on the CPU the emulated device's tensors too (capped by it)."""
+    size = max(spec.micro_batch_sizes)
+    device = estimate_memory(
+        model, spec.config, micro_batch_size=size, seq_len=spec.seq_len,
+        world_size=spec.world_size, cuda_allocator=spec.device == "cuda",
+    ).device_bytes  # fmt: skip
+    if spec.device_memory_bytes is not None:
+        device = min(device, spec.device_memory_bytes)
+    need = estimate_host(
+        model,
+        spec.config,
+        world_size=spec.world_size,
+        ranks_per_node=spec.num_processes,
+        device=spec.device,
+        device_bytes=device,
+    ).node_bytes
+    have = usable_host_bytes(given if given is not None else host_memory_bytes())
+    if need > have:
+        on_cpu = spec.device == "cpu"
+        tensors = ", and on the CPU the device's tensors" if on_cpu else ""
+        instead = (
+            "a smaller model, a smaller --device-memory or fewer ranks"
+            if on_cpu
+            else "a configuration that offloads less, or fewer ranks"
+        )
+        raise NothingFits(
+            f"{spec.config.label()} at micro-batch {size} needs {format_bytes(need)} of host "
+            f"memory (predicted: offloaded states and each rank's process{tensors}), and this "
+            f"node gives the job {format_bytes(have)}: the kernel would kill it; use {instead}, "
+            "or --host-memory if the node has more"
+        )
+
+
+def _check_something_fits(
+    rows: list[PlanRow], spec: ModelSpec, world: int, capacity: int, *, on_cpu: bool
+) -> None:
     """No configuration is predicted to fit: say what the smallest needs, and what to do,
-    before a study is made for a search that would probe nothing."""
+    before a study is made for a search that would probe nothing.
+
+    Raises:
+        NothingFits: One line with the smallest configuration's need and what to change.
+    """
     if not rows or any(row.fits for row in rows):
         return
+    ranks = (
+        f"{world} CPU rank{'s' if world > 1 else ''}"
+        if on_cpu
+        else f"{world} GPU{'s' if world > 1 else ''}"
+    )
+    each = "rank" if on_cpu else "GPU"
     smallest = min(rows, key=lambda row: row.memory.device_bytes)
     if smallest.memory.device_bytes <= capacity:  # the device would do; the host does not
-        raise ConfigError(
-            f"no configuration of {spec.name} on {world} GPU{'s' if world > 1 else ''} fits "
-            "this node's host memory (the offloaded states and each rank's process): use more "
-            "GPUs or nodes, or a host with more memory (--host-memory)"
+        raise NothingFits(
+            f"no configuration of {spec.name} on {ranks} fits this node's host memory (the "
+            "offloaded states and each rank's process): use more GPUs or nodes, or a host "
+            "with more memory (--host-memory)"
         )
     needs = format_bytes(smallest.memory.device_bytes)
-    raise ConfigError(
-        f"no configuration of {spec.name} on {world} GPU{'s' if world > 1 else ''} fits "
-        f"{format_bytes(capacity)} per GPU: the smallest, {smallest.config.label()} at "
-        f"micro-batch {smallest.micro_batch_size}, needs {needs} (predicted); use more GPUs, "
-        "a larger --device-memory, a shorter --seq-len or a smaller model"
+    more = "a larger --device-memory" if on_cpu else "more GPUs, a larger --device-memory"
+    raise NothingFits(
+        f"no configuration of {spec.name} on {ranks} fits {format_bytes(capacity)} per {each}: "
+        f"the smallest, {smallest.config.label()} at micro-batch {smallest.micro_batch_size}, "
+        f"needs {needs} (predicted); use {more}, a shorter --seq-len or a smaller model"
     )
 
 
@@ -705,6 +771,8 @@ def tune_jobs(
         try:
             studies = read_studies(storage, last=0)
             tuning = prepare(model, **options)
+        except NothingFits as error:
+            result = JobResult(job=job, status="no fit", why=str(error))
         except (ConfigError, ValueError) as error:
             result = JobResult(job=job, status="failed", why=str(error))
         else:
@@ -822,6 +890,7 @@ def probe(
     set_up: Callable[[SetupStep], SetupResult] | None = None,
     nodes: int | None = None,
     hosts: str | Sequence[str] | None = None,
+    host_memory: str | int | None = None,
 ) -> ProbeResult:
     """Run a few real training steps of one configuration at each micro-batch size.
 
@@ -844,6 +913,12 @@ def probe(
             else 1); ``gpus`` is split evenly over them.
         hosts: The nodes' names (``"this-host,node2"``), this one first; others are
             reached by ``ssh``.
+        host_memory: Host memory of a node for the job (``"125GiB"``); default: what this
+            node gives it. A probe predicted to need more is refused before it starts (the
+            kernel's OOM killer would end it as ``host_oom``, minutes later).
+
+    Raises:
+        NothingFits: The probe is predicted to need more host memory than the node has.
     """
     shape = resolve_model(model)  # fails fast on an unknown name
     seq_len = _seq_len(shape, seq_len)
@@ -890,6 +965,8 @@ def probe(
         timed_steps=timed_steps,
         timeout_s=_seconds(timeout, "the probe timeout"),
     )
+    if isinstance(chosen, LocalDevice):
+        _check_probe_host(shape, spec, _bytes(host_memory, "--host-memory"))
     for step in chosen.setup(spec):
         if set_up is None:
             step.run()
@@ -939,6 +1016,7 @@ def export(
     study: str | None = None,
     storage: str = DEFAULT_STORAGE,
     trial: int | None = None,
+    engine: Engine | str | None = None,
 ) -> Export:
     """The best configuration of the matching study, as a trainer's own configuration.
 
@@ -950,18 +1028,32 @@ def export(
         gpu: Only studies on this GPU key.
         study: The study's name, where several match.
         trial: Export this trial (by number) instead of the best; it must have fit.
+        engine: Export the best configuration of this engine (``deepspeed`` for a DeepSpeed
+            JSON where the study's best is FSDP, say).
 
     Raises:
         ConfigError: When the format is unknown or cannot express the configuration, when no
-            study or several match, or when the trial is missing or did not fit.
+            study or several match, when the trial is missing or did not fit, or when no
+            configuration of the engine fits.
     """
     try:
         chosen = Format(format)
     except ValueError:
         choices = ", ".join(f.value for f in Format)
         raise ConfigError(f"unknown export format {format!r}: use one of {choices}") from None
-    found = _one_study(storage, model, gpu, study, None if trial is not None else 0)
-    measurement = found.best if trial is None else _trial(found, trial)
+    if trial is not None and engine is not None:
+        raise ConfigError("--trial and --engine: a trial has its engine; give one of them")
+    wanted = _choice(Engine, engine, "--engine")
+    found = _one_study(storage, model, gpu, study, 0 if trial is None and wanted is None else None)
+    if wanted is not None:
+        measurement = best_point([m for m in found.measurements if m.config.engine is wanted])
+        if measurement is None:
+            raise ConfigError(
+                f"no {wanted.value} configuration of {found.study_name} fits yet: autotune "
+                "trials lists what was measured"
+            )
+    else:
+        measurement = found.best if trial is None else _trial(found, trial)
     if measurement is None:
         raise ConfigError(
             f"no configuration of {found.study_name} fits yet: run autotune run, or pick a "
@@ -975,6 +1067,20 @@ def export(
         format=chosen,
         text=render(launch, chosen),
     )
+
+
+_Choice = TypeVar("_Choice", Engine, Precision, Attention)
+
+
+def _choice(kind: type[_Choice], value: _Choice | str | None, option: str) -> _Choice | None:
+    """One of an option's choices, given by value or by name (a job file's text)."""
+    if value is None or isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(c.value for c in kind)
+        raise ConfigError(f"unknown {option.lstrip('-')} {value!r}: use one of {choices}") from None
 
 
 def _one_study(
@@ -1009,6 +1115,7 @@ def _launch(found: StudyResult, measurement: Measurement, spec: ModelSpec) -> La
         nodes=fingerprint.nodes,
         seq_len=fingerprint.seq_len,
         transformers=fingerprint.software.get("transformers"),
+        simulated=measurement.simulated or fingerprint.device == "simulated",
     )
 
 

@@ -8,6 +8,7 @@ size fits, 1 when none does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -17,12 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
+import typer.core
 from rich.console import Console
 
 from autotune.config import (
     Attention,
     ConfigError,
     Engine,
+    NothingFits,
     Offload,
     Precision,
     TrainConfig,
@@ -30,19 +33,74 @@ from autotune.config import (
 )
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.urls import masked
+from autotune.units import format_duration
 
 if TYPE_CHECKING:
     from autotune import api
     from autotune.jobs import Freshness, Job, JobResult
     from autotune.search.controller import Event
 
+
+def _plain_flags(params: list[Any]) -> list[Any]:
+    """On/off options shown without a type: ``--json`` takes no value, so no ``<bool>``."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Command(typer.core.TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_flags(super().get_params(ctx))
+
+
+class _Group(typer.core.TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_flags(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
     pretty_exceptions_enable=False,
-    no_args_is_help=True,
     help="OOM-driven auto-tuner for large-model training: finds the fastest configuration "
     "that fits your GPUs.",
 )
+command = functools.partial(app.command, cls=_Command)
+"""Every command is a :class:`_Command` (its flags shown as flags)."""
+
+
+def _version(value: bool) -> None:
+    if not value:
+        return
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    others = ", ".join(
+        f"{n} {version(n)}" for n in ("torch", "deepspeed", "transformers", "optuna")
+    )
+    print(f"autotune {version('autotune')} ({others}; Python {sys.version.split()[0]})")
+    raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the versions and exit."
+        ),
+    ] = False,
+) -> None:
+    """OOM-driven auto-tuner for large-model training: finds the fastest configuration that
+    fits your GPUs."""
+
+
 # Piped output is read by people too: do not squeeze tables into 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 errors = Console(stderr=True, soft_wrap=True)
@@ -108,7 +166,7 @@ HostCoresOption = Annotated[
     int | None,
     typer.Option(
         help="CPU cores of a node, which host Adam under offload runs on (default: this "
-        "node's; for another node's GPU or --simulate: 16 per GPU).",
+        "node's; with --simulate: 16 per GPU).",
     ),
 ]
 HostMemoryOption = Annotated[
@@ -116,6 +174,22 @@ HostMemoryOption = Annotated[
     typer.Option(
         help="Host memory of a node for the job, e.g. 125GiB (default: what this node gives "
         "it; with --simulate: not limited)."
+    ),
+]
+PlanHostCores = Annotated[
+    int | None,
+    typer.Option(
+        "--host-cores",
+        help="CPU cores of a node, which host Adam under offload runs on (default: this "
+        "node's for its own GPU, else 16 per GPU).",
+    ),
+]
+PlanHostMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--host-memory",
+        help="Host memory of a node for the job, e.g. 125GiB (default: what this node gives "
+        "it, for its own GPU; for another GPU: not checked).",
     ),
 ]
 
@@ -131,7 +205,7 @@ def _print_json(data: object) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
-@app.command()
+@command()
 def probe(
     model: ModelOption = "tiny",
     engine: Annotated[Engine, typer.Option(help="Training engine.")] = Engine.SINGLE,
@@ -155,6 +229,13 @@ def probe(
     timeout: Annotated[str, typer.Option(help="Wall-clock limit, e.g. 10m.")] = "10m",
     trials_dir: Annotated[Path, typer.Option(help="Where probe folders go.")] = Path("trials"),
     study: Annotated[str, typer.Option(help="Folder name under trials-dir.")] = "probes",
+    host_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Host memory of the node for the job, e.g. 125GiB (default: what this node "
+            "gives it); a probe predicted to need more is refused before it starts."
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print result.json.")] = False,
 ) -> None:
     """Run a few real training steps of one configuration and report OOM or throughput."""
@@ -174,26 +255,24 @@ def probe(
     sizes = _parse_sizes(micro_batch)
     running = contextlib.ExitStack()
 
+    shown = errors if json_output else console  # with --json, stdout is result.json alone
+
     def started(spec: Any, probe_dir: Path) -> None:
         if device == "auto" and spec.device == "cpu":
             errors.print("[yellow]no GPU found: probing on the CPU (--device cuda to insist)[/]")
-        if not json_output:
-            console.print(
-                f"[dim]probing {spec.config.label()} at micro-batch {micro_batch} in "
-                f"{probe_dir} ...[/]"
-            )
-            running.enter_context(
-                console.status(f"probe running ({spec.world_size} x {spec.device})")
-            )
+        timeout_text = format_duration(spec.timeout_s)
+        shown.print(
+            f"[dim]probing {spec.config.label()} at micro-batch {micro_batch} on "
+            f"{spec.world_size} x {spec.device} (at most {timeout_text}) in {probe_dir} ...[/]"
+        )
+        running.enter_context(shown.status(f"probe running ({spec.world_size} x {spec.device})"))
 
     def set_up(step: SetupStep) -> SetupResult:
-        if json_output:
-            return step.run()
         line = f"set-up: {step.label} (its own step, outside the probe's timeout)"
-        console.print(line, style="dim", markup=False, highlight=False)
-        with console.status(step.label):
+        shown.print(line, style="dim", markup=False, highlight=False)
+        with shown.status(step.label):
             done = step.run()
-        print_setup_done(console, done)
+        print_setup_done(shown, done)
         return done
 
     with running:
@@ -210,6 +289,7 @@ def probe(
             device_memory=device_memory,
             warmup_steps=warmup_steps,
             timed_steps=steps,
+            host_memory=host_memory,
             timeout=timeout,
             trials_dir=trials_dir,
             folder=study,
@@ -233,7 +313,7 @@ def _parse_engines(text: str | None) -> list[Engine] | None:
         raise UsageError(f"unknown engine in {text!r}: use {choices}, comma-separated") from None
 
 
-@app.command()
+@command()
 def plan(
     model: ModelOption = "llama-7b",
     gpu: Annotated[
@@ -256,8 +336,8 @@ def plan(
             "measured on an H100)."
         ),
     ] = None,
-    host_memory: HostMemoryOption = None,
-    host_cores: HostCoresOption = None,
+    host_memory: PlanHostMemory = None,
+    host_cores: PlanHostCores = None,
     top: Annotated[int, typer.Option(help="Rows to show (0: all).")] = 15,
     json_output: JsonOption = False,
 ) -> None:
@@ -294,7 +374,7 @@ def plan(
     console.print(plan_table(found.rows, title=title, top=top, seconds=found.seconds))
 
 
-@app.command()
+@command()
 def run(
     model: Annotated[
         str | None,
@@ -309,6 +389,10 @@ def run(
     nodes: NodesOption = None,
     hosts: HostsOption = None,
     engine: EngineOption = None,
+    precision: Annotated[
+        Precision | None, typer.Option(help="Default: bf16-mixed, fp16-mixed without bf16.")
+    ] = None,
+    attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
     simulate: Annotated[
         str | None, typer.Option(help="Probe a simulated GPU (the estimator), e.g. h100-80gb.")
     ] = None,
@@ -364,6 +448,8 @@ def run(
         "nodes": nodes,
         "hosts": hosts,
         "engine": engine,
+        "precision": precision,
+        "attention": attention,
         "simulate": simulate,
         "device": device,
         "device_memory": device_memory,
@@ -386,24 +472,26 @@ def run(
     tuning = api.prepare("llama-7b" if model is None else model, **options)
     simulated = tuning.device.kind == "simulated"
     w = tuning.workload
-    if not json_output:
-        console.print(
-            f"tuning {tuning.model.name} on {ranks_text(tuning.template)} x {tuning.gpu.name}"
-            f"{' (simulated)' if simulated else ''}, seq {w.seq_len}, global batch "
-            f"{w.global_batch}; study [bold]{tuning.fingerprint.study_name}[/] in {masked(storage)}"
-        )
+    # With --json, stdout is the summary alone: the progress goes to stderr.
+    shown = errors if json_output else console
+    shown.print(
+        f"tuning {tuning.model.name} on {ranks_text(tuning.template)} x {tuning.gpu.name}"
+        f"{' (simulated)' if simulated else ''}, seq {w.seq_len}, global batch "
+        f"{w.global_batch}; study [bold]{tuning.fingerprint.study_name}[/] in {masked(storage)}"
+    )
     view = RunView(
-        console,
+        shown,
         budget_s=tuning.budget_s,
         simulated=simulated,
         objective=tuning.fingerprint.objective,
     )
-    with _sigterm_interrupts(), view if not json_output else contextlib.nullcontext():
-        summary = tuning.run(None if json_output else view)
+    with _sigterm_interrupts(), view:
+        summary = tuning.run(view)
     if json_output:
         _print_json({"study": tuning.fingerprint.study_name, **summary.to_dict()})
     else:
-        console.print(ranking_table(summary.measurements, tuning.capacity_bytes))
+        if summary.best is not None:  # an empty table says nothing
+            console.print(ranking_table(summary.measurements, tuning.capacity_bytes))
         count = f"{summary.probes} probe{'' if summary.probes == 1 else 's'}"
         console.print(f"stopped: {summary.stop_reason}; {count} this run")
         best = summary.best
@@ -428,16 +516,16 @@ def _run_jobs(path: Path, *, max_age: str | None, json_output: bool, **defaults:
 
     views = contextlib.ExitStack()
 
+    shown = errors if json_output else console  # with --json, the progress goes to stderr
+
     def started(job: Job, tuning: api.Tuning, fresh: Freshness) -> Callable[[Event], None] | None:
-        if json_output:
-            return None
-        console.print(
+        shown.print(
             f"[bold]workload {job.index}[/] ({path}:{job.line}) {job.label()}: tuning, "
             f"{fresh.why}; study {tuning.fingerprint.study_name}",
             highlight=False,
         )
         view = RunView(
-            console,
+            shown,
             budget_s=tuning.budget_s,
             simulated=tuning.device.kind == "simulated",
             objective=tuning.fingerprint.objective,
@@ -446,11 +534,11 @@ def _run_jobs(path: Path, *, max_age: str | None, json_output: bool, **defaults:
 
     def ended(result: JobResult) -> None:
         views.close()
-        if json_output or result.status == "tuned":
+        if result.status == "tuned":
             return
         line = f"workload {result.job.index} ({path}:{result.job.line}) {result.job.label()}"
         colour = "red" if result.failed or result.status == "interrupted" else "cyan"
-        console.print(f"[{colour}]{line}: {result.status}[/], {result.why}", highlight=False)
+        shown.print(f"[{colour}]{line}: {result.status}[/], {result.why}", highlight=False)
 
     with _sigterm_interrupts():
         results = api.tune_jobs(path, max_age=max_age, on_job=started, on_result=ended, **defaults)
@@ -485,7 +573,7 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-@app.command()
+@command()
 def best(
     model: FilterModel = None,
     gpu: FilterGpu = None,
@@ -519,7 +607,7 @@ TRIALS_SHOWN = 50
 10,000 trials takes seconds to lay out in full."""
 
 
-@app.command()
+@command()
 def trials(
     model: FilterModel = None,
     gpu: FilterGpu = None,
@@ -557,7 +645,7 @@ def trials(
         console.print(trials_table(s.study_name, shown[s.study_name], total=s.trial_count))
 
 
-@app.command()
+@command()
 def export(
     format: Annotated[
         str,
@@ -575,14 +663,19 @@ def export(
     trial: Annotated[
         int | None, typer.Option(min=0, help="Export this trial instead of the best.")
     ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(help="Export the best configuration of this engine: deepspeed, fsdp, ..."),
+    ] = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write this file (default: stdout).")
     ] = None,
     force: ForceOption = False,
     json_output: JsonOption = False,
 ) -> None:
-    """The best configuration as a trainer's own config: DeepSpeed JSON, accelerate YAML,
-    TrainingArguments, a torchrun line, or FSDP2 code."""
+    """The best configuration in a trainer's own format.
+
+    DeepSpeed JSON, accelerate YAML, TrainingArguments, a torchrun line, or FSDP2 code."""
     from autotune import api
     from autotune.launch import Format
 
@@ -591,7 +684,9 @@ def export(
         raise UsageError(f"unknown export format {format!r}: use one of {choices}")
     if output is not None and output.exists() and not force:
         raise UsageError(f"{output} exists: add --force to overwrite it, or pick another -o")
-    found = api.export(format, model=model, gpu=gpu, study=study, storage=storage, trial=trial)
+    found = api.export(
+        format, model=model, gpu=gpu, study=study, storage=storage, trial=trial, engine=engine
+    )
     if output is not None:
         api.write_new_file(output, found.text, force=force)
     if json_output:
@@ -608,7 +703,7 @@ def export(
         )
 
 
-@app.command()
+@command()
 def report(
     output: Annotated[
         Path, typer.Option("--output", "-o", help="The HTML file to write.", show_default=False)
@@ -623,9 +718,10 @@ def report(
     force: ForceOption = False,
     json_output: JsonOption = False,
 ) -> None:
-    """One self-contained HTML page of a study (works offline): memory per GPU, tokens/s and
-    MFU against micro-batch, the search's path, the best configuration and its launch, and
-    every probe."""
+    """One self-contained HTML page of a study (works offline).
+
+    Memory per GPU, tokens/s and MFU against micro-batch, the search's path, the best
+    configuration and its launch, and every probe."""
     from autotune import api
 
     if output.exists() and not force:
@@ -639,7 +735,7 @@ def report(
         errors.print(f"wrote {done.path}: {done.study}", markup=False, highlight=False)
 
 
-@app.command()
+@command()
 def models(json_output: JsonOption = False) -> None:
     """List the model presets with their parameter counts."""
     from autotune.models import preset_names, resolve_model
@@ -675,6 +771,8 @@ inherit it). A stricter umask of the user's stays."""
 def main() -> None:
     """Console entry point: one-line errors for bad input, never a traceback."""
     os.umask(os.umask(0) | PRIVATE_UMASK)
+    if len(sys.argv) == 1:
+        sys.argv.append("--help")  # bare ``autotune``: the help, exit 0
     try:
         # Without standalone mode click returns a command's exit code instead of exiting.
         code = app(standalone_mode=False)
@@ -686,6 +784,9 @@ def main() -> None:
         message = error.format_message() if isinstance(error, typer.BadParameter) else error
         errors.print(f"[red]error:[/] {message}")
         sys.exit(2)
+    except NothingFits as error:
+        errors.print(f"[red]error:[/] {error}")
+        sys.exit(1)
     except (UsageError, ConfigError, ValueError) as error:
         errors.print(f"[red]error:[/] {error}")
         sys.exit(2)

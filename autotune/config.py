@@ -96,6 +96,11 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""
 
 
+class NothingFits(ConfigError):
+    """The workload is predicted to fit no configuration of the hardware: not a mistyped
+    option but an answer (the command exits 1, as a run that found nothing that fits)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """One rung of the ladder: everything about a probe except its micro-batch size."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.config import DEVICES, ConfigError, Engine
+from autotune.config import DEVICES, Attention, ConfigError, Engine, Precision
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
 from autotune.study.fingerprint import Fingerprint, Objective
@@ -55,6 +55,8 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "nodes": (int,),
     "hosts": (str, list),
     "engine": (str, list),
+    "precision": (str,),
+    "attention": (str,),
     "headroom": (str, int, float),
     "host_memory": (str, int),  # numbers are refused with a word: sizes take a unit
     "host_cores": (int,),
@@ -220,6 +222,10 @@ def _checked(key: str, value: Any, at: str) -> Any:
             raise ConfigError(f"unknown device {value!r}: use {', '.join(DEVICES)}")
         if key == "simulate":
             gpu_spec(str(value))
+        for name, kind in (("precision", Precision), ("attention", Attention)):
+            if key == name and str(value) not in {c.value for c in kind}:
+                choices = ", ".join(c.value for c in kind)
+                raise ConfigError(f"unknown {name} {value!r}: use one of {choices}")
         if key == "engine":
             names = value if isinstance(value, list) else str(value).split(",")
             for name in names:

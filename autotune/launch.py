@@ -118,6 +118,8 @@ class Launch:
     transformers: str | None = None
     """The transformers version the configuration was measured with (the ``hf`` format's
     field names follow it); None: the newest names."""
+    simulated: bool = False
+    """Its figures come from a simulated GPU (the estimator), not a run: every format says so."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "micro_batch_size", "grad_accum", "world_size", "nodes"):
@@ -148,8 +150,12 @@ class Launch:
         return (
             f"{self.model}: {self.config.label()} at micro-batch {self.micro_batch_size}, "
             f"accumulation {self.grad_accum} (global batch {self.global_batch} of seq "
-            f"{self.seq_len} on {gpus})"
+            f"{self.seq_len} on {gpus}){SIMULATED_NOTE if self.simulated else ''}"
         )
+
+
+SIMULATED_NOTE = "; SIMULATED: predicted on a simulated GPU, never run"
+"""What every export of a simulated study says, where its format allows words."""
 
 
 def render(launch: Launch, fmt: Format | str) -> str:
@@ -178,7 +184,8 @@ def _needs(launch: Launch, engine: Engine, fmt: Format) -> None:
         ]
         raise ConfigError(
             f"--format {fmt.value} needs a {engine.value} configuration, and this one is "
-            f"{launch.config.label()}: use --format {', '.join(others[:-1])} or {others[-1]}"
+            f"{launch.config.label()}: use --format {', '.join(others[:-1])} or {others[-1]}, "
+            f"or --engine {engine.value} for the best {engine.value} configuration"
         )
 
 
@@ -188,7 +195,10 @@ def _json(data: Any) -> str:
 
 def _deepspeed_json(launch: Launch) -> str:
     _needs(launch, Engine.DEEPSPEED, Format.DEEPSPEED)
-    return _json(_deepspeed_for(launch))
+    data = _deepspeed_for(launch)
+    if launch.simulated:  # DeepSpeed reads the keys it knows and passes others by
+        data = {"autotune": f"{launch.summary()}", **data}
+    return _json(data)
 
 
 def _deepspeed_for(launch: Launch) -> dict[str, Any]:
@@ -355,7 +365,10 @@ def hf_fields(launch: Launch) -> dict[str, Any]:
 
 
 def _hf(launch: Launch) -> str:
-    return _json(hf_fields(launch))
+    fields = hf_fields(launch)
+    if launch.simulated:  # JSON has no comments: the run's name carries the word
+        fields["run_name"] = f"autotune {launch.summary()}"
+    return _json(fields)
 
 
 # ---- torchrun ---------------------------------------------------------------------------------

@@ -62,7 +62,6 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("run", "--device", "cuda"), "no GPU"),
     (("probe", "--device", "cuda"), "no GPU is visible: use --device cpu"),
     (("run", *SIM, "--device-memory", "200GiB"), "more than the h100-80gb's 79.65 GiB"),
-    (("run", *SIM, "--device-memory", "1GiB"), "no configuration of llama-7b on 8 GPUs fits 1.00"),
     (("run", "--simulate", "h100x"), "unknown GPU 'h100x'"),
     (("plan", "--gpu", "tpu-v9"), "tpu-v9"),
     (("run", *CPU, "--objective", "mfu"), "--objective tokens on the CPU"),
@@ -220,7 +219,7 @@ def test_an_existing_study_is_left_as_it_was(
         ("--gpus", "8", "--global-batch", "100"),
     ):
         code, stderr = run_main(("run", *SIM, *args), folder, monkeypatch, capsys)
-        assert code == 2 and one_line(stderr)
+        assert code == (1 if "1GiB" in args else 2) and one_line(stderr)
     assert snapshot(folder) == before
 
 
@@ -253,3 +252,49 @@ def test_no_gpu_is_said_without_a_traceback_when_cuda_is_hidden(folder: Path) ->
     done = autotune("run", "--model", "tiny", cwd=folder, env=env)
     assert done.returncode == 2 and "no GPU" in one_line(done.stderr)
     assert not (folder / "trials").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ((*SIM, "--device-memory", "1GiB"), "no configuration of llama-7b on 8 GPUs fits 1.00 GiB "
+         "per GPU: the smallest, deepspeed z3 off:params ac:every at micro-batch 1, needs"),
+        (("--model", "qwen2.5-1.5b", "--device", "cpu", "--device-memory", "1MiB"),
+         "no configuration of qwen2.5-1.5b on 1 CPU rank fits 1.00 MiB per rank: "),
+    ],
+    ids=["gpus", "cpu"],
+)  # fmt: skip
+def test_a_workload_predicted_to_fit_nothing_exits_1_with_one_line(
+    folder: Path,
+    args: tuple[str, ...],
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Nothing fits (predicted): not a typo but an answer, so exit 1 as a run that found
+    nothing that fits (the exit codes of docs/usage.md), one line, nothing written; a CPU run counts
+    CPU ranks, not GPUs."""
+    before = snapshot(folder)
+    code, stderr = run_main(("run", *args), folder, monkeypatch, capsys)
+    assert code == 1, stderr
+    assert says in one_line(stderr)
+    assert snapshot(folder) == before
+
+
+def test_a_probe_that_would_not_fit_the_host_is_refused_before_it_starts(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``autotune probe`` checks host memory as ``run`` does: qwen2.5-1.5b with ZeRO-3 on the
+    CPU under a 40 GiB cap needs more than a 16 GiB node gives, so it is refused at once with
+    one line (exit 1, nothing written), where it used to run two minutes into the OOM killer."""
+    before = snapshot(folder)
+    args = (
+        *("probe", "--model", "qwen2.5-1.5b", "--engine", "fsdp", "--zero-stage", "3"),
+        *("--device", "cpu", "--device-memory", "40GiB", "--host-memory", "16GiB", "--json"),
+    )
+    code, stderr = run_main(args, folder, monkeypatch, capsys)
+    assert code == 1, stderr
+    line = one_line(stderr)
+    assert "fsdp z3 ac:off at micro-batch 1 needs" in line and "of host memory" in line
+    assert "this node gives the job 12.00 GiB" in line  # 16 GiB less the system's reserve
+    assert snapshot(folder) == before

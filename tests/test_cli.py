@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -263,3 +264,85 @@ def test_the_run_ends_with_its_probe_count_in_words(tmp_path: Path) -> None:
     line = next(x for x in done.stdout.splitlines() if x.startswith("stopped:"))
     count = int(line.rsplit("; ", 1)[1].split()[0])
     assert line.endswith(f"{count} probe this run" if count == 1 else f"{count} probes this run")
+
+
+def test_bare_autotune_prints_the_help_and_version_prints_the_versions(tmp_path: Path) -> None:
+    """``autotune`` alone: the help, exit 0, no error line. ``--version``: autotune's and its
+    frameworks' versions. No help shows a ``<bool>`` type on a flag, every command's first
+    line in the list is whole, and ``plan --help`` does not offer ``--simulate``."""
+    bare = autotune(cwd=tmp_path)
+    assert bare.returncode == 0 and "Usage: " in bare.stdout and not bare.stderr
+    version = autotune("--version", cwd=tmp_path)
+    assert version.returncode == 0
+    assert version.stdout.startswith("autotune ") and "torch " in version.stdout
+    assert "deepspeed " in version.stdout and "optuna " in version.stdout
+    for command in ("", "probe", "plan", "run", "best", "trials", "export", "report", "models"):
+        shown = autotune(*([command] if command else []), "--help", cwd=tmp_path)
+        assert shown.returncode == 0, shown.stderr
+        assert "<bool>" not in shown.stdout, command
+    listed = autotune("--help", cwd=tmp_path).stdout
+    assert "export  The best configuration in a trainer's own format." in listed
+    assert "report  One self-contained HTML page of a study (works offline)." in listed
+    assert "--simulate" not in autotune("plan", "--help", cwd=tmp_path).stdout
+
+
+def test_the_library_prints_no_optuna_line(tmp_path: Path) -> None:
+    """``autotune.tune`` in a script: Optuna's "A new study created in RDB" stays unsaid (the
+    caller decides what to print), and Optuna's verbosity is the script's again afterwards."""
+    code = (
+        "import autotune, optuna\n"
+        "summary = autotune.tune('tiny', simulate='h100-80gb', budget='1m', "
+        "storage='sqlite:///x.db')\n"
+        "assert summary.best is not None\n"
+        "print(optuna.logging.get_verbosity() == optuna.logging.INFO)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "A new study" not in done.stderr + done.stdout
+    assert done.stdout.strip() == "True"
+
+
+def test_the_live_log_and_the_tables_show_one_figure_per_point(tmp_path: Path) -> None:
+    """Every size the live log reports is the figure the study recorded (at the workload's
+    accumulation, which the line names), so the log and the tables never disagree; with
+    ``--json`` the same progress goes to stderr and stdout is the summary alone."""
+    args = ("run", "--model", "tiny", "--simulate", "h100-80gb", "--global-batch", "256")
+    done = autotune(*args, "--budget", "2m", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    json.loads(done.stdout)  # nothing but the summary
+    logged = re.findall(r"(\d+): ok ([\d,]+) tok/s \(accum (\d+)\)", done.stderr)
+    assert logged, done.stderr
+    listed = json.loads(autotune("trials", "--json", cwd=tmp_path).stdout)[0]["trials"]
+    recorded = {
+        (row["micro_batch_size"], round(row["tokens_per_second"]), row["grad_accum"])
+        for row in listed
+        if row["outcome"] == "ok"
+    }
+    for size, speed, accum in logged:
+        assert (int(size), int(speed.replace(",", "")), int(accum)) in recorded
+    assert any(int(accum) > 1 for _, _, accum in logged)  # the probe's own was 1
+
+
+def test_run_takes_precision_and_attention_as_plan_and_probe_do(tmp_path: Path) -> None:
+    """``run --precision fp16-mixed --attention eager``: every configuration the search
+    probes has that precision and attention kernel, and the job file takes them too."""
+    args = ("run", "--model", "tiny", "--simulate", "a100-40gb", "--budget", "2m")
+    done = autotune(*args, "--precision", "fp16-mixed", "--attention", "eager", "--json",
+                    cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(autotune("trials", "--json", cwd=tmp_path).stdout)[0]["trials"]
+    assert rows and {(r["config"]["precision"], r["config"]["attention"]) for r in rows} == {
+        ("fp16-mixed", "eager")
+    }
+    (tmp_path / "jobs.yaml").write_text(
+        "workloads:\n  - model: tiny\n    precision: fp32\n    simulate: a100-40gb\n"
+        "    budget: 2m\n"
+    )
+    jobs = autotune("run", "--jobs", "jobs.yaml", "--json", cwd=tmp_path)
+    assert jobs.returncode == 0, jobs.stderr
+    studies = json.loads(autotune("trials", "--json", cwd=tmp_path).stdout)
+    # Another precision is another question: a study of its own, named so.
+    assert [s["study"].split("/")[3:-1] for s in studies] == [["fp16-mixed", "eager"], ["fp32"]]
+    assert {r["config"]["precision"] for r in studies[1]["trials"]} == {"fp32"}

@@ -3,6 +3,7 @@ and the FSDP2 snippet training a tiny model for real, and the command line's exi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -170,8 +171,11 @@ def _tiny(config: TrainConfig, *, grad_accum: int) -> Launch:
 def test_a_cpu_deepspeed_engine_trains_from_the_export(config: TrainConfig, tmp_path: Path) -> None:
     """deepspeed.initialize on the tiny model from the exported JSON, one rank on gloo, and
     two optimizer steps. One field is changed: ``torch_adam``, because on the CPU DeepSpeed's
-    own Adam ops would have to be built first (the probes set it on the CPU too)."""
-    exported = json.loads(render(_tiny(config, grad_accum=2), Format.DEEPSPEED))
+    own Adam ops would have to be built first (the probes set it on the CPU too). The export
+    is of a simulated study: its ``autotune`` key, which says so, is passed by."""
+    simulated = dataclasses.replace(_tiny(config, grad_accum=2), simulated=True)
+    exported = json.loads(render(simulated, Format.DEEPSPEED))
+    assert "SIMULATED" in exported["autotune"]
     exported["optimizer"]["params"]["torch_adam"] = True
     (tmp_path / "ds_config.json").write_text(json.dumps(exported))
     out = run_python(
@@ -261,6 +265,9 @@ def test_training_arguments_accept_the_fields(tmp_path: Path) -> None:
     }
     for label, fields in exports.items():
         assert json.loads(render(launch(TrainConfig.from_dict(_config(label))), "hf")) == fields
+    simulated = dataclasses.replace(launch(DEEPSPEED_CONFIGS[0]), simulated=True)
+    exports["simulated"] = json.loads(render(simulated, "hf"))  # its run_name says so
+    assert "SIMULATED" in exports["simulated"]["run_name"]
     (tmp_path / "fields.json").write_text(json.dumps(exports))
     out = run_python(
         """
@@ -287,12 +294,14 @@ def test_training_arguments_accept_the_fields(tmp_path: Path) -> None:
                 if args.fsdp else None,
                 "fsdp_ac": args.fsdp_plugin_args.get("activation_checkpointing")
                 if args.fsdp else None,
+                "run_name": args.run_name,
             }
         print(json.dumps(seen))
         """,
         tmp_path,
     )
     seen = json.loads(out.strip().splitlines()[-1])
+    run_names = {label: fields.pop("run_name") for label, fields in seen.items()}
     common = {"batch": 2, "accumulation": 4}
     assert seen["deepspeed z3 off:params ac:every-2"] == {
         **common,
@@ -323,6 +332,8 @@ def test_training_arguments_accept_the_fields(tmp_path: Path) -> None:
     assert seen["fsdp z3 ac:every-2"]["checkpointing"] is True
     assert seen["fsdp z3 ac:every-2"]["every"] == 2
     assert seen["fsdp z3 ac:every-2"]["reshard"] is True
+    assert "SIMULATED" in run_names["simulated"]  # the Trainer keeps the word
+    assert seen["simulated"]["batch"] == seen[DEEPSPEED_CONFIGS[0].label()]["batch"]
 
 
 def _config(label: str) -> dict[str, object]:
@@ -500,6 +511,29 @@ def test_the_library_exports_the_best_or_a_named_trial(study: str) -> None:
         library.export("hf", storage=study, trial=100000)
     with pytest.raises(ConfigError, match="no autotune study"):
         library.export("hf", storage=study, model="tiny")
+
+
+def test_the_best_of_an_engine_is_exported_where_the_study_best_is_another(study: str) -> None:
+    """``--engine deepspeed``: the fastest DeepSpeed configuration that fit, whatever engine
+    the study's best has; a format that cannot express the best names that way out."""
+    from autotune.study.measurement import best_point
+
+    [everything] = library.trials(storage=study)
+    for engine in (Engine.DEEPSPEED, Engine.FSDP):
+        of_engine = [m for m in everything.measurements if m.config.engine is engine]
+        expected = best_point(of_engine)
+        assert expected is not None, engine
+        found = library.export("torchrun", storage=study, engine=engine.value)
+        assert (found.launch.config, found.launch.micro_batch_size) == expected.key
+    [best] = library.best(storage=study)
+    assert best.best is not None
+    other = Engine.DEEPSPEED if best.best.config.engine is not Engine.DEEPSPEED else Engine.FSDP
+    with pytest.raises(ConfigError, match=f"or --engine {other.value} for the best"):
+        library.export(other.value, storage=study)
+    with pytest.raises(ConfigError, match="unknown engine 'megatron'"):
+        library.export("hf", storage=study, engine="megatron")
+    with pytest.raises(ConfigError, match="--trial and --engine"):
+        library.export("hf", storage=study, engine="fsdp", trial=0)
 
 
 def test_cli_prints_writes_and_refuses_to_overwrite(study: str, tmp_path: Path) -> None:

@@ -87,6 +87,8 @@ A = "workloads:\n  - model: a\n"
         (A + "    objective: speed\n", r":3: workload 1: unknown objective 'speed'"),
         (A + "    device: tpu\n", r":3: workload 1: unknown device 'tpu'"),
         (A + "    simulate: h100x\n", r":3: workload 1: .*unknown GPU 'h100x'"),
+        (A + "    precision: fp8\n", r":3: workload 1: unknown precision 'fp8': use one of"),
+        (A + "    attention: flash9\n", r":3: workload 1: unknown attention 'flash9'"),
         (A + "    seed: !!python/object/apply:os.system [echo hi]\n",
          r":3: workload 1: seed: could not determine a constructor"),
     ],

@@ -181,3 +181,23 @@ def test_the_search_chart_runs_on_the_budget_clock(searched: tuple[str, float]) 
     assert title.startswith("probe time spent")
     assert xs == sorted(xs) and xs[0] > 0
     assert xs[-1] == pytest.approx(elapsed_s, rel=1e-6)
+
+
+def test_a_cpu_study_has_no_mfu_chart_and_names_its_cpu_ranks(tmp_path: Path) -> None:
+    """A study of real CPU probes has no peak FLOP/s, so no MFU: the report draws no empty
+    MFU chart, and says its device is CPU ranks under an emulated cap, not a GPU."""
+    from tests.test_cli import autotune as run
+
+    storage = f"sqlite:///{tmp_path / 'cpu.db'}"
+    done = run(
+        "run", "--model", "tiny", "--device", "cpu", "--device-memory", "4MiB", "--seq-len",
+        "32", "--global-batch", "4", "--engine", "single", "--budget", "2m", "--storage",
+        storage, "--trials-dir", str(tmp_path / "trials"), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    page = tmp_path / "cpu.html"
+    autotune.write_report(page, model="tiny", storage=storage)
+    source = page.read_text()
+    assert "chart-tokens" in source and "chart-mfu" not in source
+    assert "1 CPU rank, each under an emulated 4.00 MiB device" in source
+    assert "× cpu" not in source

@@ -27,6 +27,7 @@ from typing import Any
 
 from autotune.estimator.memory import CATEGORIES, estimate_memory
 from autotune.models import ModelSpec
+from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import Measurement, StudyResult, parse_time
 from autotune.study.reader import sqlite_path
 from autotune.units import format_bytes, format_duration
@@ -356,6 +357,14 @@ pre { background: #f5f5f5; padding: 0.8em; overflow-x: auto; }
 """
 
 
+def _device_row(fp: Fingerprint, capacity: int) -> tuple[str, str]:
+    """What the study ran on: GPUs (real or simulated), or CPU ranks under an emulated cap."""
+    if fp.device == "cpu":
+        ranks = f"{fp.gpus} CPU rank{'s' if fp.gpus > 1 else ''}"
+        return "device", f"{ranks}, each under an emulated {format_bytes(capacity)} device"
+    return "GPU", f"{fp.gpus} × {fp.gpu} ({fp.device}), usable {format_bytes(capacity)} each"
+
+
 def render_html(
     study: StudyResult,
     *,
@@ -385,12 +394,13 @@ def render_html(
             _memory_figure(study, model, go, capacity, cuda=fp.device not in ("cpu",)),
         ),
         "tokens": ("Tokens/s against micro-batch", _speed_figure(study, go, "tokens")),
-        "mfu": ("MFU against micro-batch", _speed_figure(study, go, "mfu")),
-        "search": (
-            "The search, probe by probe",
-            _search_figure(study, go, times or {}, budget_s),
-        ),
     }
+    if any(m.mfu for m in study.measurements):  # a CPU study has no peak FLOP/s: no MFU
+        figures["mfu"] = ("MFU against micro-batch", _speed_figure(study, go, "mfu"))
+    figures["search"] = (
+        "The search, probe by probe",
+        _search_figure(study, go, times or {}, budget_s),
+    )
     charts = []
     for key, (title, fig) in figures.items():
         fig.update_layout(template="plotly_white")
@@ -401,7 +411,7 @@ def render_html(
     meta = [
         ("study", fp.study_name),
         ("model", fp.model),
-        ("GPU", f"{fp.gpus} × {fp.gpu} ({fp.device}), usable {format_bytes(capacity)} each"),
+        _device_row(fp, capacity),
         ("workload", f"seq_len {fp.seq_len}, global batch {fp.global_batch}"),
         ("objective", fp.objective.value),
         ("trials", str(study.trial_count)),

@@ -29,12 +29,25 @@ __all__ = ["RunView", "outcome_text", "speed_text"]
 
 
 def outcome_text(sizes: Iterable[SizeResult], fallback: str) -> str:
-    """One probe's sizes as ``2: ok 10,803 tok/s, 4: oom`` (or the probe's outcome)."""
+    """One probe's sizes as ``2: ok 10,803 tok/s, 4: oom`` (or the probe's outcome), at the
+    probe's own accumulation (``autotune probe``)."""
     parts = []
     for s in sizes:
         text = f"{s.micro_batch_size}: {s.outcome}"
         if s.tokens_per_second:
             text += f" {s.tokens_per_second:,.0f} tok/s"
+        parts.append(text)
+    return ", ".join(parts) or fallback
+
+
+def measured_text(measured: Iterable[Measurement], fallback: str) -> str:
+    """A probe's sizes as the study recorded them, at the workload's accumulation (the
+    figure of the tables): ``2: ok 10,803 tok/s (accum 4), 4: oom``."""
+    parts = []
+    for m in sorted(measured, key=lambda m: m.micro_batch_size):
+        text = f"{m.micro_batch_size}: {m.outcome or m.state.lower()}"
+        if m.tokens_per_second:
+            text += f" {m.tokens_per_second:,.0f} tok/s (accum {m.grad_accum})"
         parts.append(text)
     return ", ".join(parts) or fallback
 
@@ -115,7 +128,11 @@ class RunView:
                 f"{','.join(map(str, p.micro_batch_sizes))} ({why})[/]"
             )
         elif event.kind == "result" and event.result:
-            self._last = outcome_text(event.result.sizes, event.result.outcome.value)
+            self._last = (
+                measured_text(event.measured, event.result.outcome.value)
+                if event.measured
+                else outcome_text(event.result.sizes, event.result.outcome.value)
+            )
             self.console.print(f"  {self._last}")
         elif event.kind == "setup":
             line = f"set-up: {event.message} (its own step, in no probe)"

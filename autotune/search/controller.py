@@ -74,6 +74,9 @@ class Event:
     flight end), ``stop``."""
     proposal: Proposal | None = None
     result: ProbeResult | None = None
+    measured: list[Measurement] = field(default_factory=list)
+    """The probe's sizes as recorded: throughput at the workload's accumulation, the figure
+    every table and the study show (``result`` holds the probe's own)."""
     setup: SetupResult | None = None
     best: Measurement | None = None
     probes: int = 0
@@ -340,12 +343,14 @@ class Controller:
                     time.sleep(random.uniform(0.05, 0.5))
                     continue
                 probes += 1
+                recorded = self.store.measurements()
                 self.on_event(
                     Event(
                         kind="result",
                         proposal=proposal,
                         result=result,
-                        best=self.store.best(),
+                        measured=[m for m in recorded if m.probe_dir == str(result.probe_dir)],
+                        best=self.store.best(recorded),
                         probes=probes,
                         budget_left_s=self.budget_s - self.elapsed(),
                     )
@@ -364,6 +369,7 @@ class Controller:
             )
         except KeyboardInterrupt as stop:
             interrupted = str(stop) or "Ctrl-C"
+            probes += self._probing  # the probe it stopped ran, and is recorded interrupted
             reason = (
                 f"interrupted ({interrupted}) during the set-up step ({self._setting_up}): "
                 "it was stopped; no probe was running"

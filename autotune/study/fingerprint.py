@@ -81,6 +81,11 @@ class Fingerprint:
     """``cuda``, ``cpu`` (real CPU probes) or ``simulated`` (the estimator)."""
     software: dict[str, str] = dataclasses.field(default_factory=software_versions)
     """torch, DeepSpeed and transformers versions, and on GPUs the NVIDIA driver's."""
+    precision: str | None = None
+    """The precision the user asked for (``--precision``); None: the GPU's default. Another
+    precision is another question, so another study."""
+    attention: str | None = None
+    """The attention kernel the user asked for; None: ``sdpa``, the default."""
 
     def __post_init__(self) -> None:
         try:
@@ -111,6 +116,9 @@ class Fingerprint:
         name = f"{self.model}/seq{self.seq_len}/gbs{self.global_batch}@{hardware}"
         if self.objective is not Objective.TOKENS:
             name += f"/{self.objective}"
+        for asked in (self.precision, self.attention):
+            if asked is not None:
+                name += f"/{asked}"
         short = {"torch": "torch", "deepspeed": "ds", "transformers": "tf", "driver": "drv"}
         versions = "+".join(
             f"{short.get(k, k)}{self.software[k]}"

@@ -35,7 +35,7 @@ import random
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -224,6 +224,17 @@ def _has_optuna_schema(url: str) -> bool:
         engine.dispose()
 
 
+@contextlib.contextmanager
+def _optuna_quiet() -> Iterator[None]:
+    """Optuna's INFO lines held back for a moment (its verbosity is the caller's otherwise)."""
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
 def _file_id(database: str | None) -> tuple[int, int] | None:
     """A SQLite file's device and inode (None where there is no such file)."""
     try:
@@ -256,12 +267,13 @@ class TrialStore:
         self.headroom = headroom
         self.storage = open_storage(storage) if isinstance(storage, str) else storage
         try:
-            self.study = study or optuna.create_study(
-                storage=self.storage,
-                study_name=fingerprint.study_name,
-                direction="maximize",
-                load_if_exists=True,
-            )
+            with _optuna_quiet():  # "A new study created in RDB": the caller says what it does
+                self.study = study or optuna.create_study(
+                    storage=self.storage,
+                    study_name=fingerprint.study_name,
+                    direction="maximize",
+                    load_if_exists=True,
+                )
             stored = self.study.user_attrs.get(FINGERPRINT_ATTR)
             if stored is None:
                 self.study.set_user_attr(FINGERPRINT_ATTR, fingerprint.to_dict())

@@ -682,7 +682,7 @@ def test_c_ctrl_c_stops_the_probe_records_it_and_a_rerun_retries_it(
     summary = json.loads(out)
     assert summary["stop_reason"].startswith(f"interrupted ({name})"), summary
     assert summary["interrupted"] == name, summary
-    assert summary["probes"] == 1, summary  # the first probe; the stopped one is not counted
+    assert summary["probes"] == 2, summary  # the first probe, and the one it stopped
     # The launcher ended the probe's process group before the tuner exited.
     left = wait_gone(root, timeout_s=2.0)
     assert not left, f"probe processes outlived the interrupted tuner: {left}"

@@ -166,7 +166,7 @@ def test_an_interrupted_probe_is_retried_once_on_resume(tmp_path: Path) -> None:
     first, _, _ = _controller(tmp_path, SCENARIOS[0])
     interrupted = _interrupt_at(first, 2)
     summary = first.run()
-    assert summary.stop_reason.startswith("interrupted") and summary.probes == 1
+    assert summary.stop_reason.startswith("interrupted") and summary.probes == 2  # 1 stopped
     failed = [m for m in summary.measurements if m.state == "FAIL"]
     assert sorted(m.key for m in failed) == sorted(interrupted)
     assert {m.outcome for m in failed} == {"interrupted"}

@@ -75,6 +75,10 @@ def test_study_names_are_readable_and_separate_what_differs() -> None:
     assert _fingerprint(gpu_memory_bytes=(3 << 20) + (1 << 10), capped=True).study_name != (
         _fingerprint(gpu_memory_bytes=3 << 20, capped=True).study_name
     )
+    # A precision or attention kernel the user asked for is another question.
+    asked = _fingerprint(precision="fp16-mixed", attention="eager").study_name
+    assert asked.split("/")[3:5] == ["fp16-mixed", "eager"]
+    assert _fingerprint(precision=None, attention=None).study_name == _fingerprint().study_name
     with pytest.raises(ConfigError, match="objective"):
         _fingerprint(objective="loss")
 
