@@ -237,13 +237,11 @@ class HostAssumed:
         }
 
 
-def _host_assumed(
-    memory: int | None, cores: int | None, *, here: bool, simulated: bool = False
-) -> HostAssumed:
-    """The host a plan or a run assumes: what was given, else this node's when the plan is
-    for this node, else none checked and 16 cores per GPU (a plan for another node must not
-    take this machine's figures: give ``--host-memory`` and ``--host-cores`` for it)."""
-    elsewhere = "a simulated node" if simulated else "a plan for another node"
+def _host_assumed(memory: int | None, cores: int | None, *, here: bool) -> HostAssumed:
+    """The host a plan assumes: what was given, else this node's when the plan is for this
+    node, else none checked and 16 cores per GPU (a plan for another node must not take this
+    machine's figures: give ``--host-memory`` and ``--host-cores`` for it)."""
+    elsewhere = "a plan for another node"
     if memory is not None:
         memory_from = "--host-memory"
     elif here:
