@@ -64,6 +64,30 @@ class RunProbe(Protocol):
     ) -> ProbeResult: ...
 
 
+SERIAL = (
+    "tests/probe/test_faults.py",
+    "tests/probe/test_launcher.py",
+    "tests/probe/test_lifetime.py",
+    "tests/probe/test_nodes.py",
+    "tests/probe/test_ops.py",
+    "tests/probe/test_warm.py",
+    "tests/search/test_run_e2e.py",
+    "tests/study/test_postgres.py",
+    "tests/study/test_storage_faults.py",
+)
+"""Where real probes and tuners race the clock (probe timeouts, tuners killed once their
+ranks run, signals, lock waits, full disks): ``make test`` runs these alone, after the rest
+has run on both cores (``-n 2``), so no other test takes their cores."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    for item in items:
+        where = Path(str(item.path)).relative_to(root).as_posix()
+        if where.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Ctrl-C as a terminal delivers it, however the suite was started: a shell starts a
     background job (``make test &``, ``nohup``) with SIGINT ignored, which its children
