@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from autotune.config import (
     DEVICES,
@@ -34,6 +34,7 @@ from autotune.config import (
     NothingFits,
     Precision,
     TrainConfig,
+    parse_choice,
 )
 from autotune.devices import Device, LocalDevice, ReplayDevice, SimulatedDevice
 from autotune.devices.base import SetupResult, SetupStep
@@ -503,8 +504,8 @@ def prepare(
             f"{format_bytes(gpu.memory_bytes)}: leave it out to use the whole card, or cap it lower"
         )
     capacity = cap if cap is not None else usable_bytes(gpu)
-    chosen_precision = _choice(Precision, precision, "--precision")
-    chosen_attention = _choice(Attention, attention, "--attention") or Attention.SDPA
+    chosen_precision = parse_choice(Precision, precision, "precision")
+    chosen_attention = parse_choice(Attention, attention, "attention") or Attention.SDPA
     software = software_versions()
     detected = detect_gpus() if chosen.kind == "cuda" else None
     if detected is not None and detected.driver:
@@ -1041,7 +1042,7 @@ def export(
         raise ConfigError(f"unknown export format {format!r}: use one of {choices}") from None
     if trial is not None and engine is not None:
         raise ConfigError("--trial and --engine: a trial has its engine; give one of them")
-    wanted = _choice(Engine, engine, "--engine")
+    wanted = parse_choice(Engine, engine, "engine")
     found = _one_study(storage, model, gpu, study, 0 if trial is None and wanted is None else None)
     if wanted is not None:
         measurement = best_point([m for m in found.measurements if m.config.engine is wanted])
@@ -1065,20 +1066,6 @@ def export(
         format=chosen,
         text=render(launch, chosen),
     )
-
-
-_Choice = TypeVar("_Choice", Engine, Precision, Attention)
-
-
-def _choice(kind: type[_Choice], value: _Choice | str | None, option: str) -> _Choice | None:
-    """One of an option's choices, given by value or by name (a job file's text)."""
-    if value is None or isinstance(value, kind):
-        return value
-    try:
-        return kind(value)
-    except ValueError:
-        choices = ", ".join(c.value for c in kind)
-        raise ConfigError(f"unknown {option.lstrip('-')} {value!r}: use one of {choices}") from None
 
 
 def _one_study(

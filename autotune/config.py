@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 
 class Engine(enum.StrEnum):
@@ -99,6 +99,25 @@ class ConfigError(ValueError):
 class NothingFits(ConfigError):
     """The workload is predicted to fit no configuration of the hardware: not a mistyped
     option but an answer (the command exits 1, as a run that found nothing that fits)."""
+
+
+_Choice = TypeVar("_Choice", bound=enum.Enum)
+
+
+def parse_choice(kind: type[_Choice], value: _Choice | str | None, what: str) -> _Choice | None:
+    """One of an option's choices (``Engine``, ``Precision``, ...), given as itself or by its
+    name (a job file's text); None stays None.
+
+    Raises:
+        ConfigError: ``unknown precision 'fp8': use one of ...``.
+    """
+    if value is None or isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(str(c.value) for c in kind)
+        raise ConfigError(f"unknown {what} {value!r}: use one of {choices}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.config import DEVICES, Attention, ConfigError, Engine, Precision
+from autotune.config import DEVICES, Attention, ConfigError, Engine, Precision, parse_choice
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
 from autotune.study.fingerprint import Fingerprint, Objective
@@ -222,10 +222,8 @@ def _checked(key: str, value: Any, at: str) -> Any:
             raise ConfigError(f"unknown device {value!r}: use {', '.join(DEVICES)}")
         if key == "simulate":
             gpu_spec(str(value))
-        for name, kind in (("precision", Precision), ("attention", Attention)):
-            if key == name and str(value) not in {c.value for c in kind}:
-                choices = ", ".join(c.value for c in kind)
-                raise ConfigError(f"unknown {name} {value!r}: use one of {choices}")
+        if key in ("precision", "attention"):
+            parse_choice(Precision if key == "precision" else Attention, str(value), key)
         if key == "engine":
             names = value if isinstance(value, list) else str(value).split(",")
             for name in names:

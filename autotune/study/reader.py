@@ -53,6 +53,7 @@ __all__ = [
     "KNOWN_SCHEMAS",
     "OPTUNA_TABLES",
     "cannot_open",
+    "holds_no_database",
     "read_studies",
     "refuse_foreign_sqlite",
     "sqlite_path",
@@ -138,6 +139,11 @@ def _foreign_tables(path: Path) -> list[str] | None:
         return None
 
 
+def holds_no_database(path: Path) -> bool:
+    """A SQLite file that does not exist, or is empty: no study, and nothing to refuse."""
+    return not path.is_file() or path.stat().st_size == 0
+
+
 def refuse_foreign_sqlite(path: Path) -> None:
     """Refuse a SQLite file that holds a table Optuna's schema does not have, before anything
     reads or writes it: it is someone else's database, even where some of its tables happen
@@ -146,7 +152,7 @@ def refuse_foreign_sqlite(path: Path) -> None:
     Raises:
         ConfigError: One line naming the file and its foreign tables, and what to do.
     """
-    if not path.is_file() or path.stat().st_size == 0:
+    if holds_no_database(path):
         return
     foreign = _foreign_tables(path)
     if foreign:
@@ -199,7 +205,7 @@ def read_studies(
         raise ConfigError(f"cannot show the last {last} trials: use 0 or more")
     check_storage_url(url)
     path = sqlite_path(url)
-    if path is not None and (not path.is_file() or path.stat().st_size == 0):
+    if path is not None and holds_no_database(path):
         return []
     if path is not None:
         refuse_foreign_sqlite(path)

@@ -58,6 +58,7 @@ from autotune.study.reader import (
     HEARTBEAT_S,
     WITHDRAWN,
     cannot_open,
+    holds_no_database,
     refuse_foreign_sqlite,
     sqlite_path,
 )
@@ -331,7 +332,7 @@ class TrialStore:
         """
         if isinstance(storage, str):
             path = sqlite_path(storage)
-            if path is not None and (not path.is_file() or path.stat().st_size == 0):
+            if path is not None and holds_no_database(path):
                 return []
             if not _has_optuna_schema(storage):
                 return []  # no study yet; Optuna's open would write its version row
