@@ -5,6 +5,9 @@
     summary = autotune.tune("llama-7b", budget="30m", seq_len=4096, global_batch=512)
     print(summary.best.config.label(), summary.best.micro_batch_size)
 
+A training script that autotune runs (``autotune run --script train.py --framework torchrun``)
+reads the configuration of its run with ``autotune.job_config()``.
+
 The library (:mod:`autotune.api`) is loaded on first use, so that ``import autotune.config``
 and the command line's ``--help`` stay instant; nothing here imports torch.
 """
@@ -31,9 +34,11 @@ if TYPE_CHECKING:
         tune,
         write_report,
     )
+    from autotune.script import JobConfig, job_config
 
 __all__ = [
     "Export",
+    "JobConfig",
     "JobResult",
     "Plan",
     "Report",
@@ -41,6 +46,7 @@ __all__ = [
     "Tuning",
     "best",
     "export",
+    "job_config",
     "plan",
     "prepare",
     "probe",
@@ -50,7 +56,11 @@ __all__ = [
 ]
 
 
+_HOMES = {"JobConfig": "autotune.script", "job_config": "autotune.script"}
+"""Names not in :mod:`autotune.api`: what a training script reads stays light."""
+
+
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        return getattr(importlib.import_module("autotune.api"), name)
+        return getattr(importlib.import_module(_HOMES.get(name, "autotune.api")), name)
     raise AttributeError(f"module 'autotune' has no attribute {name!r}")

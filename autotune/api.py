@@ -56,6 +56,15 @@ from autotune.probe.launcher import new_probe_dir
 from autotune.probe.nodes import Nodes, nodes_from_environment
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
+from autotune.script import (
+    FRAMEWORK_ENGINES,
+    Framework,
+    ScriptJob,
+    check_engines,
+    flag_value,
+    job_command,
+    shell_text,
+)
 from autotune.space import Workload
 from autotune.study.fingerprint import (
     DEFAULT_STORAGE,
@@ -441,7 +450,7 @@ def _cores_for(device: Device, given: int | None) -> int | None:
 
 
 def prepare(
-    model: str,
+    model: str | None,
     *,
     budget: str | float = "30m",
     seq_len: int | None = None,
@@ -465,11 +474,22 @@ def prepare(
     warm: bool = True,
     nodes: int | None = None,
     hosts: str | Sequence[str] | None = None,
+    script: str | Path | None = None,
+    framework: str | None = None,
+    script_args: Sequence[str] = (),
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
     Opens (or creates) the study, so a bad storage URL fails here.
     """
+    job = _script_job(script, framework, script_args, simulate=simulate, device=device)
+    if job is not None:
+        model = model or _script_model(job)
+        engines = _job_engines(job, engines)
+        if (nodes or 1) > 1 or hosts:
+            raise ConfigError("--script runs on one node: leave out --nodes and --hosts")
+    if model is None:
+        raise ConfigError("give --model: a preset name or the path of a config.json")
     spec = resolve_model(model)
     budget_s = _seconds(budget, "the budget")
     cap = _bytes(device_memory, "--device-memory")
@@ -524,6 +544,7 @@ def prepare(
         nodes=count,
         precision=None if chosen_precision is None else chosen_precision.value,
         attention=None if chosen_attention is Attention.SDPA else chosen_attention.value,
+        script=None if job is None else job.to_dict(),
     )
     share = _fraction(headroom, "headroom")
     capped_gpu = gpu if cap is None or on_cpu else dataclasses.replace(gpu, memory_bytes=cap)
@@ -554,6 +575,7 @@ def prepare(
         device_memory_bytes=cap,
         warmup_steps=warmup_steps,
         timed_steps=timed_steps,
+        script=job,
     )
     return Tuning(
         model=spec,
@@ -566,6 +588,48 @@ def prepare(
         trials_dir=Path(trials_dir),
         storage=storage,
     )
+
+
+def _script_job(
+    script: str | Path | None,
+    framework: str | None,
+    args: Sequence[str],
+    *,
+    simulate: str | None,
+    device: str | Device,
+) -> ScriptJob | None:
+    """The user's training job a run probes, checked (None: autotune's stand-in)."""
+    if script is None:
+        if framework is not None or args:
+            what = "--framework" if framework is not None else "arguments after --"
+            raise ConfigError(f"{what} without --script: name your training script")
+        return None
+    if framework is None:
+        choices = " or ".join(f.value for f in Framework)
+        raise ConfigError(f"--script needs --framework: {choices}")
+    if simulate is not None or not isinstance(device, str):
+        raise ConfigError("--script probes your job for real: leave out --simulate")
+    return ScriptJob.read(script, framework, args)
+
+
+def _script_model(job: ScriptJob) -> str:
+    """The model a job names: the Trainer's ``--model_name_or_path`` when it is a local folder
+    with a config.json."""
+    found = flag_value(job.args, "model_name_or_path")
+    if job.framework is Framework.HF and found and (Path(found) / "config.json").is_file():
+        return found
+    raise ConfigError(
+        "give --model with --script: the preset or config.json of the model the script trains"
+    )
+
+
+def _job_engines(job: ScriptJob, engines: Iterable[Engine] | None) -> list[Engine]:
+    """The engines a job's adapter can hand its framework, or those asked if it can."""
+    if engines is None:
+        return list(FRAMEWORK_ENGINES[job.framework])
+    chosen = list(engines)
+    check_engines(job, chosen)
+    return chosen
 
 
 def _nodes(
@@ -1059,12 +1123,19 @@ def export(
             "trial with --trial N"
         )
     launch = _launch(found, measurement, _model_of(found.fingerprint.model, model))
+    script = found.fingerprint.script
+    if chosen is Format.COMMAND and script is not None:
+        job = ScriptJob.from_dict(script)
+        command = job_command(job, launch, cpu=found.fingerprint.device == "cpu")
+        text = shell_text(command, launch, launch.summary())
+    else:
+        text = render(launch, chosen)
     return Export(
         study=found.study_name,
         measurement=measurement,
         launch=launch,
         format=chosen,
-        text=render(launch, chosen),
+        text=text,
     )
 
 

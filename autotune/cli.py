@@ -8,6 +8,7 @@ size fits, 1 when none does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -431,10 +432,33 @@ def run(
             "result stands while nothing changed)."
         ),
     ] = None,
+    script: Annotated[
+        Path | None,
+        typer.Option(
+            help="Tune your own training script: each probe runs it with the configuration "
+            "applied (its own arguments after --).",
+            show_default=False,
+        ),
+    ] = None,
+    framework: Annotated[
+        str | None,
+        typer.Option(
+            help="What the script is written for: hf (a Trainer script: its flags are "
+            "rewritten) or torchrun (it reads autotune.job_config()).",
+            show_default=False,
+        ),
+    ] = None,
+    script_args: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[-- SCRIPT_ARGS...]", help="The script's own arguments.", show_default=False
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable summary.")] = False,
 ) -> None:
     """Find the fastest configuration that fits: probe, escalate, record every trial."""
     from autotune import api
+    from autotune.estimator.plan import prediction_gap
     from autotune.report.live import RunView, speed_text
     from autotune.report.tables import ranking_table, ranks_text
 
@@ -465,30 +489,56 @@ def run(
     if jobs is not None:
         if model is not None:
             raise UsageError("--model and --jobs: name each workload's model in the job file")
+        if script is not None or framework is not None or script_args:
+            raise UsageError("--script and --jobs: name each workload's script in the job file")
         _run_jobs(jobs, max_age=max_age, json_output=json_output, **options)
     if max_age is not None:
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
     options["engines"] = _parse_engines(options.pop("engine"))
-    tuning = api.prepare("llama-7b" if model is None else model, **options)
+    if script is not None or framework is not None or script_args:
+        options.update(script=script, framework=framework, script_args=script_args or ())
+    elif model is None:
+        model = "llama-7b"
+    tuning = api.prepare(model, **options)
     simulated = tuning.device.kind == "simulated"
     w = tuning.workload
     # With --json, stdout is the summary alone: the progress goes to stderr.
     shown = errors if json_output else console
+    job = tuning.template.script
+    how = (
+        ""
+        if job is None
+        else f"; probes run {job.name} ({job.framework.value} adapter), each rank a fresh "
+        "interpreter"
+    )
     shown.print(
         f"tuning {tuning.model.name} on {ranks_text(tuning.template)} x {tuning.gpu.name}"
         f"{' (simulated)' if simulated else ''}, seq {w.seq_len}, global batch "
-        f"{w.global_batch}; study [bold]{tuning.fingerprint.study_name}[/] in {masked(storage)}"
+        f"{w.global_batch}{how}; study [bold]{tuning.fingerprint.study_name}[/] in "
+        f"{masked(storage)}",
+        markup=True,
     )
     view = RunView(
         shown,
         budget_s=tuning.budget_s,
         simulated=simulated,
         objective=tuning.fingerprint.objective,
+        stand_in=None if job is None else tuning.rows,
     )
     with _sigterm_interrupts(), view:
         summary = tuning.run(view)
+    gap = None
+    if job is not None:
+        gap = prediction_gap(
+            tuning.rows,
+            [
+                (m.config, m.micro_batch_size, m.tokens_per_second, m.peak_bytes)
+                for m in summary.measurements
+            ],
+        )
     if json_output:
-        _print_json({"study": tuning.fingerprint.study_name, **summary.to_dict()})
+        extra = {} if gap is None else {"prediction_gap": dataclasses.asdict(gap)}
+        _print_json({"study": tuning.fingerprint.study_name, **summary.to_dict(), **extra})
     else:
         if summary.best is not None:  # an empty table says nothing
             console.print(ranking_table(summary.measurements, tuning.capacity_bytes))
@@ -501,6 +551,12 @@ def run(
             console.print(
                 f"[bold]best: {best.config.label()} at micro-batch {best.micro_batch_size} "
                 f"(accumulation {best.grad_accum}): {speed_text(best)}[/]"
+            )
+        if gap is not None:
+            console.print(
+                f"your job ran at {gap.text()} for autotune's stand-in",
+                markup=False,
+                highlight=False,
             )
     if summary.interrupted:
         raise typer.Exit(143 if summary.interrupted == "SIGTERM" else 130)

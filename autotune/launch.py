@@ -21,7 +21,15 @@ from typing import Any
 
 from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
 
-__all__ = ["Format", "Launch", "deepspeed_config", "hf_fields", "render", "torchrun_args"]
+__all__ = [
+    "Format",
+    "Launch",
+    "checkpointing_field",
+    "deepspeed_config",
+    "hf_fields",
+    "render",
+    "torchrun_args",
+]
 
 
 class Format(enum.StrEnum):
@@ -37,6 +45,9 @@ class Format(enum.StrEnum):
     """The ``torchrun`` line and its environment, as shell text."""
     FSDP = "fsdp"
     """A Python snippet that applies the FSDP2 settings to a Hugging Face causal LM."""
+    COMMAND = "command"
+    """The user's own training script, as a study of it ran it: a shell script that writes its
+    configuration files and starts it (``autotune.script``)."""
 
 
 def deepspeed_config(
@@ -170,6 +181,11 @@ def render(launch: Launch, fmt: Format | str) -> str:
     except ValueError:
         choices = ", ".join(f.value for f in Format)
         raise ConfigError(f"unknown export format {fmt!r}: use one of {choices}") from None
+    if chosen is Format.COMMAND:
+        raise ConfigError(
+            "--format command is the command of your own script, and this study probed "
+            "autotune's stand-in: tune it with autotune run --script, or use --format torchrun"
+        )
     return _RENDERERS[chosen](launch)
 
 
@@ -181,6 +197,7 @@ def _needs(launch: Launch, engine: Engine, fmt: Format) -> None:
             if f is not fmt
             and not (f is Format.DEEPSPEED and launch.config.engine is not Engine.DEEPSPEED)
             and not (f is Format.FSDP and launch.config.engine is not Engine.FSDP)
+            and f is not Format.COMMAND
         ]
         raise ConfigError(
             f"--format {fmt.value} needs a {engine.value} configuration, and this one is "
@@ -325,6 +342,13 @@ _ACTIVATION_CHECKPOINTING_NAMES = (5, 23)
 (``gradient_checkpointing`` before, a deprecated alias since)."""
 
 
+def checkpointing_field(transformers: str | None) -> str:
+    """The ``TrainingArguments`` field that turns on activation checkpointing in a
+    transformers version (None: the newest)."""
+    new = _version(transformers) >= _ACTIVATION_CHECKPOINTING_NAMES
+    return "activation_checkpointing" if new else "gradient_checkpointing"
+
+
 def hf_fields(launch: Launch) -> dict[str, Any]:
     """The keyword arguments of ``transformers.TrainingArguments`` for ``launch``."""
     config = launch.config
@@ -338,8 +362,7 @@ def hf_fields(launch: Launch) -> dict[str, Any]:
     # pattern through the model's checkpointing.
     fsdp_checkpointing = config.engine is Engine.FSDP and config.ac_every == 1
     if config.ac_every and not fsdp_checkpointing:
-        new = _version(launch.transformers) >= _ACTIVATION_CHECKPOINTING_NAMES
-        name = "activation_checkpointing" if new else "gradient_checkpointing"
+        name = checkpointing_field(launch.transformers)
         kwargs: dict[str, Any] = {"use_reentrant": False}
         if config.ac_every > 1:
             kwargs["every_n_layers"] = config.ac_every

@@ -113,6 +113,32 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("run", "--budget"), "Option '--budget' requires an argument"),
     (("run", *SIM, "--max-age", "7d"), "--max-age applies to --jobs"),
     (("export", "--format", "yaml"), "unknown export format 'yaml'"),
+    # The user's own training script.
+    (
+        ("run", *CPU, "--script", "missing.py", "--framework", "hf"),
+        "the script missing.py does not",
+    ),
+    (("run", *CPU, "--script", "train.py"), "--script needs --framework: hf or torchrun"),
+    (("run", *CPU, "--script", "train.py", "--framework", "pl"), "unknown framework 'pl'"),
+    (("run", *CPU, "--framework", "hf"), "--framework without --script"),
+    (("run", *CPU, "--", "--lr", "1"), "arguments after -- without --script"),
+    (("run", *CPU[2:], "--script", "train.py", "--framework", "hf"), "give --model with --script"),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "hf", "--engine", "fsdp"),
+        "--framework hf cannot run engine fsdp: use --engine single or ddp or deepspeed",
+    ),
+    (
+        ("run", "--model", "tiny", *SIM, "--script", "train.py", "--framework", "hf"),
+        "--script probes your job for real: leave out --simulate",
+    ),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "torchrun", "--nodes", "2"),
+        "--script runs on one node",
+    ),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "hf", "--jobs", "j.yaml"),
+        "--model and --jobs",
+    ),
 ]
 
 
@@ -141,6 +167,7 @@ def folder(tmp_path: Path) -> Path:
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(text)
     (tmp_path / "empty").mkdir()
+    (tmp_path / "train.py").write_text("print('a training script')\n")
     return tmp_path
 
 

@@ -25,6 +25,7 @@ from autotune.probe.ops import (
     torch_lock_path,
 )
 from autotune.probe.result import ProbeResult
+from autotune.probe.scriptprobe import launch_script_probe
 from autotune.probe.spec import ProbeSpec
 
 __all__ = ["LocalDevice"]
@@ -95,7 +96,8 @@ class LocalDevice:
         if todo:
             label = f"building DeepSpeed ops: {', '.join(todo)}"
             steps.append(SetupStep(label=label, run=lambda: self._build(label, todo, env)))
-        warm = self.warm if spec.nodes == 1 else None  # agents start fresh interpreters
+        # Agents start fresh interpreters, and so does a user's job (its script is __main__).
+        warm = self.warm if spec.nodes == 1 and spec.script is None else None
         pending = warm.pending() if warm is not None else None
         if warm is not None and pending is not None:
             steps.append(SetupStep(label=pending, run=lambda: self._start_warm(warm, pending)))
@@ -163,6 +165,8 @@ class LocalDevice:
         *,
         on_poll: Callable[[float], None] | None = None,
     ) -> ProbeResult:
+        if spec.script is not None:
+            return launch_script_probe(spec, probe_dir, on_poll=on_poll)
         if spec.nodes > 1:
             return launch_probe(spec, probe_dir, nodes=self.nodes, on_poll=on_poll)
         if self.spawner is not None or self.warm is None:

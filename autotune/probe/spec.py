@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.config import ConfigError, Engine, Precision, TrainConfig
+from autotune.script import ScriptJob
 
 __all__ = ["ProbeSpec", "ProbeTemplate"]
 
@@ -49,10 +50,15 @@ class ProbeSpec:
     re-measurement seed n, an independent sample)."""
     lr: float = 1e-4
     """AdamW learning rate (probes only need a finite, falling loss)."""
+    script: ScriptJob | None = None
+    """The user's training job to run instead of autotune's stand-in (each micro-batch size
+    a run of its own); None: the stand-in."""
 
     def __post_init__(self) -> None:
         if isinstance(self.config, dict):
             object.__setattr__(self, "config", TrainConfig.from_dict(self.config))
+        if isinstance(self.script, dict):
+            object.__setattr__(self, "script", ScriptJob.from_dict(self.script))
         object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
         if not self.micro_batch_sizes or any(m < 1 for m in self.micro_batch_sizes):
             raise ConfigError("micro-batch sizes must be positive integers, e.g. --micro-batch 4")
@@ -96,6 +102,7 @@ class ProbeSpec:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["config"] = self.config.to_dict()
         data["micro_batch_sizes"] = list(self.micro_batch_sizes)
+        data["script"] = None if self.script is None else self.script.to_dict()
         return data
 
     @classmethod
@@ -120,6 +127,8 @@ class ProbeTemplate:
     device_memory_bytes: int | None = None
     warmup_steps: int = 2
     timed_steps: int = 3
+    script: ScriptJob | None = None
+    """The user's training job, or None for autotune's stand-in."""
 
     def spec(
         self,

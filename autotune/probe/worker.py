@@ -39,6 +39,7 @@ from autotune.probe.lifetime import PARENT_ENV, die_with_parent
 from autotune.probe.memory import LiveTensorBytes, MemoryMeter, apply_cuda_limit
 from autotune.probe.metrics import now, probe_throughput, synchronize
 from autotune.probe.outcome import Outcome, Stage, is_oom_error
+from autotune.probe.report import RankReport
 from autotune.probe.spec import ProbeSpec
 
 
@@ -56,39 +57,6 @@ class _Failure:
     stage: Stage
     message: str
     error_type: str
-
-
-class _Report:
-    """This rank's report, rewritten atomically after every change."""
-
-    def __init__(self, path: Path, rank: int, world_size: int) -> None:
-        self.path = path
-        self.data: dict[str, Any] = {
-            "rank": rank,
-            "world_size": world_size,
-            "device": None,
-            "status": Outcome.OK.value,
-            "stage": None,
-            "message": "",
-            "sizes": [],
-        }
-
-    def update(self, **fields: Any) -> None:
-        self.data.update(fields)
-        self.write()
-
-    def fail(self, failure: _Failure) -> None:
-        self.update(
-            status=failure.outcome.value,
-            stage=failure.stage.value,
-            message=failure.message,
-            error_type=failure.error_type,
-        )
-
-    def write(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        os.replace(tmp, self.path)
 
 
 FLOOD_BYTES = 100 << 20
@@ -170,6 +138,10 @@ def _failure(error: BaseException, stage: Stage) -> _Failure:
         message=f"{type(error).__name__}: {error}".splitlines()[0][:500],
         error_type=type(error).__name__,
     )
+
+
+def _fail(report: RankReport, failure: _Failure) -> None:
+    report.fail(failure.outcome, failure.stage, failure.message, failure.error_type)
 
 
 def _peak_flops(spec: ProbeSpec, device: torch.device) -> tuple[float | None, str | None]:
@@ -286,7 +258,7 @@ class _Probe:
 
     spec: ProbeSpec
     rank: _Rank
-    report: _Report
+    report: RankReport
     meter: MemoryMeter
 
 
@@ -324,7 +296,7 @@ def _start(probe_dir: Path, stack: contextlib.ExitStack) -> _Probe | None:
     spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
     rank_index = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    report = _Report(probe_dir / f"rank{rank_index}.json", rank_index, world_size)
+    report = RankReport(probe_dir / f"rank{rank_index}.json", rank_index, world_size)
     report.update(import_s=time.time() - started)
     try:
         rank = _place_rank(spec, rank_index, world_size)
@@ -334,7 +306,7 @@ def _start(probe_dir: Path, stack: contextlib.ExitStack) -> _Probe | None:
         load_engine(spec.config, rank.device.type)
     except Exception as error:
         report.update(traceback=traceback.format_exc())
-        report.fail(_failure(error, Stage.STARTUP))
+        _fail(report, _failure(error, Stage.STARTUP))
         return None
     report.update(startup_s=time.time() - started)
     meter = MemoryMeter(
@@ -389,7 +361,7 @@ def _build(probe: _Probe) -> _Built | None:
     except Exception as error:
         failure = _failure(error, Stage.BUILD)
         report.update(traceback=traceback.format_exc())
-    report.fail(failure)
+    _fail(report, failure)
     return None
 
 
@@ -420,7 +392,7 @@ def _record_failure(probe: _Probe, built: _Built, mbs: int, failure: _Failure) -
             **probe.meter.read(),
         }
     )
-    probe.report.fail(failure)
+    _fail(probe.report, failure)
 
 
 def _measure_size(probe: _Probe, built: _Built, loop: _StepLoop, mbs: int) -> _Failure | None:

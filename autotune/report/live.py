@@ -10,7 +10,7 @@ the best so far (tokens/s and MFU), probes done, and the budget as a bar.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 from rich.console import Console, Group, RenderableType
@@ -19,6 +19,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from autotune.devices.base import SetupResult
+from autotune.estimator.plan import PlanRow, prediction_gap
 from autotune.probe.result import SizeResult
 from autotune.search.controller import Event
 from autotune.study.fingerprint import Objective
@@ -80,8 +81,13 @@ class RunView:
         simulated: bool,
         objective: Objective = Objective.TOKENS,
         live: bool | None = None,
+        stand_in: Sequence[PlanRow] | None = None,
     ) -> None:
         self.console = console
+        self.stand_in = stand_in
+        """The estimator's rows, when the probes run the user's job: the view says how far
+        the job was from the stand-in's prediction after the first probe that measured."""
+        self._gap_said = False
         self.budget_s = budget_s
         self.simulated = simulated
         self.objective = objective
@@ -134,6 +140,7 @@ class RunView:
                 else outcome_text(event.result.sizes, event.result.outcome.value)
             )
             self.console.print(f"  {self._last}")
+            self._say_gap(event.measured)
         elif event.kind == "setup":
             line = f"set-up: {event.message} (its own step, in no probe)"
             self.console.print(line, style="dim", markup=False, highlight=False)
@@ -141,6 +148,23 @@ class RunView:
             print_setup_done(self.console, event.setup)
         elif event.kind == "wait":
             self.console.print(event.message, style="dim", markup=False, highlight=False)
+
+    def _say_gap(self, measured: list[Measurement]) -> None:
+        if self.stand_in is None or self._gap_said:
+            return
+        gap = prediction_gap(
+            self.stand_in,
+            [(m.config, m.micro_batch_size, m.tokens_per_second, m.peak_bytes) for m in measured],
+        )
+        if gap is not None:
+            self._gap_said = True
+            self.console.print(
+                f"  your job: {gap.text()} for autotune's stand-in; the search now "
+                "calibrates on your job",
+                style="dim",
+                markup=False,
+                highlight=False,
+            )
 
     def _budget_left(self) -> float:
         event = self._event

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.config import ConfigError
+from autotune.script import ScriptJob
 from autotune.space import Workload
 
 __all__ = ["DEFAULT_STORAGE", "Fingerprint", "Objective", "software_versions"]
@@ -86,6 +87,9 @@ class Fingerprint:
     precision is another question, so another study."""
     attention: str | None = None
     """The attention kernel the user asked for; None: ``sdpa``, the default."""
+    script: dict[str, Any] | None = None
+    """The user's training job the probes ran (a :class:`~autotune.script.ScriptJob`'s
+    fields: framework, path, arguments, content hash); None: autotune's stand-in."""
 
     def __post_init__(self) -> None:
         try:
@@ -119,6 +123,8 @@ class Fingerprint:
         for asked in (self.precision, self.attention):
             if asked is not None:
                 name += f"/{asked}"
+        if self.script is not None:
+            name += f"/{ScriptJob.from_dict(self.script).key}"
         short = {"torch": "torch", "deepspeed": "ds", "transformers": "tf", "driver": "drv"}
         versions = "+".join(
             f"{short.get(k, k)}{self.software[k]}"

@@ -1,0 +1,205 @@
+"""A probe of the user's own training job: its script run once per micro-batch size.
+
+Each size is a run of the job in a folder of its own (``mb<N>/`` under the probe's folder),
+started by the launcher like any probe (one process group, the timeout, each rank's exit), with
+the framework's adapter's command (:func:`autotune.script.job_command`) in place of autotune's
+worker, and the measurement layer on the ranks' ``PYTHONPATH``
+(:mod:`autotune.probe.userjob`). The sizes run in the order given; after any failure the
+larger ones are not tried (memory only grows with the micro-batch), so the probe's result reads
+as one of autotune's own worker. Ranks are fresh interpreters: a user's script runs from its
+own ``__main__``, not in a fork of a warm process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import autotune
+from autotune.launch import Launch
+from autotune.models import resolve_model
+from autotune.probe.launcher import ProcessHandle, launch_probe
+from autotune.probe.lifetime import PARENT_ENV
+from autotune.probe.outcome import Outcome
+from autotune.probe.result import ProbeResult
+from autotune.probe.spec import ProbeSpec
+from autotune.probe.userjob import PROBE_DIR_ENV
+from autotune.script import JobCommand, ScriptJob, job_command, placed, shell_text, write_files
+
+__all__ = ["MEASURE_DIR", "ScriptSpawner", "launch_script_probe", "measured_environment"]
+
+MEASURE_DIR = Path(__file__).parent / "measure"
+"""The folder whose ``sitecustomize`` turns the measurement layer on in a job's ranks."""
+
+SPARE_STEPS = 1
+"""Optimizer steps a probe lets the script plan beyond its warm-up and timed steps: the layer
+stops the rank when the step after the last timed one begins."""
+
+LOG_LINES = 3
+"""Last lines of the job's output a failed probe's message quotes."""
+
+
+def measured_environment(probe_dir: Path, base: dict[str, str]) -> dict[str, str]:
+    """``base`` with the measurement layer on for the job run in ``probe_dir``."""
+    package_root = str(Path(autotune.__file__).resolve().parent.parent)
+    path = [str(MEASURE_DIR), package_root]
+    if base.get("PYTHONPATH"):
+        path.append(base["PYTHONPATH"])
+    return {**base, PROBE_DIR_ENV: str(probe_dir), "PYTHONPATH": os.pathsep.join(path)}
+
+
+def _transformers() -> str | None:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def size_launch(spec: ProbeSpec, micro_batch_size: int) -> Launch:
+    """The configuration of one run of the job, as a trainer's own."""
+    model = resolve_model(spec.model)
+    return Launch(
+        model=spec.model,
+        hidden_size=model.hidden_size,
+        config=spec.config,
+        micro_batch_size=micro_batch_size,
+        grad_accum=spec.grad_accum,
+        world_size=spec.world_size,
+        nodes=spec.nodes,
+        seq_len=spec.seq_len,
+        transformers=_transformers(),
+    )
+
+
+class ScriptSpawner:
+    """Each rank a fresh interpreter running the job's script with its configuration."""
+
+    kind = "fresh"
+
+    def __init__(self, command: JobCommand) -> None:
+        self.command = command
+
+    def spawn(
+        self, probe_dir: Path, env: dict[str, str], stdout: Path, stderr: Path, process_group: int
+    ) -> ProcessHandle:
+        ranks = measured_environment(probe_dir, {**env, **self.command.env})
+        with stdout.open("ab") as out, stderr.open("ab") as err:
+            return subprocess.Popen(
+                [sys.executable, *self.command.target],
+                env={**ranks, PARENT_ENV: str(os.getpid())},
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                process_group=process_group,
+            )
+
+
+def _log_tail(folder: Path) -> str:
+    """The job's last lines of output, for the message of a probe that failed."""
+    lines: list[str] = []
+    for name in ("stdout.log", "stderr.log"):
+        try:
+            text = (folder / name).read_text(errors="replace")
+        except OSError:
+            continue
+        lines += [line.strip() for line in text.splitlines() if line.strip()]
+    return " | ".join(lines[-LOG_LINES:])
+
+
+def _write_command(folder: Path, run: JobCommand, launch: Launch) -> None:
+    """cmd.txt: this run of the job by hand, as the launcher ran it (the launcher's own
+    lines name its worker, which a job's probe does not run)."""
+    text = shell_text(run, launch, launch.summary(), with_files=False).splitlines()
+    layer = measured_environment(folder, {})
+    lines = [
+        "# Rerun this run of the job by hand (from the directory autotune ran in):",
+        f"cd {shlex.quote(os.getcwd())}",
+        *text[1:],
+        "",
+        "# measured with the layer on: "
+        + " ".join(f"{k}={shlex.quote(v)}" for k, v in layer.items()),
+    ]
+    (folder / "cmd.txt").write_text("\n".join(lines) + "\n")
+
+
+def _run_size(
+    spec: ProbeSpec,
+    job: ScriptJob,
+    micro_batch_size: int,
+    folder: Path,
+    on_poll: Callable[[float], None] | None,
+) -> ProbeResult:
+    one = dataclasses.replace(spec, micro_batch_sizes=(micro_batch_size,))
+    launch = size_launch(one, micro_batch_size)
+    steps = spec.warmup_steps + spec.timed_steps + SPARE_STEPS
+    command = job_command(job, launch, max_steps=steps, cpu=spec.device == "cpu")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_files(command, folder)
+    run = placed(command, folder)
+    result = launch_probe(one, folder, spawner=ScriptSpawner(run), on_poll=on_poll)
+    _write_command(folder, run, launch)
+    if result.outcome not in (Outcome.OK, Outcome.OOM):
+        tail = _log_tail(folder)
+        if tail and tail not in result.message:
+            result.message = f"{result.message}; the job's last lines: {tail}"
+    return result
+
+
+def launch_script_probe(
+    spec: ProbeSpec,
+    probe_dir: Path,
+    *,
+    on_poll: Callable[[float], None] | None = None,
+) -> ProbeResult:
+    """Run the user's job at each of ``spec``'s sizes and merge the runs into one result
+    (``result.json`` in ``probe_dir``)."""
+    assert spec.script is not None
+    job = spec.script
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[ProbeResult] = []
+    spent = 0.0
+    for mbs in spec.micro_batch_sizes:
+
+        def poll(elapsed: float, before: float = spent) -> None:
+            if on_poll is not None:
+                on_poll(before + elapsed)
+
+        left = dataclasses.replace(spec, timeout_s=max(1.0, spec.timeout_s - spent))
+        result = _run_size(left, job, mbs, probe_dir / f"mb{mbs}", poll)
+        runs.append(result)
+        spent += result.wall_s
+        if result.outcome is not Outcome.OK or result.tuner_fault:
+            break
+    last = runs[-1]
+    first = runs[0]
+    merged = ProbeResult(
+        spec=spec,
+        probe_dir=probe_dir,
+        outcome=last.outcome,
+        stage=last.stage,
+        message=last.message,
+        failed_rank=last.failed_rank,
+        sizes=[size for run in runs for size in run.sizes],
+        wall_s=spent,
+        import_s=first.import_s,
+        startup_s=first.startup_s,
+        spawn="fresh",
+        build_s=first.build_s,
+        device=first.device,
+        gpu_name=first.gpu_name,
+        peak_flops=first.peak_flops,
+        num_params=first.num_params,
+        exits=last.exits,
+        tuner_fault=last.tuner_fault,
+    )
+    try:
+        merged.write()
+    except OSError as error:
+        merged.tuner_fault = merged.tuner_fault or f"result.json could not be written ({error})"
+    return merged

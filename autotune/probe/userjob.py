@@ -1,0 +1,379 @@
+"""The measurement layer of a user's training job: one rank of a probe that runs the user's
+own script instead of autotune's stand-in.
+
+The user does not import it. The launcher puts ``autotune/probe/measure`` first on the
+ranks' ``PYTHONPATH``; its ``sitecustomize`` calls :func:`install` in every Python process the
+job starts, which turns the layer on only in the process that runs the job's script (not in
+``torchrun``'s or accelerate's launcher, nor in data-loader workers). It then watches, through
+torch's global hooks only:
+
+- **steps**: the global optimizer-step hooks see every ``torch.optim.Optimizer`` subclass
+  (DeepSpeed's inner optimizers included). A step ends when the next micro-step's forward
+  begins, so several inner ``step`` calls of one optimizer step (ZeRO-3's sub-groups) count once
+  and the step's collectives are done on every rank before this one stops.
+- **tokens**: the token ids fed to the model's token embedding (the ``nn.Embedding`` with the
+  most rows called on integer ids while training): their batch and sequence sizes are checked
+  against what the probe asked, so a script that ignores the batch flags is caught.
+- **memory**: the same readings as the worker (the CUDA allocator's peak, or on the CPU the
+  live tensor bytes under the emulated cap, which raises a real ``torch.OutOfMemoryError``),
+  reset when training begins: loading the model is not the peak of a step.
+- **failures**: an uncaught exception is reported with its type and the stage it hit (build,
+  forward, backward, optimizer); a script that ends before the probe's steps are done says how
+  many it ran.
+
+After the warm-up and timed steps it writes the same ``rank<N>.json`` as the worker and ends the
+process, so ``classify_probe``, the study and the search read it as any probe.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune.probe.outcome import Outcome, Stage, is_oom_error
+from autotune.probe.report import RankReport
+from autotune.probe.spec import ProbeSpec
+from autotune.script import Framework, ScriptJob
+
+PROBE_DIR_ENV = "AUTOTUNE_PROBE_DIR"
+"""The probe folder of the run the layer measures (its ``config.json`` is the spec)."""
+
+_OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}
+
+
+def runs_script(job: ScriptJob, argv: list[str]) -> bool:
+    """Whether an interpreter started with ``argv`` (``sys.orig_argv``) runs the job's script."""
+    index = 1
+    while index < len(argv):
+        arg = argv[index]
+        if arg in _OPTIONS_WITH_VALUE:
+            index += 2
+            continue
+        if arg in ("-c", "-m") or arg == "-":
+            return False
+        if arg.startswith("-"):
+            index += 1
+            continue
+        return os.path.realpath(arg) == os.path.realpath(job.path)
+    return False
+
+
+def _batch_hint(job: ScriptJob) -> str:
+    if job.framework is Framework.HF:
+        return "does it read --per_device_train_batch_size and --gradient_accumulation_steps?"
+    return "does it take them from autotune.job_config()?"
+
+
+@dataclass
+class _Step:
+    """One optimizer step as the hooks saw it."""
+
+    began: float
+    """When its first micro-step's forward began (the previous step's end)."""
+    optimizer_began: float = 0.0
+    ended: float = 0.0
+    micro_steps: int = 0
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    """The token ids' shape of each micro-step."""
+    losses: list[float] = field(default_factory=list)
+
+
+class Layer:
+    """The hooks of one rank, and its report."""
+
+    def __init__(self, probe_dir: Path, spec: ProbeSpec) -> None:
+        import torch
+
+        from autotune.models import resolve_model
+        from autotune.probe.memory import LiveTensorBytes, MemoryMeter, apply_cuda_limit
+
+        assert spec.script is not None
+        self.torch = torch
+        self.spec = spec
+        self.job = spec.script
+        self.model = resolve_model(spec.model)
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.report = RankReport(probe_dir / f"rank{self.rank}.json", self.rank, self.world_size)
+        spawned = float(os.environ.get("AUTOTUNE_SPAWN_TIME") or time.time())
+        self.report.update(import_s=time.time() - spawned)
+        kind = spec.device
+        if kind == "auto":
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
+        tracker = None
+        if self.device.type == "cuda":
+            if spec.device_memory_bytes is not None:
+                apply_cuda_limit(spec.device_memory_bytes, self.device)
+        else:
+            tracker = LiveTensorBytes(spec.device_memory_bytes)
+            tracker.__enter__()  # for the life of the process: the job's tensors are counted
+        self.meter = MemoryMeter(
+            device=self.device, tracker=tracker, emulated_limit_bytes=spec.device_memory_bytes
+        )
+        self.stage = Stage.BUILD
+        self.vocab_rows = 0
+        """Rows of the largest embedding fed token ids so far: the token embedding."""
+        self.steps: list[_Step] = []
+        self.current: _Step | None = None
+        self.done = False
+        self.optimizers: set[str] = set()
+        """The optimizer classes whose steps were seen (the job's engine shows in them)."""
+        self.began = time.time()
+        self.report.update(device=str(self.device), startup_s=self.began - spawned)
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer
+
+        nn_module.register_module_forward_pre_hook(self._pre_forward)
+        nn_module.register_module_forward_hook(self._post_forward)
+        optimizer.register_optimizer_step_pre_hook(self._pre_step)
+        optimizer.register_optimizer_step_post_hook(self._post_step)
+        previous = sys.excepthook
+
+        def excepthook(kind: Any, error: BaseException, tb: Any) -> None:
+            self.failed(error, "".join(traceback.format_exception(kind, error, tb)))
+            previous(kind, error, tb)
+
+        sys.excepthook = excepthook
+        atexit.register(self.ended)
+
+    def _sync(self) -> float:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _pre_forward(self, module: Any, args: Any) -> None:
+        torch = self.torch
+        if not (isinstance(module, torch.nn.Embedding) and module.training):
+            return
+        if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+            return
+        ids = args[0]
+        if ids.is_floating_point() or module.num_embeddings < self.vocab_rows:
+            return
+        if module.num_embeddings > self.vocab_rows:
+            self.vocab_rows = module.num_embeddings  # a larger table: the token embedding
+        self._micro_step(tuple(ids.shape))
+
+    def _post_forward(self, module: Any, args: Any, output: Any) -> None:
+        """A module returned a loss (a Hugging Face model's output): the forward is done.
+        (Module nesting is no guide: a checkpoint's recompute may stop inside a module.)"""
+        if self.stage is not Stage.FORWARD or self.current is None:
+            return
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if isinstance(loss, self.torch.Tensor) and loss.numel() == 1:
+            self.stage = Stage.BACKWARD
+            self.current.losses.append(float(loss.detach().float().item()))
+
+    def _micro_step(self, shape: tuple[int, ...]) -> None:
+        """A training forward began: a micro-step, maybe the first of a new optimizer step."""
+        if self.stage is Stage.FORWARD and self.current is not None:
+            self.current.shapes[-1] = shape  # the same micro-step (another embedding call)
+            return
+        now = self._sync()
+        if self.stage is Stage.BUILD:
+            self.meter.reset()  # the model is built: the steps' peak starts here
+            self.report.update(build_s=time.time() - self.began)
+            self.current = _Step(began=now)
+        elif self.stage is Stage.OPTIMIZER and self.current is not None:
+            self.steps.append(self.current)
+            if len(self.steps) >= self.spec.warmup_steps + self.spec.timed_steps:
+                self.finish()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)  # every rank is past this step's collectives: nothing waits on it
+            self.current = _Step(began=self.current.ended)
+        assert self.current is not None
+        self.current.micro_steps += 1
+        self.current.shapes.append(shape)
+        self.stage = Stage.FORWARD
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.current is None:
+            return
+        self.optimizers.add(type(optimizer).__name__)
+        if self.stage is not Stage.OPTIMIZER:
+            self.current.optimizer_began = self._sync()
+        self.stage = Stage.OPTIMIZER
+
+    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.current is not None:
+            self.current.ended = self._sync()
+
+    # ---- the report -------------------------------------------------------------------------
+
+    def _mismatch(self) -> str | None:
+        """What the script fed that the probe did not ask for, or None."""
+        want_batch, want_seq = self.spec.micro_batch_sizes[0], self.spec.seq_len
+        for step in self.steps:
+            if step.micro_steps != self.spec.grad_accum:
+                return (
+                    f"the script ran {step.micro_steps} micro-steps per optimizer step where "
+                    f"autotune asked for {self.spec.grad_accum}: {_batch_hint(self.job)}"
+                )
+            for shape in step.shapes:
+                if len(shape) < 2:
+                    continue
+                if shape[0] != want_batch:
+                    return (
+                        f"the script fed micro-batches of {shape[0]} sequences where autotune "
+                        f"asked for {want_batch}: {_batch_hint(self.job)}"
+                    )
+                if shape[-1] != want_seq:
+                    return (
+                        f"the script fed sequences of {shape[-1]} tokens where --seq-len is "
+                        f"{want_seq}: give --seq-len {shape[-1]}, or pack or pad its data to "
+                        f"{want_seq}"
+                    )
+        return None
+
+    def finish(self) -> None:
+        """The warm-up and timed steps are done: write the measured size."""
+        from autotune.hardware import peak_flops_for
+        from autotune.probe.metrics import probe_throughput
+
+        self.done = True
+        spec, mbs = self.spec, self.spec.micro_batch_sizes[0]
+        problem = self._mismatch()
+        memory = self.meter.read()
+        if problem is not None:
+            self._fail_size(Outcome.ERROR, Stage.FORWARD, problem, "BatchMismatch", memory)
+            return
+        timed = self.steps[spec.warmup_steps :]
+        micro = [(s.optimizer_began - s.began) / s.micro_steps for s in timed]
+        optimizer = [s.ended - s.optimizer_began for s in timed]
+        peak_flops = gpu_name = None
+        if self.device.type == "cuda":
+            gpu_name = self.torch.cuda.get_device_name(self.device)
+            peak_flops = peak_flops_for(gpu_name, spec.config.precision.compute_dtype)
+        speed = probe_throughput(
+            spec,
+            self.model,
+            mbs,
+            micro_step_s=statistics.median(micro),
+            optimizer_step_s=statistics.median(optimizer),
+            peak_flops=peak_flops,
+        )
+        losses = [loss for step in self.steps for loss in step.losses[-1:]]
+        first = self.steps[0].began
+        window = self.steps[spec.warmup_steps - 1].ended if spec.warmup_steps else first
+        finite = all(map(_finite, losses))
+        entry: dict[str, Any] = {
+            "micro_batch_size": mbs,
+            "outcome": Outcome.OK.value if finite else Outcome.ERROR.value,
+            "losses": losses,
+            "loss_finite": finite,
+            "warmup_s": window - first,
+            "timed_s": self.steps[-1].ended - window,
+            "tokens_counted": bool(self.vocab_rows),
+            "optimizers": sorted(self.optimizers),
+            **speed.to_dict(),
+            **memory,
+        }
+        if not finite:
+            entry["message"] = "loss is not finite"
+        self.report.data["sizes"].append(entry)
+        self.report.update(
+            gpu_name=gpu_name, peak_flops=peak_flops, num_params=self.model.num_params
+        )
+        if self.rank == 0:
+            print(
+                f"autotune: micro-batch {mbs}: {speed.tokens_per_second:.1f} tokens/s over "
+                f"{len(timed)} timed steps of the job",
+                flush=True,
+            )
+
+    def _fail_size(
+        self, outcome: Outcome, stage: Stage, message: str, kind: str, memory: dict[str, Any]
+    ) -> None:
+        self.report.data["sizes"].append(
+            {
+                "micro_batch_size": self.spec.micro_batch_sizes[0],
+                "outcome": outcome.value,
+                "stage": stage.value,
+                "message": message,
+                **memory,
+            }
+        )
+        self.report.fail(outcome, stage, message, kind)
+
+    def failed(self, error: BaseException, trace: str) -> None:
+        """An exception the script did not catch."""
+        if self.done:
+            return
+        self.done = True
+        oom = is_oom_error(error)
+        message = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        self.report.data["traceback"] = trace[-8000:]
+        self._fail_size(
+            Outcome.OOM if oom else Outcome.ERROR,
+            self.stage,
+            message,
+            type(error).__name__,
+            self.meter.read(),
+        )
+
+    def ended(self) -> None:
+        """The script ended (or exited) before the probe's steps were done."""
+        if self.done:
+            return
+        if self.stage is Stage.OPTIMIZER and self.current is not None:
+            self.steps.append(self.current)
+            self.current = None
+        need = self.spec.warmup_steps + self.spec.timed_steps
+        if len(self.steps) >= need:
+            self.finish()
+            return
+        self.done = True
+        if self.stage is Stage.BUILD:
+            message = (
+                "the script ended before its first training step: does it train with the "
+                "arguments given after --?"
+            )
+        else:
+            message = (
+                f"the script ended after {len(self.steps)} optimizer steps; a probe needs "
+                f"{need}: give it data and steps for at least {need + 1}"
+            )
+        self._fail_size(Outcome.ERROR, self.stage, message, "EndedEarly", self.meter.read())
+
+
+def _finite(value: float) -> bool:
+    return value == value and value not in (float("inf"), float("-inf"))
+
+
+_layer: Layer | None = None
+
+
+def install() -> Layer | None:
+    """Turn the layer on if this process runs the job's script (``sitecustomize`` calls it)."""
+    global _layer
+    where = os.environ.get(PROBE_DIR_ENV)
+    if not where or _layer is not None:
+        return _layer
+    probe_dir = Path(where)
+    spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
+    if spec.script is None or not runs_script(spec.script, list(sys.orig_argv)):
+        return None
+    from autotune.probe.lifetime import PARENT_ENV, die_with_parent
+
+    parent = os.environ.get(PARENT_ENV)
+    die_with_parent(int(parent) if parent else None)
+    _layer = Layer(probe_dir, spec)
+    _layer.install()
+    return _layer

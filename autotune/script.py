@@ -1,0 +1,436 @@
+"""The user's own training job as the thing a probe runs, and how a configuration reaches it.
+
+A :class:`ScriptJob` names the user's training script, the framework it is written for and
+its own arguments; its hash makes a changed script another workload. One adapter per
+framework turns a measured :class:`~autotune.launch.Launch` into what that framework reads
+(:func:`job_command`): the Trainer's flags rewritten, a DeepSpeed JSON beside them, or the
+configuration as a JSON file named by ``AUTOTUNE_JOB_CONFIG`` for a plain ``torchrun`` script
+(read with :func:`job_config`). The probes run exactly the command ``autotune export --format
+command`` writes, so what is exported is what was measured. Pure functions and plain data:
+nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
+from autotune.launch import Launch, checkpointing_field, deepspeed_config, hf_fields
+
+__all__ = [
+    "FRAMEWORK_ENGINES",
+    "JOB_CONFIG_ENV",
+    "Framework",
+    "JobCommand",
+    "JobConfig",
+    "ScriptJob",
+    "check_engines",
+    "flag_value",
+    "job_command",
+    "job_config",
+    "rewrite_flags",
+]
+
+JOB_CONFIG_ENV = "AUTOTUNE_JOB_CONFIG"
+"""Names the JSON file a ``torchrun`` script reads its configuration from."""
+
+
+class Framework(enum.StrEnum):
+    """What the user's script is written for, which decides how a configuration reaches it."""
+
+    HF = "hf"
+    """A Hugging Face ``Trainer`` script whose ``TrainingArguments`` come from its command line
+    (``HfArgumentParser``): its flags are rewritten."""
+    TORCHRUN = "torchrun"
+    """A plain torch script started by ``torchrun``: it reads the configuration with
+    ``autotune.job_config()``."""
+
+
+FRAMEWORK_ENGINES: dict[Framework, tuple[Engine, ...]] = {
+    Framework.HF: (Engine.SINGLE, Engine.DDP, Engine.DEEPSPEED),
+    Framework.TORCHRUN: tuple(Engine),
+}
+"""The engines each adapter can hand its framework. The Trainer's FSDP goes through
+accelerate's plugin, which the probes have not measured yet, so it is not offered."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScriptJob:
+    """The user's training script, its framework and its own arguments."""
+
+    framework: Framework
+    path: str
+    """The script, as an absolute path."""
+    args: tuple[str, ...] = ()
+    """The script's own arguments (what follows ``--`` on autotune's command line)."""
+    sha256: str = ""
+    """The script's content hash: a changed script is a changed workload (another study)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "framework", Framework(self.framework))
+        object.__setattr__(self, "args", tuple(self.args))
+
+    @classmethod
+    def read(
+        cls, path: str | Path, framework: Framework | str, args: Sequence[str] = ()
+    ) -> ScriptJob:
+        """The job of the script at ``path``, checked: it exists and is a Python file, and
+        ``framework`` is one autotune has an adapter for."""
+        script = Path(path).expanduser()
+        if not script.is_file():
+            raise ConfigError(
+                f"the script {path} does not exist: give --script the path of your training "
+                "script, like --script train.py"
+            )
+        try:
+            kind = Framework(str(framework))
+        except ValueError:
+            choices = ", ".join(f.value for f in Framework)
+            raise ConfigError(
+                f"unknown framework {framework!r}: use --framework {choices}"
+            ) from None
+        try:
+            digest = _sha256(script)
+        except OSError as error:
+            raise ConfigError(
+                f"the script {path} cannot be read ({error.strerror}): check its permissions"
+            ) from None
+        return cls(framework=kind, path=str(script.resolve()), args=tuple(args), sha256=digest)
+
+    @property
+    def name(self) -> str:
+        """The script's file name."""
+        return Path(self.path).name
+
+    @property
+    def key(self) -> str:
+        """Short and stable: ``train.py@hf:1a2b3c4d``, the last part a hash of the script's
+        content and its arguments (the study's name carries it: another script, or other
+        arguments, are another study)."""
+        identity = hashlib.sha256("\0".join((self.sha256, *self.args)).encode()).hexdigest()
+        return f"{self.name}@{self.framework.value}:{identity[:8]}"
+
+    def changed(self) -> bool:
+        """Whether the script on disk is no longer the one hashed."""
+        try:
+            return _sha256(Path(self.path)) != self.sha256
+        except OSError:
+            return True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "framework": self.framework.value,
+            "path": self.path,
+            "args": list(self.args),
+            "sha256": self.sha256,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ScriptJob:
+        return cls(
+            framework=Framework(data["framework"]),
+            path=str(data["path"]),
+            args=tuple(data.get("args") or ()),
+            sha256=str(data.get("sha256") or ""),
+        )
+
+
+def check_engines(job: ScriptJob, engines: Sequence[Engine]) -> None:
+    """Refuse an engine the job's adapter cannot hand its framework (one line)."""
+    allowed = FRAMEWORK_ENGINES[job.framework]
+    bad = [e for e in engines if e not in allowed]
+    if bad:
+        raise ConfigError(
+            f"--framework {job.framework.value} cannot run engine {bad[0].value}: use "
+            f"--engine {' or '.join(e.value for e in allowed)}"
+        )
+
+
+# ---- what a rank of the user's job is told ---------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    """The configuration a plain ``torchrun`` script applies itself (``autotune.job_config()``)."""
+
+    micro_batch_size: int
+    grad_accum: int
+    seq_len: int
+    world_size: int
+    engine: str
+    zero_stage: int
+    precision: str
+    ac_every: int
+    """Checkpoint decoder blocks 0, k, 2k, ...; 0: none."""
+    offload: str
+    attention: str
+    max_steps: int | None = None
+    """Optimizer steps to run (a probe's warm-up and timed steps, with one to spare); None:
+    the script's own."""
+    deepspeed: dict[str, Any] | None = None
+    """The DeepSpeed config to pass to ``deepspeed.initialize`` (engine ``deepspeed``)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def config(self) -> TrainConfig:
+        """As autotune's own :class:`~autotune.config.TrainConfig`."""
+        return TrainConfig.from_dict(
+            {
+                "engine": self.engine,
+                "zero_stage": self.zero_stage,
+                "precision": self.precision,
+                "ac_every": self.ac_every,
+                "offload": self.offload,
+                "attention": self.attention,
+            }
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        extra = data.pop("extra")
+        return {**extra, **data}
+
+
+def _job_config(launch: Launch, max_steps: int | None) -> JobConfig:
+    config = launch.config
+    ds = None
+    if config.engine is Engine.DEEPSPEED:
+        ds = deepspeed_config(
+            config,
+            micro_batch_size=launch.micro_batch_size,
+            grad_accum=launch.grad_accum,
+            world_size=launch.world_size,
+            hidden_size=launch.hidden_size,
+        )
+    return JobConfig(
+        micro_batch_size=launch.micro_batch_size,
+        grad_accum=launch.grad_accum,
+        seq_len=launch.seq_len,
+        world_size=launch.world_size,
+        engine=config.engine.value,
+        zero_stage=config.zero_stage,
+        precision=config.precision.value,
+        ac_every=config.ac_every,
+        offload=config.offload.value,
+        attention=config.attention.value,
+        max_steps=max_steps,
+        deepspeed=ds,
+    )
+
+
+def job_config(path: str | Path | None = None) -> JobConfig | None:
+    """The configuration autotune hands this run, or None when autotune did not start it.
+
+    A plain ``torchrun`` script reads its micro-batch size, accumulation, precision and
+    engine here (the file ``AUTOTUNE_JOB_CONFIG`` names)::
+
+        import autotune
+        job = autotune.job_config()
+        micro_batch = job.micro_batch_size if job else 8
+    """
+    where = path if path is not None else os.environ.get(JOB_CONFIG_ENV)
+    if not where:
+        return None
+    try:
+        data = json.loads(Path(where).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"{JOB_CONFIG_ENV}={where} cannot be read ({error}): rerun the export, or unset it"
+        ) from None
+    known = set(JobConfig.__dataclass_fields__) - {"extra"}
+    extra = {k: v for k, v in data.items() if k not in known}
+    return JobConfig(**{k: v for k, v in data.items() if k in known}, extra=extra)
+
+
+# ---- the adapters ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobCommand:
+    """How to run the user's job with one configuration."""
+
+    target: tuple[str, ...]
+    """What ``python`` (or ``torchrun``) runs: the script and its (rewritten) arguments."""
+    env: dict[str, str]
+    """Variables every rank gets."""
+    files: dict[str, str]
+    """File name -> text: configuration files the command names, written beside it."""
+    notes: tuple[str, ...] = ()
+    """What the user should know about the command (comments of the export)."""
+
+
+HF_CONTROLLED = (
+    "per_device_train_batch_size",
+    "per_gpu_train_batch_size",
+    "gradient_accumulation_steps",
+    "bf16",
+    "fp16",
+    "gradient_checkpointing",
+    "gradient_checkpointing_kwargs",
+    "activation_checkpointing",
+    "activation_checkpointing_kwargs",
+    "deepspeed",
+    "fsdp",
+    "fsdp_config",
+    "auto_find_batch_size",
+    "max_steps",
+    "use_cpu",
+)
+"""``TrainingArguments`` fields the Trainer adapter sets: the user's own values of these are
+replaced (``max_steps`` only in a probe)."""
+
+_BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"}
+
+
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    """The value ``args`` give flag ``--name`` (``--name value`` or ``--name=value``; the
+    last one wins, as argparse reads it), or None."""
+    found = None
+    for index, arg in enumerate(args):
+        if arg == f"--{name}" and index + 1 < len(args):
+            found = args[index + 1]
+        elif arg.startswith(f"--{name}="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def rewrite_flags(
+    args: Sequence[str], fields: Mapping[str, Any], controlled: Sequence[str]
+) -> list[str]:
+    """``args`` without any flag of ``controlled`` (``--name value``, ``--name=value``, or a
+    bare boolean ``--name``), then ``fields`` as flags, in the form ``HfArgumentParser``
+    reads (booleans ``True``/``False``, dicts as JSON)."""
+    names = {f"--{name}" for name in controlled} | {f"--{name}" for name in fields}
+    kept: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        flag = arg.split("=", 1)[0]
+        if flag not in names:
+            kept.append(arg)
+            index += 1
+            continue
+        index += 1
+        if "=" in arg:
+            continue
+        following = args[index] if index < len(args) else None
+        if following is not None and not following.startswith("--"):
+            is_bool = following.lower() in _BOOL_WORDS
+            if is_bool or flag[2:] not in ("bf16", "fp16", "auto_find_batch_size"):
+                index += 1  # its value (a bare boolean flag takes none)
+    for name, value in fields.items():
+        if isinstance(value, bool):
+            text = "True" if value else "False"
+        elif isinstance(value, dict | list):
+            text = json.dumps(value)
+        else:
+            text = str(value)
+        kept += [f"--{name}", text]
+    return kept
+
+
+def _hf_command(job: ScriptJob, launch: Launch, max_steps: int | None, cpu: bool) -> JobCommand:
+    fields = dict(hf_fields(launch))
+    if cpu:
+        fields["use_cpu"] = True
+    files: dict[str, str] = {}
+    notes = []
+    if "deepspeed" in fields:
+        files["ds_config.json"] = json.dumps(fields.pop("deepspeed"), indent=2) + "\n"
+        fields["deepspeed"] = "ds_config.json"
+    if not launch.config.ac_every:
+        # The user's own checkpointing flag is replaced: off must be said, not left out.
+        fields[checkpointing_field(launch.transformers)] = False
+    if max_steps is not None:
+        fields["max_steps"] = max_steps
+    if launch.config.precision is Precision.BF16:
+        notes.append("pure bf16: the script loads the model in torch.bfloat16")
+    return JobCommand(
+        target=(job.path, *rewrite_flags(job.args, fields, HF_CONTROLLED)),
+        env={},
+        files=files,
+        notes=tuple(notes),
+    )
+
+
+JOB_CONFIG_FILE = "autotune-job.json"
+
+
+def _torchrun_command(job: ScriptJob, launch: Launch, max_steps: int | None) -> JobCommand:
+    config = _job_config(launch, max_steps)
+    return JobCommand(
+        target=(job.path, *job.args),
+        env={JOB_CONFIG_ENV: JOB_CONFIG_FILE},
+        files={JOB_CONFIG_FILE: json.dumps(config.to_dict(), indent=2) + "\n"},
+        notes=("the script applies the configuration it reads with autotune.job_config()",),
+    )
+
+
+def job_command(
+    job: ScriptJob, launch: Launch, *, max_steps: int | None = None, cpu: bool = False
+) -> JobCommand:
+    """The user's job run with ``launch``'s configuration (``max_steps``: stop after that many
+    optimizer steps, where the framework has the knob; ``cpu``: the ranks train on the CPU,
+    as autotune's CPU probes do). The names of its ``files`` in its
+    ``env`` and ``target`` are bare: :func:`placed` makes them paths in a folder."""
+    check_engines(job, [launch.config.engine])
+    if launch.config.offload is not Offload.NONE and launch.config.engine is not Engine.DEEPSPEED:
+        raise ConfigError("offload needs the deepspeed engine")
+    if job.framework is Framework.HF:
+        return _hf_command(job, launch, max_steps, cpu)
+    return _torchrun_command(job, launch, max_steps)
+
+
+def placed(command: JobCommand, folder: Path) -> JobCommand:
+    """``command`` with its files' names made paths in ``folder`` (where they are written)."""
+
+    def place(text: str) -> str:
+        return str(folder / text) if text in command.files else text
+
+    return JobCommand(
+        target=tuple(place(t) for t in command.target),
+        env={k: place(v) for k, v in command.env.items()},
+        files=command.files,
+        notes=command.notes,
+    )
+
+
+def write_files(command: JobCommand, folder: Path) -> None:
+    """Write the command's configuration files into ``folder``."""
+    for name, text in command.files.items():
+        (folder / name).write_text(text)
+
+
+def shell_text(
+    command: JobCommand, launch: Launch, summary: str, *, with_files: bool = True
+) -> str:
+    """The job as a shell script: its files written by here-documents (``with_files``), then
+    the ``torchrun`` line (``autotune export --format command``)."""
+    lines = ["#!/bin/sh", f"# autotune: {summary}"]
+    lines += [f"# {note}" for note in command.notes]
+    lines.append("set -e")
+    for name, text in command.files.items() if with_files else ():
+        lines += [f"cat > {shlex.quote(name)} <<'AUTOTUNE_EOF'", text.rstrip("\n"), "AUTOTUNE_EOF"]
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in command.env.items())
+    runner = [
+        "torchrun",
+        f"--nnodes={launch.nodes}",
+        f"--nproc-per-node={launch.per_node}",
+    ]
+    if launch.nodes == 1:
+        runner.insert(1, "--standalone")
+    line = shlex.join([*runner, *command.target])
+    lines.append(f"{env} {line}" if env else line)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,221 @@
+"""The user's own job (autotune.script): the adapters' commands, read back by the frameworks'
+own parsers (transformers' HfArgumentParser, the Trainer's DeepSpeed loading), the job's
+identity, ``autotune.job_config()``, (its bad input: tests/test_bad_input.py).
+
+No probe runs here (tests/probe/test_userjob.py runs the jobs for real)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.config import ConfigError, Engine, TrainConfig
+from autotune.launch import Launch
+from autotune.probe.userjob import runs_script
+from autotune.script import (
+    JOB_CONFIG_ENV,
+    Framework,
+    ScriptJob,
+    flag_value,
+    job_command,
+    job_config,
+    placed,
+    rewrite_flags,
+    shell_text,
+    write_files,
+)
+from autotune.study.fingerprint import Fingerprint
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def launch_of(config: dict[str, object], *, mbs: int = 4, accum: int = 2, world: int = 1) -> Launch:
+    return Launch(
+        model="tiny",
+        hidden_size=64,
+        config=TrainConfig.from_dict(config),
+        micro_batch_size=mbs,
+        grad_accum=accum,
+        world_size=world,
+        seq_len=128,
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        (["--per_device_train_batch_size", "16", "--output_dir", "o"], ["--output_dir", "o"]),
+        (["--per_device_train_batch_size=16", "--seed", "3"], ["--seed", "3"]),
+        (["--bf16", "--output_dir", "o"], ["--output_dir", "o"]),  # a bare boolean
+        (["--bf16", "true", "--seed", "1"], ["--seed", "1"]),
+        (["--output_dir", "o", "--bf16"], ["--output_dir", "o"]),  # bare, last
+        (["--auto_find_batch_size", "x.json"], ["x.json"]),  # a bare flag before a positional
+        (["--deepspeed", "mine.json", "--fsdp", "full_shard"], []),
+        (["--max_steps", "1000", "--learning_rate", "3e-4"], ["--learning_rate", "3e-4"]),
+    ],
+)
+def test_rewrite_flags_replaces_what_the_adapter_sets_and_keeps_the_rest(
+    given: list[str], kept: list[str]
+) -> None:
+    from autotune.script import HF_CONTROLLED
+
+    fields = {"per_device_train_batch_size": 4, "bf16": True}
+    out = rewrite_flags(given, fields, HF_CONTROLLED)
+    assert out == [*kept, "--per_device_train_batch_size", "4", "--bf16", "True"]
+
+
+def test_flag_value_reads_both_forms_and_the_last_wins() -> None:
+    assert flag_value(["--model_name_or_path", "a", "--x"], "model_name_or_path") == "a"
+    assert flag_value(["--model_name_or_path=b"], "model_name_or_path") == "b"
+    assert flag_value(["--m", "a", "--m=c"], "m") == "c"
+    assert flag_value(["--other", "a"], "m") is None
+
+
+def _parse_trainer_args(target: tuple[str, ...], cwd: Path) -> object:
+    """The Trainer script's own parser on the adapter's command line."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    argv = list(target[1:])
+    parser = HfArgumentParser(TrainingArguments)
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        (args,) = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
+    finally:
+        os.chdir(old)
+    return args
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"engine": "single", "ac_every": 0},
+        {"engine": "ddp", "ac_every": 1},
+        {"engine": "ddp", "ac_every": 2, "precision": "fp32"},
+    ],
+)
+def test_the_trainer_adapter_is_read_by_hf_argument_parser(
+    tmp_path: Path, config: dict[str, object]
+) -> None:
+    job = ScriptJob.read(
+        EXAMPLES / "train_hf.py",
+        "hf",
+        ["--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "64", "--bf16"],
+    )
+    launch = launch_of(config)
+    command = job_command(job, launch, max_steps=7, cpu=True)
+    assert command.target[0] == job.path
+    args = _parse_trainer_args(command.target, tmp_path)
+    assert args.per_device_train_batch_size == 4
+    assert args.gradient_accumulation_steps == 2
+    assert args.max_steps == 7
+    assert args.use_cpu is True
+    assert args.output_dir == str(tmp_path / "out")
+    assert args.bf16 is (config.get("precision", "bf16-mixed") != "fp32")
+    every = int(str(config["ac_every"]))
+    assert args.gradient_checkpointing is bool(every)
+    if every > 1:
+        assert args.gradient_checkpointing_kwargs == {
+            "use_reentrant": False,
+            "every_n_layers": every,
+        }
+
+
+def test_the_trainer_adapter_hands_deepspeed_its_measured_json(tmp_path: Path) -> None:
+    job = ScriptJob.read(EXAMPLES / "train_hf.py", "hf", ["--output_dir", str(tmp_path)])
+    launch = launch_of({"engine": "deepspeed", "zero_stage": 2})
+    command = placed(job_command(job, launch, cpu=True), tmp_path)
+    write_files(command, tmp_path)
+    args = _parse_trainer_args(command.target, tmp_path)
+    assert args.deepspeed == str(tmp_path / "ds_config.json")
+    written = json.loads((tmp_path / "ds_config.json").read_text())
+    assert written["zero_optimization"]["stage"] == 2
+    assert written["train_micro_batch_size_per_gpu"] == 4
+    # The Trainer's own DeepSpeed config reader accepts it against these arguments.
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    ds = HfTrainerDeepSpeedConfig(args.deepspeed)
+    ds.trainer_config_process(args)
+    assert ds.config["gradient_accumulation_steps"] == 2
+
+
+def test_the_trainer_adapter_refuses_what_it_cannot_hand_the_trainer() -> None:
+    job = ScriptJob.read(EXAMPLES / "train_hf.py", "hf", [])
+    with pytest.raises(ConfigError, match="--framework hf cannot run engine fsdp"):
+        job_command(job, launch_of({"engine": "fsdp", "zero_stage": 3}))
+
+
+def test_the_torchrun_adapter_hands_the_configuration_through_job_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = ScriptJob.read(EXAMPLES / "train_torchrun.py", "torchrun", ["--model", "m"])
+    launch = launch_of({"engine": "deepspeed", "zero_stage": 3, "ac_every": 1}, world=2)
+    command = placed(job_command(job, launch, max_steps=5), tmp_path)
+    write_files(command, tmp_path)
+    assert command.target == (job.path, "--model", "m")
+    monkeypatch.setenv(JOB_CONFIG_ENV, command.env[JOB_CONFIG_ENV])
+    import autotune
+
+    read = autotune.job_config()
+    assert read is not None
+    assert (read.micro_batch_size, read.grad_accum, read.max_steps) == (4, 2, 5)
+    assert read.config == launch.config
+    assert read.deepspeed is not None and read.deepspeed["zero_optimization"]["stage"] == 3
+    monkeypatch.delenv(JOB_CONFIG_ENV)
+    assert autotune.job_config() is None
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        job_config(tmp_path / "bad.json")
+
+
+def test_the_export_is_a_shell_script_that_writes_its_files(tmp_path: Path) -> None:
+    job = ScriptJob.read(EXAMPLES / "train_hf.py", "hf", ["--output_dir", "out"])
+    launch = launch_of({"engine": "deepspeed", "zero_stage": 1}, world=2)
+    text = shell_text(job_command(job, launch), launch, launch.summary())
+    assert text.startswith("#!/bin/sh\n")
+    assert "cat > ds_config.json <<'AUTOTUNE_EOF'" in text
+    assert "--nproc-per-node=2" in text and "--deepspeed ds_config.json" in text
+    # The here-document is valid JSON, as written by the shell.
+    body = text.split("<<'AUTOTUNE_EOF'\n", 1)[1].split("\nAUTOTUNE_EOF", 1)[0]
+    assert json.loads(body)["zero_optimization"]["stage"] == 1
+
+
+def test_a_job_is_its_script_content_and_arguments(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('v1')\n")
+    one = ScriptJob.read(script, "hf", ["--a", "1"])
+    assert one.key.startswith("train.py@hf:")
+    assert ScriptJob.read(script, "hf", ["--a", "2"]).key != one.key
+    assert ScriptJob.from_dict(one.to_dict()) == one
+    script.write_text("print('v2')\n")
+    assert one.changed()
+    assert ScriptJob.read(script, "hf", ["--a", "1"]).key != one.key
+    fingerprint = Fingerprint(
+        model="tiny", seq_len=64, global_batch=8, gpu="cpu", gpu_memory_bytes=1 << 30, gpus=1,
+        script=one.to_dict(),
+    )  # fmt: skip
+    assert fingerprint.study_name.split("/")[3] == one.key
+    assert Fingerprint.from_dict(fingerprint.to_dict()) == fingerprint
+
+
+def test_runs_script_finds_the_script_in_an_interpreter_command_line(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    job = ScriptJob.read(script, "torchrun")
+    python = sys.executable
+    assert runs_script(job, [python, str(script), "--x"])
+    assert runs_script(job, [python, "-u", "-X", "faulthandler", str(script)])
+    assert not runs_script(job, [python, "-m", "torch.distributed.run", str(script)])
+    assert not runs_script(job, [python, "-c", "from multiprocessing import spawn"])
+    assert not runs_script(job, [python, str(tmp_path / "other.py")])
+    assert not runs_script(job, [python])
+
+
+def test_framework_engines_cover_every_engine_of_torchrun() -> None:
+    from autotune.script import FRAMEWORK_ENGINES
+
+    assert set(FRAMEWORK_ENGINES[Framework.TORCHRUN]) == set(Engine)
