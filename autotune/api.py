@@ -576,6 +576,7 @@ def prepare(
         warmup_steps=warmup_steps,
         timed_steps=timed_steps,
         script=job,
+        global_batch=workload.global_batch,
     )
     return Tuning(
         model=spec,

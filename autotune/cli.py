@@ -458,8 +458,7 @@ def run(
 ) -> None:
     """Find the fastest configuration that fits: probe, escalate, record every trial."""
     from autotune import api
-    from autotune.estimator.plan import prediction_gap
-    from autotune.report.live import RunView, speed_text
+    from autotune.report.live import RunView, speed_text, stand_in_gap
     from autotune.report.tables import ranking_table, ranks_text
 
     _quiet_optuna()
@@ -529,13 +528,7 @@ def run(
         summary = tuning.run(view)
     gap = None
     if job is not None:
-        gap = prediction_gap(
-            tuning.rows,
-            [
-                (m.config, m.micro_batch_size, m.tokens_per_second, m.peak_bytes)
-                for m in summary.measurements
-            ],
-        )
+        gap = stand_in_gap(tuning.rows, summary.measurements)
     if json_output:
         extra = {} if gap is None else {"prediction_gap": dataclasses.asdict(gap)}
         _print_json({"study": tuning.fingerprint.study_name, **summary.to_dict(), **extra})

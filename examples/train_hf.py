@@ -11,7 +11,13 @@ autotune tunes it as is: autotune run --script examples/train_hf.py --framework 
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+)
 
 
 @dataclass
@@ -36,7 +42,9 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    data_args, training_args = HfArgumentParser((DataArguments, TrainingArguments)).parse_args_into_dataclasses()
+    data_args, training_args = HfArgumentParser(
+        (DataArguments, TrainingArguments)
+    ).parse_args_into_dataclasses()
     config = AutoConfig.from_pretrained(data_args.model_name_or_path)
     model = AutoModelForCausalLM.from_config(config)
     dataset = RandomTokens(config.vocab_size, data_args.seq_len, data_args.num_samples)

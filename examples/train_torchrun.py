@@ -37,7 +37,11 @@ def main() -> None:
     distributed = world > 1
     if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
     config = AutoConfig.from_pretrained(args.model)
     torch.manual_seed(0)
@@ -58,7 +62,9 @@ def main() -> None:
     generator = torch.Generator().manual_seed(rank)
     for step in range(steps):
         for _ in range(accum):
-            ids = torch.randint(0, config.vocab_size, (batch, args.seq_len), generator=generator).to(device)
+            ids = torch.randint(
+                0, config.vocab_size, (batch, args.seq_len), generator=generator
+            ).to(device)
             with autocast:
                 loss = model(input_ids=ids, labels=ids).loss / accum
             loss.backward()

@@ -53,6 +53,10 @@ class ProbeSpec:
     script: ScriptJob | None = None
     """The user's training job to run instead of autotune's stand-in (each micro-batch size
     a run of its own); None: the stand-in."""
+    global_batch: int | None = None
+    """The workload's global batch (sequences). A job's run at a size accumulates as training
+    does, up to 2 micro-steps: a micro-step's gradients are then alive through the next
+    one's forward, as in training (at 1 the optimizer step frees them first)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.config, dict):
@@ -129,6 +133,7 @@ class ProbeTemplate:
     timed_steps: int = 3
     script: ScriptJob | None = None
     """The user's training job, or None for autotune's stand-in."""
+    global_batch: int | None = None
 
     def spec(
         self,

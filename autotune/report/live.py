@@ -19,7 +19,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from autotune.devices.base import SetupResult
-from autotune.estimator.plan import PlanRow, prediction_gap
+from autotune.estimator.plan import PlanRow, PredictionGap, prediction_gap
+from autotune.probe.outcome import Outcome
 from autotune.probe.result import SizeResult
 from autotune.search.controller import Event
 from autotune.study.fingerprint import Objective
@@ -67,6 +68,19 @@ def print_setup_done(console: Console, done: SetupResult) -> None:
     line = f"  {'done' if done.ok else 'failed'} in {format_duration(done.seconds)}: "
     console.print(
         line + done.message, style="" if done.ok else "red", markup=False, highlight=False
+    )
+
+
+def stand_in_gap(rows: Sequence[PlanRow], measured: Iterable[Measurement]) -> PredictionGap | None:
+    """How far a user's job ran from the estimator's prediction for autotune's stand-in, over
+    the points that ran."""
+    return prediction_gap(
+        rows,
+        [
+            (m.config, m.micro_batch_size, m.tokens_per_second, m.peak_bytes)
+            for m in measured
+            if m.outcome == Outcome.OK.value
+        ],
     )
 
 
@@ -152,10 +166,7 @@ class RunView:
     def _say_gap(self, measured: list[Measurement]) -> None:
         if self.stand_in is None or self._gap_said:
             return
-        gap = prediction_gap(
-            self.stand_in,
-            [(m.config, m.micro_batch_size, m.tokens_per_second, m.peak_bytes) for m in measured],
-        )
+        gap = stand_in_gap(self.stand_in, measured)
         if gap is not None:
             self._gap_said = True
             self.console.print(

@@ -1,0 +1,317 @@
+"""The user's own training job as probes, for real on this machine's CPU.
+
+The jobs are real scripts of the frameworks users write them for (``examples/``): a Hugging
+Face ``Trainer`` script (single rank, and DeepSpeed through the Trainer) and a plain torch loop
+under ``torchrun`` (2 ranks, gloo). They train the tiny model on random tokens. No test reads
+an estimator constant: caps are fixed sizes between the job's own measured peaks, and what is
+checked is what the measurement layer saw in the job's process (its optimizer, its batches,
+its peak) against what autotune asked for and recorded.
+
+- A Trainer script tuned end to end by ``autotune run --script``: several configurations
+  probed, an OOM under the emulated cap among them, the best exported as ``--format command``,
+  and that export run for its steps: its peak within 10 % of the probe's, its tokens/s as a
+  ratio to a probe of the same point measured just before it.
+- The same for a torchrun script over 2 ranks.
+- DeepSpeed through the Trainer: the job's optimizer is DeepSpeed's.
+- Bad jobs: a crash at import, a script that ignores the batch flags, one that never trains,
+  one that hangs: each an error or timeout with the job's last lines, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autotune.config import TrainConfig
+from autotune.models import resolve_model
+from autotune.probe.metrics import throughput
+from autotune.probe.outcome import Outcome
+from autotune.probe.scriptprobe import launch_script_probe, measured_environment
+from autotune.probe.spec import ProbeSpec
+from autotune.script import ScriptJob
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+BIN = Path(sys.executable).parent
+SEQ = 64
+UNTIL_S = 600.0
+"""Longest wait for a tuner (a failure, not a timing claim)."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the tiny model's config.json, as a Trainer script names its model."""
+    folder = tmp_path_factory.mktemp("model")
+    (folder / "config.json").write_text(json.dumps(dict(resolve_model("tiny").config)))
+    return folder
+
+
+def hf_args(model_dir: Path, out: Path) -> list[str]:
+    return [
+        "--model_name_or_path",
+        str(model_dir),
+        "--output_dir",
+        str(out),
+        "--seq_len",
+        str(SEQ),
+        "--report_to",
+        "none",
+        "--per_device_train_batch_size",
+        "64",  # the user's own: the probes replace it
+    ]
+
+
+def autotune(*args: str, expect: int = 0) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [str(BIN / "autotune"), *args], capture_output=True, text=True, timeout=UNTIL_S
+    )
+    assert done.returncode == expect, (args, done.returncode, done.stdout, done.stderr[-3000:])
+    return done
+
+
+def tune(job: list[str], storage: str, trials: Path, *options: str) -> dict[str, Any]:
+    """``autotune run --script ... --json``: its summary; its trials (``autotune trials``)."""
+    split = job.index("--")
+    done = autotune(
+        "run",
+        *job[:split],
+        "--device",
+        "cpu",
+        "--seq-len",
+        str(SEQ),
+        "--global-batch",
+        "16",
+        "--budget",
+        "5m",
+        "--storage",
+        storage,
+        "--trials-dir",
+        str(trials),
+        "--json",
+        *options,
+        *job[split:],
+    )
+    summary = json.loads(done.stdout)
+    summary["stderr"] = done.stderr
+    listed = json.loads(autotune("trials", "--storage", storage, "--json").stdout)
+    assert len(listed) == 1
+    summary["trials"] = listed[0]["trials"]
+    return summary
+
+
+def run_export(
+    text: str, job: ScriptJob, model: Path, best: dict[str, Any], folder: Path, ranks: int
+) -> dict[str, Any]:
+    """The exported shell script run as a user runs it, with the measurement layer on: each
+    rank's size entry, measured at the export's own accumulation."""
+    folder.mkdir()
+    script = folder / "run.sh"
+    script.write_text(text)
+    measured = folder / "measured"
+    measured.mkdir()
+    spec = ProbeSpec(
+        model=str(model),
+        script=job,
+        config=TrainConfig.from_dict(best["config"]),
+        micro_batch_sizes=(best["micro_batch_size"],),
+        grad_accum=best["grad_accum"],
+        seq_len=SEQ,
+        num_processes=ranks,
+        device="cpu",
+        warmup_steps=2,
+        timed_steps=3,
+    )
+    (measured / "config.json").write_text(json.dumps(spec.to_dict()))
+    env = measured_environment(measured, dict(os.environ))
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+    done = subprocess.run(
+        ["sh", str(script)], cwd=folder, env=env, capture_output=True, text=True, timeout=UNTIL_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    entries = []
+    for rank in range(ranks):
+        report = json.loads((measured / f"rank{rank}.json").read_text())
+        assert report["status"] == "ok", report
+        (entry,) = report["sizes"]
+        entries.append(entry)
+    return {"sizes": entries, "spec": spec}
+
+
+def probe_again(spec: ProbeSpec, folder: Path) -> float:
+    """The same point probed as the search probes it (accumulating at most 2 micro-steps),
+    its tokens/s taken to the export's accumulation as the study records it."""
+    probe = dataclasses.replace(spec, grad_accum=1, global_batch=16)
+    result = launch_script_probe(probe, folder)
+    assert result.outcome is Outcome.OK, result.message
+    (size,) = result.sizes
+    assert size.micro_step_s is not None and size.optimizer_step_s is not None
+    return throughput(
+        micro_step_s=size.micro_step_s,
+        optimizer_step_s=size.optimizer_step_s,
+        micro_batch_size=spec.micro_batch_sizes[0],
+        seq_len=SEQ,
+        grad_accum=spec.grad_accum,
+        world_size=spec.world_size,
+        model_flops_per_token=1.0,
+        hardware_flops_per_token=1.0,
+        peak_flops=None,
+    ).tokens_per_second
+
+
+def check_tuned_and_exported(
+    tmp_path: Path, job_args: list[str], job: ScriptJob, model: Path, ranks: int, cap: str
+) -> None:
+    storage = f"sqlite:///{tmp_path}/at.db"
+    summary = tune(job_args, storage, tmp_path / "trials", "--device-memory", cap)
+    trials = summary["trials"]
+    outcomes = {t["outcome"] for t in trials}
+    assert "oom" in outcomes, trials  # a real OOM of the job under the emulated cap
+    assert len({json.dumps(t["config"]) for t in trials}) >= 2, trials
+    assert summary["best"] is not None
+    assert job.key in summary["study"]
+    assert "your job: tokens/s" in summary["stderr"]
+    assert summary["prediction_gap"]["points"] >= 1
+    best = summary["best"]
+    # The study is found by the model's config.json, and the export is the job's command.
+    exported = json.loads(
+        autotune(
+            "export", "--format", "command", "--model", str(model), "--storage", storage, "--json"
+        ).stdout
+    )
+    assert exported["micro_batch_size"] == best["micro_batch_size"]
+    recorded = next(
+        t
+        for t in trials
+        if t["config"] == best["config"] and t["micro_batch_size"] == best["micro_batch_size"]
+    )
+    ran = run_export(exported["text"], job, model, best, tmp_path / "export", ranks)
+    peak = max(e["peak_reserved_bytes"] for e in ran["sizes"])
+    again = probe_again(ran["spec"], tmp_path / "again")
+    ratio = ran["sizes"][0]["tokens_per_second"] / again
+    print(
+        f"{job.name}: best {best['label']} micro-batch {best['micro_batch_size']} accumulation "
+        f"{best['grad_accum']}: probed peak {recorded['peak_bytes']} B, exported run's peak "
+        f"{peak} B ({peak / recorded['peak_bytes']:.3f}x); tokens/s recorded "
+        f"{recorded['tokens_per_second']:.0f}, probed again {again:.0f}, exported run "
+        f"{ran['sizes'][0]['tokens_per_second']:.0f} ({ratio:.2f}x the probe just before)"
+    )
+    assert abs(peak - recorded["peak_bytes"]) <= 0.10 * recorded["peak_bytes"]
+    assert 0.5 <= ratio <= 2.0  # the same point, not another configuration
+
+
+@pytest.mark.serial  # its tokens/s ratio wants the cores to itself
+def test_a_trainer_script_is_tuned_exported_and_its_export_runs_as_probed(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    args = hf_args(model_dir, tmp_path / "out")
+    job = ScriptJob.read(EXAMPLES / "train_hf.py", "hf", args)
+    options = ["--script", str(EXAMPLES / "train_hf.py"), "--framework", "hf", "--", *args]
+    check_tuned_and_exported(tmp_path, options, job, model_dir, 1, "6000000B")
+
+
+@pytest.mark.serial
+def test_a_torchrun_script_over_two_ranks_is_tuned_and_its_export_runs_as_probed(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    args = ["--model", str(model_dir), "--seq-len", str(SEQ), "--batch-size", "64"]
+    script = EXAMPLES / "train_torchrun.py"
+    job = ScriptJob.read(script, "torchrun", args)
+    options = [
+        "--script",
+        str(script),
+        "--framework",
+        "torchrun",
+        "--model",
+        str(model_dir),
+        "--gpus",
+        "2",
+        "--engine",
+        "ddp",
+        "--",
+        *args,
+    ]
+    check_tuned_and_exported(tmp_path, options, job, model_dir, 2, "4000000B")
+
+
+def one_probe(tmp_path: Path, script: Path, framework: str, args: list[str], **fields: Any) -> Any:
+    spec = ProbeSpec(
+        model=str(tmp_path / "model"),
+        script=ScriptJob.read(script, framework, args),
+        micro_batch_sizes=fields.pop("sizes", (2,)),
+        seq_len=SEQ,
+        device="cpu",
+        warmup_steps=1,
+        timed_steps=2,
+        timeout_s=fields.pop("timeout_s", 300.0),
+        **fields,
+    )
+    return launch_script_probe(spec, tmp_path / "probe")
+
+
+@pytest.fixture
+def here(tmp_path: Path, model_dir: Path) -> Path:
+    (tmp_path / "model").symlink_to(model_dir)
+    return tmp_path
+
+
+def test_deepspeed_through_the_trainer_is_the_jobs_engine(here: Path) -> None:
+    result = one_probe(
+        here,
+        EXAMPLES / "train_hf.py",
+        "hf",
+        hf_args(here / "model", here / "out"),
+        config=TrainConfig.from_dict({"engine": "deepspeed", "zero_stage": 2}),
+    )
+    assert result.outcome is Outcome.OK, result.message
+    (size,) = result.sizes
+    assert size.extra["optimizers"] == ["FusedAdam"]  # DeepSpeed's, built from the JSON
+    assert size.extra["tokens_counted"] is True
+    written = json.loads((here / "probe" / "mb2" / "ds_config.json").read_text())
+    assert written["zero_optimization"]["stage"] == 2
+    assert "--deepspeed" in (here / "probe" / "mb2" / "cmd.txt").read_text()
+
+
+def test_a_script_that_crashes_at_import_is_an_error_with_its_last_lines(here: Path) -> None:
+    script = here / "crash.py"
+    script.write_text("import torch\nraise SystemExit('cannot find the dataset /data/x')\n")
+    result = one_probe(here, script, "torchrun", [])
+    assert result.outcome is Outcome.ERROR
+    assert "ended before its first training step" in result.message
+    assert "cannot find the dataset /data/x" in result.message
+
+
+def test_a_script_that_ignores_the_batch_flags_is_caught(here: Path) -> None:
+    args = ["--model", str(here / "model"), "--seq-len", str(SEQ)]
+    result = one_probe(here, EXAMPLES / "train_torchrun.py", "torchrun", args)
+    assert result.outcome is Outcome.OK, result.message  # it reads autotune.job_config()
+    script = here / "stubborn.py"
+    text = (EXAMPLES / "train_torchrun.py").read_text()
+    script.write_text(text.replace("batch = job.micro_batch_size if job else", "batch ="))
+    result = one_probe(here, script, "torchrun", [*args, "--batch-size", "3"])
+    assert result.outcome is Outcome.ERROR
+    assert result.message.startswith(
+        "the script fed micro-batches of 3 sequences where autotune asked for 2"
+    ), result.message
+
+
+def test_a_script_that_never_trains_or_hangs_never_hangs_the_tuner(here: Path) -> None:
+    idle = here / "idle.py"
+    idle.write_text("import torch\nprint('nothing to do today')\n")
+    result = one_probe(here, idle, "torchrun", [])
+    assert result.outcome is Outcome.ERROR
+    assert "ended before its first training step" in result.message
+    assert "nothing to do today" in result.message
+    hang = here / "hang.py"
+    hang.write_text("import time\nprint('waiting for a lock', flush=True)\ntime.sleep(3600)\n")
+    result = one_probe(here, hang, "torchrun", [], timeout_s=15.0)
+    assert result.outcome is Outcome.TIMEOUT
+    assert "waiting for a lock" in result.message
