@@ -477,12 +477,13 @@ def prepare(
     script: str | Path | None = None,
     framework: str | None = None,
     script_args: Sequence[str] = (),
+    batch_flag: str | None = None,
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
     Opens (or creates) the study, so a bad storage URL fails here.
     """
-    job = _script_job(script, framework, script_args, simulate=simulate, device=device)
+    job = _script_job(script, framework, script_args, batch_flag, simulate=simulate, device=device)
     if job is not None:
         model = model or _script_model(job)
         engines = _job_engines(job, engines)
@@ -518,6 +519,11 @@ def prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     _check_ranks(chosen, per_node, here)
+    if job is not None and job.framework is Framework.ACCELERATE and on_cpu and per_node > 1:
+        raise ConfigError(
+            "--framework accelerate starts several ranks on GPUs only (on the CPU accelerate "
+            "launch starts them unjoined): use --gpus 1 on the CPU"
+        )
     if cap is not None and not on_cpu and cap > gpu.memory_bytes:
         raise ConfigError(
             f"--device-memory {format_bytes(cap)} is more than the {gpu.key}'s "
@@ -595,14 +601,21 @@ def _script_job(
     script: str | Path | None,
     framework: str | None,
     args: Sequence[str],
+    batch_flag: str | None,
     *,
     simulate: str | None,
     device: str | Device,
 ) -> ScriptJob | None:
     """The user's training job a run probes, checked (None: autotune's stand-in)."""
     if script is None:
-        if framework is not None or args:
-            what = "--framework" if framework is not None else "arguments after --"
+        if framework is not None or args or batch_flag is not None:
+            what = (
+                "--framework"
+                if framework is not None
+                else "--batch-flag"
+                if batch_flag is not None
+                else "arguments after --"
+            )
             raise ConfigError(f"{what} without --script: name your training script")
         return None
     if framework is None:
@@ -610,7 +623,7 @@ def _script_job(
         raise ConfigError(f"--script needs --framework: {choices}")
     if simulate is not None or not isinstance(device, str):
         raise ConfigError("--script probes your job for real: leave out --simulate")
-    return ScriptJob.read(script, framework, args)
+    return ScriptJob.read(script, framework, args, batch_flag)
 
 
 def _script_model(job: ScriptJob) -> str:

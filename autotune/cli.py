@@ -444,7 +444,16 @@ def run(
         str | None,
         typer.Option(
             help="What the script is written for: hf (a Trainer script: its flags are "
-            "rewritten) or torchrun (it reads autotune.job_config()).",
+            "rewritten), accelerate (accelerate launch with a generated config) or torchrun "
+            "(it reads autotune.job_config()).",
+            show_default=False,
+        ),
+    ] = None,
+    batch_flag: Annotated[
+        str | None,
+        typer.Option(
+            help="The script's own flag for the per-GPU micro-batch, e.g. --batch-size "
+            "(accelerate and torchrun scripts that do not read autotune.job_config()).",
             show_default=False,
         ),
     ] = None,
@@ -488,14 +497,19 @@ def run(
     if jobs is not None:
         if model is not None:
             raise UsageError("--model and --jobs: name each workload's model in the job file")
-        if script is not None or framework is not None or script_args:
+        if script is not None or framework is not None or script_args or batch_flag:
             raise UsageError("--script and --jobs: name each workload's script in the job file")
         _run_jobs(jobs, max_age=max_age, json_output=json_output, **options)
     if max_age is not None:
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
     options["engines"] = _parse_engines(options.pop("engine"))
-    if script is not None or framework is not None or script_args:
-        options.update(script=script, framework=framework, script_args=script_args or ())
+    if script is not None or framework is not None or script_args or batch_flag is not None:
+        options.update(
+            script=script,
+            framework=framework,
+            script_args=script_args or (),
+            batch_flag=batch_flag,
+        )
     elif model is None:
         model = "llama-7b"
     tuning = api.prepare(model, **options)

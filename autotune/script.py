@@ -12,10 +12,12 @@ nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
 import os
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
-from autotune.launch import Launch, checkpointing_field, deepspeed_config, hf_fields
+from autotune.launch import (
+    Format,
+    Launch,
+    checkpointing_field,
+    deepspeed_config,
+    hf_fields,
+    render,
+)
 
 __all__ = [
     "FRAMEWORK_ENGINES",
@@ -49,17 +58,22 @@ class Framework(enum.StrEnum):
     HF = "hf"
     """A Hugging Face ``Trainer`` script whose ``TrainingArguments`` come from its command line
     (``HfArgumentParser``): its flags are rewritten."""
+    ACCELERATE = "accelerate"
+    """An accelerate script started by ``accelerate launch``: a generated ``--config_file``,
+    the accumulation in accelerate's environment, the micro-batch through ``--batch-flag`` or
+    ``autotune.job_config()``."""
     TORCHRUN = "torchrun"
     """A plain torch script started by ``torchrun``: it reads the configuration with
-    ``autotune.job_config()``."""
+    ``autotune.job_config()`` (or its micro-batch flag is named with ``--batch-flag``)."""
 
 
 FRAMEWORK_ENGINES: dict[Framework, tuple[Engine, ...]] = {
     Framework.HF: (Engine.SINGLE, Engine.DDP, Engine.DEEPSPEED),
+    Framework.ACCELERATE: (Engine.SINGLE, Engine.DDP, Engine.DEEPSPEED),
     Framework.TORCHRUN: tuple(Engine),
 }
-"""The engines each adapter can hand its framework. The Trainer's FSDP goes through
-accelerate's plugin, which the probes have not measured yet, so it is not offered."""
+"""The engines each adapter can hand its framework. The Trainer's and accelerate's FSDP go
+through accelerate's FSDP plugin, which no test has run yet, so it is not offered."""
 
 
 def _sha256(path: Path) -> str:
@@ -77,6 +91,10 @@ class ScriptJob:
     """The script's own arguments (what follows ``--`` on autotune's command line)."""
     sha256: str = ""
     """The script's content hash: a changed script is a changed workload (another study)."""
+    batch_flag: str | None = None
+    """The script's own flag for the per-rank micro-batch (``--batch-size``), which the
+    accelerate and torchrun adapters set; None: the script reads ``autotune.job_config()``
+    (the Trainer's flags are known)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "framework", Framework(self.framework))
@@ -84,7 +102,11 @@ class ScriptJob:
 
     @classmethod
     def read(
-        cls, path: str | Path, framework: Framework | str, args: Sequence[str] = ()
+        cls,
+        path: str | Path,
+        framework: Framework | str,
+        args: Sequence[str] = (),
+        batch_flag: str | None = None,
     ) -> ScriptJob:
         """The job of the script at ``path``, checked: it exists and is a Python file, and
         ``framework`` is one autotune has an adapter for."""
@@ -107,7 +129,23 @@ class ScriptJob:
             raise ConfigError(
                 f"the script {path} cannot be read ({error.strerror}): check its permissions"
             ) from None
-        return cls(framework=kind, path=str(script.resolve()), args=tuple(args), sha256=digest)
+        if batch_flag is not None and not re.fullmatch(r"--?[A-Za-z][\w.-]*", batch_flag):
+            raise ConfigError(
+                f"--batch-flag {batch_flag!r} is not a flag: name the script's own, like "
+                "--batch-flag --batch-size"
+            )
+        if batch_flag is not None and kind is Framework.HF:
+            raise ConfigError(
+                "--batch-flag with --framework hf: the Trainer's --per_device_train_batch_size "
+                "is set already; leave it out"
+            )
+        return cls(
+            framework=kind,
+            path=str(script.resolve()),
+            args=tuple(args),
+            sha256=digest,
+            batch_flag=batch_flag,
+        )
 
     @property
     def name(self) -> str:
@@ -119,7 +157,8 @@ class ScriptJob:
         """Short and stable: ``train.py@hf:1a2b3c4d``, the last part a hash of the script's
         content and its arguments (the study's name carries it: another script, or other
         arguments, are another study)."""
-        identity = hashlib.sha256("\0".join((self.sha256, *self.args)).encode()).hexdigest()
+        parts = (self.sha256, self.batch_flag or "", *self.args)
+        identity = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         return f"{self.name}@{self.framework.value}:{identity[:8]}"
 
     def changed(self) -> bool:
@@ -135,6 +174,7 @@ class ScriptJob:
             "path": self.path,
             "args": list(self.args),
             "sha256": self.sha256,
+            "batch_flag": self.batch_flag,
         }
 
     @classmethod
@@ -144,6 +184,7 @@ class ScriptJob:
             path=str(data["path"]),
             args=tuple(data.get("args") or ()),
             sha256=str(data.get("sha256") or ""),
+            batch_flag=data.get("batch_flag"),
         )
 
 
@@ -269,6 +310,10 @@ class JobCommand:
     """File name -> text: configuration files the command names, written beside it."""
     notes: tuple[str, ...] = ()
     """What the user should know about the command (comments of the export)."""
+    launcher: tuple[str, ...] = ()
+    """The framework's own launcher, which starts a node's ranks (``accelerate launch
+    --config_file accelerate.yaml``); empty: ``torchrun``, or autotune's launcher in a probe,
+    starts each rank as ``python`` + ``target``."""
 
 
 HF_CONTROLLED = (
@@ -368,13 +413,66 @@ def _hf_command(job: ScriptJob, launch: Launch, max_steps: int | None, cpu: bool
 JOB_CONFIG_FILE = "autotune-job.json"
 
 
+def _script_args(job: ScriptJob, launch: Launch) -> tuple[str, ...]:
+    """The script's arguments, its micro-batch flag (if named) set to the launch's."""
+    if job.batch_flag is None:
+        return job.args
+    kept = _without(job.args, job.batch_flag)
+    return (*kept, job.batch_flag, str(launch.micro_batch_size))
+
+
+def _without(args: Sequence[str], flag: str) -> list[str]:
+    """``args`` without ``flag`` and its value (``--flag value`` or ``--flag=value``)."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(f"{flag}="):
+            kept.append(arg)
+    return kept
+
+
 def _torchrun_command(job: ScriptJob, launch: Launch, max_steps: int | None) -> JobCommand:
     config = _job_config(launch, max_steps)
+    how = (
+        f"the script takes its micro-batch from {job.batch_flag}, the rest of the "
+        "configuration from autotune.job_config()"
+        if job.batch_flag
+        else "the script applies the configuration it reads with autotune.job_config()"
+    )
     return JobCommand(
-        target=(job.path, *job.args),
+        target=(job.path, *_script_args(job, launch)),
         env={JOB_CONFIG_ENV: JOB_CONFIG_FILE},
         files={JOB_CONFIG_FILE: json.dumps(config.to_dict(), indent=2) + "\n"},
-        notes=("the script applies the configuration it reads with autotune.job_config()",),
+        notes=(how,),
+    )
+
+
+ACCELERATE_CONFIG_FILE = "accelerate.yaml"
+
+
+def _accelerate_command(job: ScriptJob, launch: Launch, max_steps: int | None) -> JobCommand:
+    config = _job_config(launch, max_steps)
+    return JobCommand(
+        target=(job.path, *_script_args(job, launch)),
+        # Accelerator() reads its accumulation here unless the script passes its own.
+        env={
+            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(launch.grad_accum),
+            JOB_CONFIG_ENV: JOB_CONFIG_FILE,
+        },
+        files={
+            ACCELERATE_CONFIG_FILE: render(launch, Format.ACCELERATE),
+            JOB_CONFIG_FILE: json.dumps(config.to_dict(), indent=2) + "\n",
+        },
+        notes=(
+            "accelerate reads the engine and precision from accelerate.yaml; the "
+            "accumulation from ACCELERATE_GRADIENT_ACCUMULATION_STEPS unless the script "
+            "passes Accelerator(gradient_accumulation_steps=...)",
+        ),
+        launcher=("accelerate", "launch", "--config_file", ACCELERATE_CONFIG_FILE),
     )
 
 
@@ -390,6 +488,8 @@ def job_command(
         raise ConfigError("offload needs the deepspeed engine")
     if job.framework is Framework.HF:
         return _hf_command(job, launch, max_steps, cpu)
+    if job.framework is Framework.ACCELERATE:
+        return _accelerate_command(job, launch, max_steps)
     return _torchrun_command(job, launch, max_steps)
 
 
@@ -399,11 +499,11 @@ def placed(command: JobCommand, folder: Path) -> JobCommand:
     def place(text: str) -> str:
         return str(folder / text) if text in command.files else text
 
-    return JobCommand(
+    return dataclasses.replace(
+        command,
         target=tuple(place(t) for t in command.target),
         env={k: place(v) for k, v in command.env.items()},
-        files=command.files,
-        notes=command.notes,
+        launcher=tuple(place(t) for t in command.launcher),
     )
 
 
@@ -431,6 +531,8 @@ def shell_text(
     ]
     if launch.nodes == 1:
         runner.insert(1, "--standalone")
+    if command.launcher:
+        runner = list(command.launcher)
     line = shlex.join([*runner, *command.target])
     lines.append(f"{env} {line}" if env else line)
     return "\n".join(lines) + "\n"

@@ -28,17 +28,19 @@ class DataArguments:
 
 
 class RandomTokens(torch.utils.data.Dataset):
-    """Sequences of random token ids, the labels the same ids (the model shifts them)."""
+    """Sequences of random token ids, each made when it is read; the labels are the same ids
+    (the model shifts them)."""
 
     def __init__(self, vocab_size: int, seq_len: int, count: int) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab_size, (count, seq_len), generator=generator)
+        self.vocab_size, self.seq_len, self.count = vocab_size, seq_len, count
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.count
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+        generator = torch.Generator().manual_seed(index)
+        ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=generator)
+        return {"input_ids": ids, "labels": ids}
 
 
 def main() -> None:

@@ -46,8 +46,11 @@ def main() -> None:
     config = AutoConfig.from_pretrained(args.model)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device)
-    if job and job.ac_every:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if job and job.ac_every:  # blocks 0, k, 2k, ... as autotune measured them
+        every = {"every_n_layers": job.ac_every} if job.ac_every > 1 else {}
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}, **every
+        )
     if job and job.precision == "bf16":
         model = model.to(torch.bfloat16)
     if distributed:

@@ -118,7 +118,10 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         ("run", *CPU, "--script", "missing.py", "--framework", "hf"),
         "the script missing.py does not",
     ),
-    (("run", *CPU, "--script", "train.py"), "--script needs --framework: hf or torchrun"),
+    (
+        ("run", *CPU, "--script", "train.py"),
+        "--script needs --framework: hf or accelerate or torchrun",
+    ),
     (("run", *CPU, "--script", "train.py", "--framework", "pl"), "unknown framework 'pl'"),
     (("run", *CPU, "--framework", "hf"), "--framework without --script"),
     (("run", *CPU, "--", "--lr", "1"), "arguments after -- without --script"),
@@ -139,6 +142,19 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         ("run", *CPU, "--script", "train.py", "--framework", "hf", "--jobs", "j.yaml"),
         "--model and --jobs",
     ),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "accelerate", "--gpus", "2"),
+        "--framework accelerate starts several ranks on GPUs only",
+    ),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "hf", "--batch-flag", "--bs"),
+        "--batch-flag with --framework hf",
+    ),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "torchrun", "--batch-flag", "bs"),
+        "--batch-flag 'bs' is not a flag",
+    ),
+    (("run", *CPU, "--batch-flag", "--bs"), "--batch-flag without --script"),
 ]
 
 

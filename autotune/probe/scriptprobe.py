@@ -77,27 +77,84 @@ def size_launch(spec: ProbeSpec, micro_batch_size: int) -> Launch:
     )
 
 
+_LAUNCHER_MODULES = {("accelerate", "launch"): "accelerate.commands.launch"}
+"""A framework's launcher command, run as a module of this interpreter in a probe."""
+
+_RANK_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+"""torchrun's variables, which a framework's own launcher sets for its ranks itself."""
+
+
+class _Peer:
+    """A rank that the framework's own launcher started: its exit is the launcher's."""
+
+    def __init__(self, leader: subprocess.Popen[bytes]) -> None:
+        self.leader = leader
+        self.pid = leader.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.leader.returncode
+
+    @returncode.setter
+    def returncode(self, value: int | None) -> None:
+        self.leader.returncode = value
+
+    def poll(self) -> int | None:
+        return self.leader.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.leader.wait(timeout)
+
+
 class ScriptSpawner:
-    """Each rank a fresh interpreter running the job's script with its configuration."""
+    """Each rank a fresh interpreter running the job's script with its configuration; or,
+    where the framework has its own launcher (``accelerate launch``), that launcher once per
+    node, which starts the node's ranks (each rank's exit is then the launcher's: a rank the
+    kernel killed shows as the launcher's failure, not as SIGKILL)."""
 
     kind = "fresh"
 
     def __init__(self, command: JobCommand) -> None:
         self.command = command
+        self._leader: subprocess.Popen[bytes] | None = None
+
+    def _argv(self, env: dict[str, str]) -> list[str]:
+        launcher = self.command.launcher
+        if not launcher:
+            return [sys.executable, *self.command.target]
+        module = _LAUNCHER_MODULES[(launcher[0], launcher[1])]
+        port = ["--main_process_port", env["MASTER_PORT"]] if "MASTER_PORT" in env else []
+        return [sys.executable, "-m", module, *launcher[2:], *port, *self.command.target]
 
     def spawn(
         self, probe_dir: Path, env: dict[str, str], stdout: Path, stderr: Path, process_group: int
     ) -> ProcessHandle:
+        if self._leader is not None:
+            return _Peer(self._leader)
+        argv = self._argv(env)
+        if self.command.launcher:
+            env = {k: v for k, v in env.items() if k not in _RANK_VARIABLES}
         ranks = measured_environment(probe_dir, {**env, **self.command.env})
         with stdout.open("ab") as out, stderr.open("ab") as err:
-            return subprocess.Popen(
-                [sys.executable, *self.command.target],
+            proc = subprocess.Popen(
+                argv,
                 env={**ranks, PARENT_ENV: str(os.getpid())},
                 stdout=out,
                 stderr=err,
                 stdin=subprocess.DEVNULL,
                 process_group=process_group,
             )
+        if self.command.launcher:
+            self._leader = proc
+        return proc
 
 
 def _log_tail(folder: Path) -> str:

@@ -28,6 +28,7 @@ process, so ``classify_probe``, the study and the search read it as any probe.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import statistics
@@ -83,6 +84,8 @@ class _Step:
     micro_steps: int = 0
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     """The token ids' shape of each micro-step."""
+    checkpoints: int = 0
+    """Calls of ``torch.utils.checkpoint.checkpoint`` in its forwards (checkpointed blocks)."""
     losses: list[float] = field(default_factory=list)
 
 
@@ -127,6 +130,8 @@ class Layer:
         self.current: _Step | None = None
         self.done = False
         self.optimizers: set[str] = set()
+        self.joined: int | None = None
+        """The size of the process group this rank trained in (at its first step)."""
         """The optimizer classes whose steps were seen (the job's engine shows in them)."""
         self.began = time.time()
         self.report.update(device=str(self.device), startup_s=self.began - spawned)
@@ -141,6 +146,7 @@ class Layer:
         nn_module.register_module_forward_hook(self._post_forward)
         optimizer.register_optimizer_step_pre_hook(self._pre_step)
         optimizer.register_optimizer_step_post_hook(self._post_step)
+        self._count_checkpoints()
         previous = sys.excepthook
 
         def excepthook(kind: Any, error: BaseException, tb: Any) -> None:
@@ -149,6 +155,42 @@ class Layer:
 
         sys.excepthook = excepthook
         atexit.register(self.ended)
+
+    def _count_checkpoints(self) -> None:
+        """Count checkpointed blocks: ``torch.utils.checkpoint.checkpoint`` wrapped before the
+        job imports it (transformers, accelerate and torch's own checkpoint wrapper bind it at
+        import). A recompute in the backward does not call it again."""
+        import torch.utils.checkpoint as checkpointing
+
+        original = checkpointing.checkpoint
+
+        @functools.wraps(original)
+        def counted(function: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.stage is Stage.FORWARD and self.current is not None:
+                self.current.checkpoints += 1
+            return original(function, *args, **kwargs)
+
+        checkpointing.checkpoint = counted
+
+    def _checkpoint_problem(self, step: _Step) -> str | None:
+        """Whether the job checkpointed the blocks autotune asked for, or what it did."""
+        every, layers = self.spec.config.ac_every, self.model.num_layers
+        seen = step.checkpoints / step.micro_steps
+        if every == 0 and seen == 0:
+            return None
+        allowed = {len(range(0, layers, every)), layers // every} if every else {0}
+        if seen in allowed:
+            return None
+        asked = f"ac:every-{every}" if every > 1 else "ac:every" if every else "none"
+        how = (
+            "does the script pass its TrainingArguments to the Trainer as given?"
+            if self.job.framework is Framework.HF
+            else "does it turn checkpointing on from autotune.job_config().ac_every?"
+        )
+        return (
+            f"the job checkpointed {seen:g} of {layers} decoder blocks per micro-step where "
+            f"autotune asked for {asked} ({min(allowed)}): {how}"
+        )
 
     def _sync(self) -> float:
         if self.device.type == "cuda":
@@ -207,6 +249,10 @@ class Layer:
         if self.current is None:
             return
         self.optimizers.add(type(optimizer).__name__)
+        if self.joined is None:
+            dist = self.torch.distributed
+            grouped = dist.is_available() and dist.is_initialized()
+            self.joined = dist.get_world_size() if grouped else 1
         if self.stage is not Stage.OPTIMIZER:
             self.current.optimizer_began = self._sync()
         self.stage = Stage.OPTIMIZER
@@ -220,7 +266,16 @@ class Layer:
     def _mismatch(self) -> str | None:
         """What the script fed that the probe did not ask for, or None."""
         want_batch, want_seq = self.spec.micro_batch_sizes[0], self.spec.seq_len
+        if self.world_size > 1 and self.joined != self.world_size:
+            return (
+                f"the job's {self.world_size} ranks did not train as one process group "
+                "(each trained alone): does the script, or its framework on this device, "
+                "join the process group torchrun's variables describe?"
+            )
         for step in self.steps:
+            problem = self._checkpoint_problem(step)
+            if problem is not None:
+                return problem
             if step.micro_steps != self.spec.grad_accum:
                 return (
                     f"the script ran {step.micro_steps} micro-steps per optimizer step where "
@@ -282,6 +337,7 @@ class Layer:
             "timed_s": self.steps[-1].ended - window,
             "tokens_counted": bool(self.vocab_rows),
             "optimizers": sorted(self.optimizers),
+            "checkpointed_blocks": self.steps[-1].checkpoints / self.steps[-1].micro_steps,
             **speed.to_dict(),
             **memory,
         }
@@ -368,12 +424,17 @@ def install() -> Layer | None:
         return _layer
     probe_dir = Path(where)
     spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
-    if spec.script is None or not runs_script(spec.script, list(sys.orig_argv)):
-        return None
     from autotune.probe.lifetime import PARENT_ENV, die_with_parent
 
     parent = os.environ.get(PARENT_ENV)
-    die_with_parent(int(parent) if parent else None)
+    # The tuner's own child (a rank, or the framework's launcher: accelerate launch) dies with
+    # the tuner; a rank the framework's launcher started dies with that launcher.
+    direct = parent is not None and parent.isdigit() and os.getppid() == int(parent)
+    if spec.script is None or not runs_script(spec.script, list(sys.orig_argv)):
+        if direct and parent is not None:
+            die_with_parent(int(parent))
+        return None
+    die_with_parent(int(parent) if direct and parent is not None else None)
     _layer = Layer(probe_dir, spec)
     _layer.install()
     return _layer

@@ -1,17 +1,20 @@
 """The user's own training job as probes, for real on this machine's CPU.
 
 The jobs are real scripts of the frameworks users write them for (``examples/``): a Hugging
-Face ``Trainer`` script (single rank, and DeepSpeed through the Trainer) and a plain torch loop
-under ``torchrun`` (2 ranks, gloo). They train the tiny model on random tokens. No test reads
-an estimator constant: caps are fixed sizes between the job's own measured peaks, and what is
-checked is what the measurement layer saw in the job's process (its optimizer, its batches,
-its peak) against what autotune asked for and recorded.
+Face ``Trainer`` script (single rank, and DeepSpeed through the Trainer), an accelerate loop
+and a plain torch loop under ``torchrun`` (2 ranks, gloo). They train the tiny model on random
+tokens. No test reads an estimator constant: a cap is placed between the job's own measured
+peaks at the two largest sizes of the search's first probe (the plan says which probe that
+is), and what is checked is what the measurement layer saw in the job's process (its
+optimizer, its batches, its checkpointed blocks, its peak) against what autotune asked for and
+recorded.
 
 - A Trainer script tuned end to end by ``autotune run --script``: several configurations
   probed, an OOM under the emulated cap among them, the best exported as ``--format command``,
   and that export run for its steps: its peak within 10 % of the probe's, its tokens/s as a
   ratio to a probe of the same point measured just before it.
-- The same for a torchrun script over 2 ranks.
+- The same for a torchrun script over 2 ranks, and for an accelerate script (one rank:
+  ``accelerate launch`` on a CPU starts several ranks unjoined).
 - DeepSpeed through the Trainer: the job's optimizer is DeepSpeed's.
 - Bad jobs: a crash at import, a script that ignores the batch flags, one that never trains,
   one that hangs: each an error or timeout with the job's last lines, never a hang.
@@ -24,24 +27,29 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from autotune.config import TrainConfig
+from autotune.api import prepare
+from autotune.config import Engine, TrainConfig
 from autotune.models import resolve_model
 from autotune.probe.metrics import throughput
 from autotune.probe.outcome import Outcome
 from autotune.probe.scriptprobe import launch_script_probe, measured_environment
 from autotune.probe.spec import ProbeSpec
 from autotune.script import ScriptJob
+from autotune.search.ladder import Proposal, propose
+from autotune.space import micro_batch_options
 
 pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BIN = Path(sys.executable).parent
 SEQ = 64
+GLOBAL_BATCH = 16
 UNTIL_S = 600.0
 """Longest wait for a tuner (a failure, not a timing claim)."""
 
@@ -77,28 +85,91 @@ def autotune(*args: str, expect: int = 0) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def tune(job: list[str], storage: str, trials: Path, *options: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Case:
+    """A user's job as ``autotune run`` and ``autotune.prepare`` are given it."""
+
+    script: Path
+    framework: str
+    args: tuple[str, ...]
+    model: Path
+    ranks: int = 1
+    engine: str | None = None
+    batch_flag: str | None = None
+
+    @property
+    def job(self) -> ScriptJob:
+        return ScriptJob.read(self.script, self.framework, self.args, self.batch_flag)
+
+    def cli(self, *options: str) -> list[str]:
+        given = ["--script", str(self.script), "--framework", self.framework]
+        given += ["--model", str(self.model), "--gpus", str(self.ranks)]
+        given += ["--engine", self.engine] if self.engine else []
+        given += ["--batch-flag", self.batch_flag] if self.batch_flag else []
+        return [*given, *options, "--", *self.args]
+
+    def first_probe(self, cap: int, folder: Path) -> Proposal:
+        """What the search probes first under ``cap`` (its plan, no measurement yet)."""
+        tuning = prepare(
+            str(self.model),
+            seq_len=SEQ,
+            global_batch=GLOBAL_BATCH,
+            gpus=self.ranks,
+            engines=None if self.engine is None else [Engine(self.engine)],
+            device="cpu",
+            device_memory=cap,
+            storage=f"sqlite:///{folder}/plan.db",
+            trials_dir=folder / "plan",
+            script=self.script,
+            framework=self.framework,
+            script_args=self.args,
+            batch_flag=self.batch_flag,
+        )
+        proposal = propose(tuning.rows, [], micro_batch_options(tuning.workload))
+        assert proposal is not None
+        return proposal
+
+    def peaks(self, config: TrainConfig, sizes: tuple[int, ...], folder: Path) -> list[int]:
+        """The job's real peak at each size, as the tuner's probes run it, without a cap."""
+        spec = ProbeSpec(
+            model=str(self.model),
+            script=self.job,
+            config=config,
+            micro_batch_sizes=sizes,
+            seq_len=SEQ,
+            num_processes=self.ranks,
+            global_batch=GLOBAL_BATCH,
+            device="cpu",
+        )
+        result = launch_script_probe(spec, folder)
+        assert result.outcome is Outcome.OK, result.message
+        return [size.peak_bytes or 0 for size in result.sizes]
+
+    def cap(self, folder: Path) -> int:
+        """A cap under which the search's first probe runs its largest size out of memory
+        for real while the next smaller one fits: found from the job's own measured peaks
+        (the plan, and so the first probe, depends on the cap: settled in a few rounds)."""
+        cap = 16 << 20
+        tried = []
+        for round_ in range(6):
+            proposal = self.first_probe(cap, folder / f"plan{round_}")
+            assert len(proposal.micro_batch_sizes) >= 2, proposal
+            low, high = self.peaks(
+                proposal.config, proposal.micro_batch_sizes[-2:], folder / f"peaks{round_}"
+            )
+            tried.append((cap, proposal.config.label(), proposal.micro_batch_sizes, low, high))
+            if low <= cap < high:
+                return cap
+            cap = (low + high) // 2
+        raise AssertionError(f"no cap puts an OOM in the first probe of {self.job.key}: {tried}")
+
+
+def tune(case: Case, storage: str, trials: Path, cap: int) -> dict[str, Any]:
     """``autotune run --script ... --json``: its summary; its trials (``autotune trials``)."""
-    split = job.index("--")
-    done = autotune(
-        "run",
-        *job[:split],
-        "--device",
-        "cpu",
-        "--seq-len",
-        str(SEQ),
-        "--global-batch",
-        "16",
-        "--budget",
-        "5m",
-        "--storage",
-        storage,
-        "--trials-dir",
-        str(trials),
-        "--json",
-        *options,
-        *job[split:],
-    )
+    options = ["--device", "cpu", "--device-memory", f"{cap}B", "--seq-len", str(SEQ)]
+    options += ["--global-batch", str(GLOBAL_BATCH), "--budget", "5m", "--json"]
+    options += ["--storage", storage, "--trials-dir", str(trials)]
+    done = autotune("run", *case.cli(*options))
     summary = json.loads(done.stdout)
     summary["stderr"] = done.stderr
     listed = json.loads(autotune("trials", "--storage", storage, "--json").stdout)
@@ -107,9 +178,7 @@ def tune(job: list[str], storage: str, trials: Path, *options: str) -> dict[str,
     return summary
 
 
-def run_export(
-    text: str, job: ScriptJob, model: Path, best: dict[str, Any], folder: Path, ranks: int
-) -> dict[str, Any]:
+def run_export(text: str, case: Case, best: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The exported shell script run as a user runs it, with the measurement layer on: each
     rank's size entry, measured at the export's own accumulation."""
     folder.mkdir()
@@ -118,27 +187,25 @@ def run_export(
     measured = folder / "measured"
     measured.mkdir()
     spec = ProbeSpec(
-        model=str(model),
-        script=job,
+        model=str(case.model),
+        script=case.job,
         config=TrainConfig.from_dict(best["config"]),
         micro_batch_sizes=(best["micro_batch_size"],),
         grad_accum=best["grad_accum"],
         seq_len=SEQ,
-        num_processes=ranks,
+        num_processes=case.ranks,
         device="cpu",
-        warmup_steps=2,
-        timed_steps=3,
     )
     (measured / "config.json").write_text(json.dumps(spec.to_dict()))
     env = measured_environment(measured, dict(os.environ))
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // case.ranks))
     done = subprocess.run(
         ["sh", str(script)], cwd=folder, env=env, capture_output=True, text=True, timeout=UNTIL_S
     )
     assert done.returncode == 0, done.stderr[-3000:]
     entries = []
-    for rank in range(ranks):
+    for rank in range(case.ranks):
         report = json.loads((measured / f"rank{rank}.json").read_text())
         assert report["status"] == "ok", report
         (entry,) = report["sizes"]
@@ -149,7 +216,7 @@ def run_export(
 def probe_again(spec: ProbeSpec, folder: Path) -> float:
     """The same point probed as the search probes it (accumulating at most 2 micro-steps),
     its tokens/s taken to the export's accumulation as the study records it."""
-    probe = dataclasses.replace(spec, grad_accum=1, global_batch=16)
+    probe = dataclasses.replace(spec, grad_accum=1, global_batch=GLOBAL_BATCH)
     result = launch_script_probe(probe, folder)
     assert result.outcome is Outcome.OK, result.message
     (size,) = result.sizes
@@ -167,24 +234,29 @@ def probe_again(spec: ProbeSpec, folder: Path) -> float:
     ).tokens_per_second
 
 
-def check_tuned_and_exported(
-    tmp_path: Path, job_args: list[str], job: ScriptJob, model: Path, ranks: int, cap: str
-) -> None:
+def check_tuned_and_exported(tmp_path: Path, case: Case) -> None:
     storage = f"sqlite:///{tmp_path}/at.db"
-    summary = tune(job_args, storage, tmp_path / "trials", "--device-memory", cap)
+    summary = tune(case, storage, tmp_path / "trials", case.cap(tmp_path / "cap"))
     trials = summary["trials"]
     outcomes = {t["outcome"] for t in trials}
     assert "oom" in outcomes, trials  # a real OOM of the job under the emulated cap
-    assert len({json.dumps(t["config"]) for t in trials}) >= 2, trials
+    assert "ok" in outcomes, trials
     assert summary["best"] is not None
-    assert job.key in summary["study"]
+    assert case.job.key in summary["study"]
     assert "your job: tokens/s" in summary["stderr"]
     assert summary["prediction_gap"]["points"] >= 1
     best = summary["best"]
     # The study is found by the model's config.json, and the export is the job's command.
     exported = json.loads(
         autotune(
-            "export", "--format", "command", "--model", str(model), "--storage", storage, "--json"
+            "export",
+            "--format",
+            "command",
+            "--model",
+            str(case.model),
+            "--storage",
+            storage,
+            "--json",
         ).stdout
     )
     assert exported["micro_batch_size"] == best["micro_batch_size"]
@@ -193,16 +265,17 @@ def check_tuned_and_exported(
         for t in trials
         if t["config"] == best["config"] and t["micro_batch_size"] == best["micro_batch_size"]
     )
-    ran = run_export(exported["text"], job, model, best, tmp_path / "export", ranks)
+    ran = run_export(exported["text"], case, best, tmp_path / "export")
     peak = max(e["peak_reserved_bytes"] for e in ran["sizes"])
     again = probe_again(ran["spec"], tmp_path / "again")
     ratio = ran["sizes"][0]["tokens_per_second"] / again
     print(
-        f"{job.name}: best {best['label']} micro-batch {best['micro_batch_size']} accumulation "
-        f"{best['grad_accum']}: probed peak {recorded['peak_bytes']} B, exported run's peak "
-        f"{peak} B ({peak / recorded['peak_bytes']:.3f}x); tokens/s recorded "
+        f"{case.job.name}: best {best['label']} micro-batch {best['micro_batch_size']} "
+        f"accumulation {best['grad_accum']}: probed peak {recorded['peak_bytes']} B, exported "
+        f"run's peak {peak} B ({peak / recorded['peak_bytes']:.3f}x); tokens/s recorded "
         f"{recorded['tokens_per_second']:.0f}, probed again {again:.0f}, exported run "
-        f"{ran['sizes'][0]['tokens_per_second']:.0f} ({ratio:.2f}x the probe just before)"
+        f"{ran['sizes'][0]['tokens_per_second']:.0f} ({ratio:.2f}x the probe just before); "
+        f"against the stand-in's prediction: {summary['prediction_gap']}"
     )
     assert abs(peak - recorded["peak_bytes"]) <= 0.10 * recorded["peak_bytes"]
     assert 0.5 <= ratio <= 2.0  # the same point, not another configuration
@@ -212,34 +285,28 @@ def check_tuned_and_exported(
 def test_a_trainer_script_is_tuned_exported_and_its_export_runs_as_probed(
     tmp_path: Path, model_dir: Path
 ) -> None:
-    args = hf_args(model_dir, tmp_path / "out")
-    job = ScriptJob.read(EXAMPLES / "train_hf.py", "hf", args)
-    options = ["--script", str(EXAMPLES / "train_hf.py"), "--framework", "hf", "--", *args]
-    check_tuned_and_exported(tmp_path, options, job, model_dir, 1, "6000000B")
+    args = tuple(hf_args(model_dir, tmp_path / "out"))
+    check_tuned_and_exported(tmp_path, Case(EXAMPLES / "train_hf.py", "hf", args, model_dir))
 
 
 @pytest.mark.serial
 def test_a_torchrun_script_over_two_ranks_is_tuned_and_its_export_runs_as_probed(
     tmp_path: Path, model_dir: Path
 ) -> None:
-    args = ["--model", str(model_dir), "--seq-len", str(SEQ), "--batch-size", "64"]
-    script = EXAMPLES / "train_torchrun.py"
-    job = ScriptJob.read(script, "torchrun", args)
-    options = [
-        "--script",
-        str(script),
-        "--framework",
-        "torchrun",
-        "--model",
-        str(model_dir),
-        "--gpus",
-        "2",
-        "--engine",
-        "ddp",
-        "--",
-        *args,
-    ]
-    check_tuned_and_exported(tmp_path, options, job, model_dir, 2, "4000000B")
+    args = ("--model", str(model_dir), "--seq-len", str(SEQ), "--batch-size", "64")
+    case = Case(EXAMPLES / "train_torchrun.py", "torchrun", args, model_dir, 2, "ddp")
+    check_tuned_and_exported(tmp_path, case)
+
+
+@pytest.mark.serial
+def test_an_accelerate_script_is_tuned_and_its_export_runs_as_probed(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    args = ("--model", str(model_dir), "--seq-len", str(SEQ), "--steps", "50")
+    case = Case(
+        EXAMPLES / "train_accelerate.py", "accelerate", args, model_dir, batch_flag="--batch-size"
+    )
+    check_tuned_and_exported(tmp_path, case)
 
 
 def one_probe(tmp_path: Path, script: Path, framework: str, args: list[str], **fields: Any) -> Any:
@@ -301,6 +368,23 @@ def test_a_script_that_ignores_the_batch_flags_is_caught(here: Path) -> None:
     assert result.message.startswith(
         "the script fed micro-batches of 3 sequences where autotune asked for 2"
     ), result.message
+
+
+def test_a_script_that_ignores_checkpointing_is_caught(here: Path) -> None:
+    script = here / "no_checkpointing.py"
+    text = (EXAMPLES / "train_torchrun.py").read_text()
+    script.write_text(text.replace("if job and job.ac_every:", "if False:"))
+    args = ["--model", str(here / "model"), "--seq-len", str(SEQ)]
+    config = TrainConfig.from_dict({"ac_every": 1})
+    result = one_probe(here, script, "torchrun", args, config=config)
+    assert result.outcome is Outcome.ERROR
+    assert result.message.startswith(
+        "the job checkpointed 0 of 2 decoder blocks per micro-step where autotune asked for "
+        "ac:every (2): does it turn checkpointing on from autotune.job_config().ac_every?"
+    ), result.message
+    result = one_probe(here, EXAMPLES / "train_torchrun.py", "torchrun", args, config=config)
+    assert result.outcome is Outcome.OK, result.message
+    assert result.sizes[0].extra["checkpointed_blocks"] == 2
 
 
 def test_a_script_that_never_trains_or_hangs_never_hangs_the_tuner(here: Path) -> None:
