@@ -844,6 +844,8 @@ def tune_jobs(
         model = options.pop("model")
         if "engine" in options:
             options["engines"] = [Engine(name) for name in options.pop("engine").split(",")]
+        if "args" in options:
+            options["script_args"] = options.pop("args")
         storage = options.get("storage", DEFAULT_STORAGE)
         try:
             studies = read_studies(storage, last=0)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.config import DEVICES, Attention, ConfigError, Engine, Precision, parse_choice
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
+from autotune.script import Framework, ScriptJob
 from autotune.study.fingerprint import Fingerprint, Objective
 from autotune.study.measurement import Measurement, StudyResult
 from autotune.study.urls import masked
@@ -68,6 +69,10 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "trials_dir": (str,),
     "seed": (int,),
     "warm": (bool,),
+    "script": (str,),
+    "framework": (str,),
+    "args": (list,),
+    "batch_flag": (str,),
 }
 """The fields a workload may set (``autotune run``'s options) and the YAML types each takes."""
 
@@ -188,6 +193,21 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
             own[key] = _checked(key, value, at)
         if "model" not in own:
             raise ConfigError(f"{where}: no model: every workload names its model")
+        if ("framework" in own or "args" in own or "batch_flag" in own) and "script" not in own:
+            raise ConfigError(f"{where}: framework, args and batch_flag go with a script:")
+        if "script" in own:
+            if "framework" not in own:
+                choices = " or ".join(f.value for f in Framework)
+                raise ConfigError(f"{where}: a script: needs its framework: {choices}")
+            try:
+                ScriptJob.read(
+                    str(own["script"]),
+                    own["framework"],
+                    own.get("args") or (),
+                    own.get("batch_flag"),
+                )
+            except ConfigError as error:
+                raise ConfigError(f"{where}: {error}") from None
         try:
             resolve_model(str(own["model"]))
         except ValueError as error:
@@ -231,6 +251,14 @@ def _checked(key: str, value: Any, at: str) -> Any:
             value = ",".join(str(name).strip() for name in names)
         if key == "hosts" and isinstance(value, list):
             value = ",".join(str(host).strip() for host in value)
+        if key == "script":
+            ScriptJob.read(str(value), Framework.TORCHRUN)  # it exists and can be read
+        if key == "framework":
+            parse_choice(Framework, str(value), key)
+        if key == "args":
+            if not all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in value):
+                raise ConfigError("args must be a list of the script's arguments, as text")
+            value = [str(a) for a in value]
         if key in ("seq_len", "global_batch", "gpus", "nodes", "host_cores") and value <= 0:
             raise ConfigError(f"{key} must be positive, not {value}")
     except ConfigError as error:
@@ -312,7 +340,26 @@ def _changes(before: Fingerprint, now: Fingerprint) -> list[str]:
             if field == "gpu_memory_bytes":
                 field, old, new = "memory per GPU", format_bytes(old), format_bytes(new)
             changes.append(f"{field} {old} -> {new}")
+    if before.script != now.script:
+        changes.append(_script_change(before.script, now.script))
     return changes or ["its study's name"]
+
+
+def _script_change(before: Mapping[str, Any] | None, now: Mapping[str, Any] | None) -> str:
+    """How the job a workload runs changed: its script's content, its arguments, or the
+    job itself (the stand-in, another script)."""
+    if before is None or now is None:
+        return f"the job {_job_name(before)} -> {_job_name(now)}"
+    old, new = ScriptJob.from_dict(before), ScriptJob.from_dict(now)
+    if old.path != new.path:
+        return f"the script {old.path} -> {new.path}"
+    if old.sha256 != new.sha256:
+        return f"the script {new.name} changed (sha256 {old.sha256[:8]} -> {new.sha256[:8]})"
+    return f"the arguments of {new.name}"
+
+
+def _job_name(script: Mapping[str, Any] | None) -> str:
+    return "autotune's stand-in" if script is None else ScriptJob.from_dict(script).name
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ import pytest
 
 from autotune.config import ConfigError
 from autotune.jobs import JobResult, freshness, read_jobs
+from autotune.script import ScriptJob
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import StudyResult
 from autotune.study.reader import read_studies
@@ -91,6 +92,16 @@ A = "workloads:\n  - model: a\n"
         (A + "    attention: flash9\n", r":3: workload 1: unknown attention 'flash9'"),
         (A + "    seed: !!python/object/apply:os.system [echo hi]\n",
          r":3: workload 1: seed: could not determine a constructor"),
+        (A + "    script: nowhere.py\n", r":3: workload 1: the script nowhere.py does not exist"),
+        (A + "    script: " + __file__ + "\n",
+         r":2: workload 1: a script: needs its framework: hf or accelerate or torchrun"),
+        (A + "    script: " + __file__ + "\n    framework: keras\n",
+         r":4: workload 1: unknown framework 'keras'"),
+        (A + "    framework: hf\n", r":2: workload 1: framework, args and batch_flag go with"),
+        (A + "    script: " + __file__ + "\n    framework: hf\n    args: --lr\n",
+         r":5: workload 1: args must be a list, not '--lr'"),
+        (A + "    script: " + __file__ + "\n    framework: hf\n    batch_flag: --bs\n",
+         r":2: workload 1: --batch-flag with --framework hf"),
     ],
 )  # fmt: skip
 def test_a_bad_job_file_is_one_line_naming_file_line_and_field(
@@ -101,6 +112,19 @@ def test_a_bad_job_file_is_one_line_naming_file_line_and_field(
     with pytest.raises(ConfigError, match=rf"^{path}{says}") as raised:
         read_jobs(path, {})
     assert "\n" not in str(raised.value)
+
+
+def test_a_workload_names_its_script_framework_and_arguments(tmp_path: Path) -> None:
+    path = tmp_path / "nightly.yaml"
+    path.write_text(
+        "workloads:\n  - model: tiny\n    script: " + __file__ + "\n    framework: torchrun\n"
+        "    batch_flag: --batch-size\n    args: [--data, d/, --epochs, 2]\n"
+    )
+    (job,) = read_jobs(path, {})
+    assert job.options["script"] == __file__
+    assert job.options["framework"] == "torchrun"
+    assert job.options["args"] == ["--data", "d/", "--epochs", "2"]
+    assert job.options["batch_flag"] == "--batch-size"
 
 
 def test_a_job_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
@@ -164,6 +188,31 @@ def test_a_changed_fingerprint_is_tuned_and_says_what_changed() -> None:
     assert freshness(other_workload, stored, now=NOW).why == "never tuned"
     nothing_fits = freshness(FP, [_study(FP, hours_ago=1, fits=False)], now=NOW)
     assert nothing_fits.tune and "no configuration that fits" in nothing_fits.why
+
+
+def test_a_changed_script_or_its_arguments_is_tuned_and_says_so(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('v1')\n")
+    job = ScriptJob.read(script, "hf", ["--lr", "1"])
+    tuned = dataclasses.replace(FP, script=job.to_dict())
+    stored = [_study(tuned, hours_ago=2)]
+    assert not freshness(tuned, stored, now=NOW).tune
+    other_args = dataclasses.replace(
+        FP, script=dataclasses.replace(job, args=("--lr", "2")).to_dict()
+    )
+    assert freshness(other_args, stored, now=NOW).why == (
+        "changed since it was tuned: the arguments of train.py"
+    )
+    script.write_text("print('v2')\n")
+    edited = ScriptJob.read(script, "hf", ["--lr", "1"])
+    why = freshness(dataclasses.replace(FP, script=edited.to_dict()), stored, now=NOW).why
+    assert why == (
+        f"changed since it was tuned: the script train.py changed (sha256 {job.sha256[:8]} -> "
+        f"{edited.sha256[:8]})"
+    )
+    assert freshness(FP, stored, now=NOW).why == (
+        "changed since it was tuned: the job train.py -> autotune's stand-in"
+    )
 
 
 def _trials(db: Path) -> int:

@@ -399,3 +399,29 @@ def test_a_script_that_never_trains_or_hangs_never_hangs_the_tuner(here: Path) -
     result = one_probe(here, hang, "torchrun", [], timeout_s=15.0)
     assert result.outcome is Outcome.TIMEOUT
     assert "waiting for a lock" in result.message
+
+
+def test_a_nightly_job_tunes_a_script_workload_then_keeps_it(here: Path) -> None:
+    nightly = here / "nightly.yaml"
+    args = json.dumps(hf_args(here / "model", here / "out"))
+    nightly.write_text(
+        "workloads:\n"
+        f"  - model: {here / 'model'}\n"
+        f"    script: {EXAMPLES / 'train_hf.py'}\n"
+        "    framework: hf\n"
+        f"    args: {args}\n"
+        f"    seq_len: {SEQ}\n"
+        f"    global_batch: {GLOBAL_BATCH}\n"
+        "    device: cpu\n"
+        "    device_memory: 8MiB\n"
+        "    budget: 3m\n"
+    )
+    storage = ["--storage", f"sqlite:///{here}/at.db", "--trials-dir", str(here / "trials")]
+    first = json.loads(autotune("run", "--jobs", str(nightly), *storage, "--json").stdout)
+    (workload,) = first["workloads"]
+    assert workload["status"] == "tuned", workload
+    key = ScriptJob.read(EXAMPLES / "train_hf.py", "hf", json.loads(args)).key
+    assert key in workload["study"] and workload["best"] is not None
+    again = json.loads(autotune("run", "--jobs", str(nightly), *storage, "--json").stdout)
+    (kept,) = again["workloads"]
+    assert kept["status"] == "skipped" and "unchanged" in kept["why"], kept
