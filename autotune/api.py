@@ -773,7 +773,7 @@ def _check_something_fits(
 
 
 def tune(
-    model: str,
+    model: str | None,
     *,
     on_event: Callable[[Event], None] | None = None,
     **options: Any,
@@ -781,7 +781,8 @@ def tune(
     """Find the fastest configuration that fits: probe, escalate, record every trial.
 
     Args:
-        model: A preset name or a path to a Hugging Face config.json.
+        model: A preset name or a path to a Hugging Face config.json (None: read from a
+            Trainer script's ``--model_name_or_path``, with ``script``).
         on_event: Called at each step of the search (a live view, a log).
         **options: As :func:`prepare`: ``budget`` ("30m"), ``seq_len``, ``global_batch``
             (default 8 per GPU), ``gpus``, ``engines``, ``device`` ("auto", "cuda", "cpu" or
@@ -794,7 +795,10 @@ def tune(
             a warm process, True; False: each rank a fresh interpreter), ``nodes`` (nodes the
             probes span: default all of the Slurm allocation the run is in, else 1) and
             ``hosts`` (their names, ``"this-host,node2"``, reached by ``ssh``); ``gpus`` is
-            then the GPUs in all, split evenly over the nodes.
+            then the GPUs in all, split evenly over the nodes. ``script``, ``framework``
+            (``hf``, ``accelerate`` or ``torchrun``), ``script_args`` and ``batch_flag``: probe
+            the user's own training script instead of autotune's stand-in
+            (docs/jobs.md).
 
     Returns:
         Why the search stopped, the best measurement and every measurement of the study.

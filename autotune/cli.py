@@ -32,6 +32,7 @@ from autotune.config import (
     TrainConfig,
     parse_ac,
 )
+from autotune.script import Framework, ScriptJob
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.urls import masked
 from autotune.units import format_duration
@@ -518,12 +519,7 @@ def run(
     # With --json, stdout is the summary alone: the progress goes to stderr.
     shown = errors if json_output else console
     job = tuning.template.script
-    how = (
-        ""
-        if job is None
-        else f"; probes run {job.name} ({job.framework.value} adapter), each rank a fresh "
-        "interpreter"
-    )
+    how = "" if job is None else f"; probes run {job.name} ({_job_ranks(job, warm)})"
     shown.print(
         f"tuning {tuning.model.name} on {ranks_text(tuning.template)} x {tuning.gpu.name}"
         f"{' (simulated)' if simulated else ''}, seq {w.seq_len}, global batch "
@@ -568,6 +564,15 @@ def run(
     if summary.interrupted:
         raise typer.Exit(143 if summary.interrupted == "SIGTERM" else 130)
     raise typer.Exit(0 if summary.best and not summary.failure else 1)
+
+
+def _job_ranks(job: ScriptJob, warm: bool) -> str:
+    """How a job's ranks start, for the run's first line."""
+    if job.framework is Framework.ACCELERATE:
+        return "accelerate launch starts its ranks, each a fresh interpreter"
+    if warm:
+        return f"{job.framework.value} adapter, its ranks forked from warm workers"
+    return f"{job.framework.value} adapter, each rank a fresh interpreter"
 
 
 def _run_jobs(path: Path, *, max_age: str | None, json_output: bool, **defaults: Any) -> NoReturn:

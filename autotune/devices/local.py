@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from autotune.devices.base import Clock, SetupResult, SetupStep, WallClock
-from autotune.probe.forkserver import ForkServerError, WarmWorkers
+from autotune.probe.forkserver import ForkServer, ForkServerError, WarmWorkers
 from autotune.probe.launcher import Spawner, SubprocessSpawner, launch_probe
 from autotune.probe.lifetime import PARENT_ENV, descendants, kill_all
 from autotune.probe.nodes import Nodes
@@ -27,8 +27,14 @@ from autotune.probe.ops import (
 from autotune.probe.result import ProbeResult
 from autotune.probe.scriptprobe import launch_script_probe
 from autotune.probe.spec import ProbeSpec
+from autotune.script import Framework
 
 __all__ = ["LocalDevice"]
+
+
+def _own_launcher(spec: ProbeSpec) -> bool:
+    """Whether a framework's own launcher starts the probe's ranks (``accelerate launch``)."""
+    return spec.script is not None and spec.script.framework is Framework.ACCELERATE
 
 
 class LocalDevice:
@@ -96,8 +102,8 @@ class LocalDevice:
         if todo:
             label = f"building DeepSpeed ops: {', '.join(todo)}"
             steps.append(SetupStep(label=label, run=lambda: self._build(label, todo, env)))
-        # Agents start fresh interpreters, and so does a user's job (its script is __main__).
-        warm = self.warm if spec.nodes == 1 and spec.script is None else None
+        # Agents start fresh interpreters, and so does a framework's own launcher.
+        warm = self.warm if spec.nodes == 1 and not _own_launcher(spec) else None
         pending = warm.pending() if warm is not None else None
         if warm is not None and pending is not None:
             steps.append(SetupStep(label=pending, run=lambda: self._start_warm(warm, pending)))
@@ -166,7 +172,7 @@ class LocalDevice:
         on_poll: Callable[[float], None] | None = None,
     ) -> ProbeResult:
         if spec.script is not None:
-            return launch_script_probe(spec, probe_dir, on_poll=on_poll)
+            return self._launch_script(spec, probe_dir, on_poll)
         if spec.nodes > 1:
             return launch_probe(spec, probe_dir, nodes=self.nodes, on_poll=on_poll)
         if self.spawner is not None or self.warm is None:
@@ -179,6 +185,22 @@ class LocalDevice:
         with (probe_dir / "stderr.log").open("a") as log:
             log.write(note)
         return launch_probe(spec, probe_dir, spawner=SubprocessSpawner(), on_poll=on_poll)
+
+    def _launch_script(
+        self, spec: ProbeSpec, probe_dir: Path, on_poll: Callable[[float], None] | None
+    ) -> ProbeResult:
+        """A probe of the user's own script: its ranks forked from the warm workers where
+        they can be, else (and after a fork that failed) fresh interpreters."""
+        server = None
+        if self.warm is not None and not _own_launcher(spec):
+            spawner = self.warm.spawner
+            server = spawner if isinstance(spawner, ForkServer) else None
+        try:
+            return launch_script_probe(spec, probe_dir, on_poll=on_poll, warm=server)
+        except ForkServerError as error:
+            assert self.warm is not None
+            self.warm.give_up(str(error))
+        return launch_script_probe(spec, probe_dir, on_poll=on_poll)
 
     def close(self) -> None:
         """Stop the warm workers, if they run (the next :meth:`setup` starts them again)."""

@@ -165,9 +165,14 @@ def _exec_child(request: dict[str, Any], server_sock: socket.socket, server: int
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        from autotune.probe import worker
+        if request.get("script"):  # the user's own training script, as its own __main__
+            from autotune.probe import userjob
 
-        code = worker.main([request["probe_dir"]])
+            code = userjob.run_warm(Path(request["probe_dir"]), request["script"])
+        else:
+            from autotune.probe import worker
+
+            code = worker.main([request["probe_dir"]])
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else 1
     except BaseException:
@@ -370,9 +375,17 @@ class ForkServer:
         return reply.get("stale")
 
     def spawn(
-        self, probe_dir: Path, env: dict[str, str], stdout: Path, stderr: Path, process_group: int
+        self,
+        probe_dir: Path,
+        env: dict[str, str],
+        stdout: Path,
+        stderr: Path,
+        process_group: int,
+        *,
+        script: Sequence[str] = (),
     ) -> ForkedProcess:
-        """Fork one rank running the probe worker on ``probe_dir``."""
+        """Fork one rank running the probe worker on ``probe_dir``, or the user's training
+        ``script`` (its path and arguments) under the measurement layer."""
         request = {
             "probe_dir": str(probe_dir),
             "env": env,
@@ -380,6 +393,7 @@ class ForkServer:
             "stderr": str(stderr),
             "process_group": process_group,
             "cwd": os.getcwd(),
+            "script": list(script),
         }
         try:
             _send(self._sock, {"spawn": request})

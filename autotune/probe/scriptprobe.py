@@ -6,8 +6,10 @@ the framework's adapter's command (:func:`autotune.script.job_command`) in place
 worker, and the measurement layer on the ranks' ``PYTHONPATH``
 (:mod:`autotune.probe.userjob`). The sizes run in the order given; after any failure the
 larger ones are not tried (memory only grows with the micro-batch), so the probe's result reads
-as one of autotune's own worker. Ranks are fresh interpreters: a user's script runs from its
-own ``__main__``, not in a fork of a warm process.
+as one of autotune's own worker. Ranks fork from the warm worker process where autotune's
+launcher starts them (the script then runs as ``__main__`` of the fork, as ``python script.py``
+would run it), and are fresh interpreters under a framework's own launcher (``accelerate
+launch``) or without warm workers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import autotune
 from autotune.launch import Launch
 from autotune.models import resolve_model
+from autotune.probe.forkserver import ForkServer
 from autotune.probe.launcher import ProcessHandle, launch_probe
 from autotune.probe.lifetime import PARENT_ENV
 from autotune.probe.outcome import Outcome
@@ -120,10 +123,11 @@ class ScriptSpawner:
     node, which starts the node's ranks (each rank's exit is then the launcher's: a rank the
     kernel killed shows as the launcher's failure, not as SIGKILL)."""
 
-    kind = "fresh"
-
-    def __init__(self, command: JobCommand) -> None:
+    def __init__(self, command: JobCommand, warm: ForkServer | None = None) -> None:
         self.command = command
+        self.warm = None if command.launcher else warm
+        """The warm worker process ranks fork from (never under a framework's launcher)."""
+        self.kind = "fresh" if self.warm is None else "warm"
         self._leader: subprocess.Popen[bytes] | None = None
 
     def _argv(self, env: dict[str, str]) -> list[str]:
@@ -139,6 +143,11 @@ class ScriptSpawner:
     ) -> ProcessHandle:
         if self._leader is not None:
             return _Peer(self._leader)
+        if self.warm is not None:
+            ranks = measured_environment(probe_dir, {**env, **self.command.env})
+            return self.warm.spawn(
+                probe_dir, ranks, stdout, stderr, process_group, script=self.command.target
+            )
         argv = self._argv(env)
         if self.command.launcher:
             env = {k: v for k, v in env.items() if k not in _RANK_VARIABLES}
@@ -206,6 +215,7 @@ def _run_size(
     micro_batch_size: int,
     folder: Path,
     on_poll: Callable[[float], None] | None,
+    warm: ForkServer | None,
 ) -> ProbeResult:
     one = dataclasses.replace(
         spec, micro_batch_sizes=(micro_batch_size,), grad_accum=accumulation(spec, micro_batch_size)
@@ -216,7 +226,7 @@ def _run_size(
     folder.mkdir(parents=True, exist_ok=True)
     write_files(command, folder)
     run = placed(command, folder)
-    result = launch_probe(one, folder, spawner=ScriptSpawner(run), on_poll=on_poll)
+    result = launch_probe(one, folder, spawner=ScriptSpawner(run, warm), on_poll=on_poll)
     _write_command(folder, run, launch)
     if result.outcome not in (Outcome.OK, Outcome.OOM):
         tail = _log_tail(folder)
@@ -230,9 +240,16 @@ def launch_script_probe(
     probe_dir: Path,
     *,
     on_poll: Callable[[float], None] | None = None,
+    warm: ForkServer | None = None,
 ) -> ProbeResult:
     """Run the user's job at each of ``spec``'s sizes and merge the runs into one result
-    (``result.json`` in ``probe_dir``)."""
+    (``result.json`` in ``probe_dir``); ``warm``: fork the ranks from that warm worker
+    process, where the framework's own launcher does not start them.
+
+    Raises:
+        ForkServerError: The warm process could not fork a rank (the caller runs the probe
+            again with fresh interpreters).
+    """
     assert spec.script is not None
     job = spec.script
     probe_dir.mkdir(parents=True, exist_ok=True)
@@ -245,7 +262,7 @@ def launch_script_probe(
                 on_poll(before + elapsed)
 
         left = dataclasses.replace(spec, timeout_s=max(1.0, spec.timeout_s - spent))
-        result = _run_size(left, job, mbs, probe_dir / f"mb{mbs}", poll)
+        result = _run_size(left, job, mbs, probe_dir / f"mb{mbs}", poll, warm)
         runs.append(result)
         spent += result.wall_s
         if result.outcome is not Outcome.OK or result.tuner_fault:
@@ -263,7 +280,7 @@ def launch_script_probe(
         wall_s=spent,
         import_s=first.import_s,
         startup_s=first.startup_s,
-        spawn="fresh",
+        spawn=first.spawn,
         build_s=first.build_s,
         device=first.device,
         gpu_name=first.gpu_name,

@@ -31,6 +31,7 @@ import atexit
 import functools
 import json
 import os
+import runpy
 import statistics
 import sys
 import time
@@ -120,6 +121,11 @@ class Layer:
         else:
             tracker = LiveTensorBytes(spec.device_memory_bytes)
             tracker.__enter__()  # for the life of the process: the job's tensors are counted
+            # The threads the launcher gave this rank (a fork of the warm process has the
+            # warm process's thread pool, sized for the whole machine).
+            threads = os.environ.get("OMP_NUM_THREADS", "")
+            if threads.isdigit() and int(threads) > 0:
+                torch.set_num_threads(int(threads))
         self.meter = MemoryMeter(
             device=self.device, tracker=tracker, emulated_limit_bytes=spec.device_memory_bytes
         )
@@ -157,9 +163,10 @@ class Layer:
         atexit.register(self.ended)
 
     def _count_checkpoints(self) -> None:
-        """Count checkpointed blocks: ``torch.utils.checkpoint.checkpoint`` wrapped before the
-        job imports it (transformers, accelerate and torch's own checkpoint wrapper bind it at
-        import). A recompute in the backward does not call it again."""
+        """Count checkpointed blocks: ``torch.utils.checkpoint.checkpoint`` wrapped, and so
+        is every module's name for it already imported (transformers, accelerate and torch's
+        own checkpoint wrapper bind it at import; a warm process has imported them). A
+        recompute in the backward does not call it again."""
         import torch.utils.checkpoint as checkpointing
 
         original = checkpointing.checkpoint
@@ -171,6 +178,13 @@ class Layer:
             return original(function, *args, **kwargs)
 
         checkpointing.checkpoint = counted
+        for module in list(sys.modules.values()):
+            names = getattr(module, "__dict__", None)
+            if not isinstance(names, dict):
+                continue
+            for name, value in list(names.items()):
+                if value is original:
+                    setattr(module, name, counted)
 
     def _checkpoint_problem(self, step: _Step) -> str | None:
         """Whether the job checkpointed the blocks autotune asked for, or what it did."""
@@ -414,6 +428,35 @@ def _finite(value: float) -> bool:
 
 
 _layer: Layer | None = None
+
+
+def run_warm(probe_dir: Path, argv: list[str]) -> int:
+    """Run the job's script in this process, a fork of the warm worker process (which
+    imported torch and transformers once), with the layer on; its exit code. What Python does
+    for ``python script.py ARGS``: the script's folder first on ``sys.path``, the script as
+    ``__main__``."""
+    global _layer
+    spec = ProbeSpec.from_dict(json.loads((probe_dir / "config.json").read_text()))
+    _layer = Layer(probe_dir, spec)
+    _layer.install()
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        if isinstance(done.code, int) or done.code is None:
+            code = done.code or 0
+        else:
+            print(done.code, file=sys.stderr)
+            code = 1
+    except BaseException as error:
+        _layer.failed(error, traceback.format_exc())
+        traceback.print_exc()
+        code = 1
+    _layer.ended()
+    return code
 
 
 def install() -> Layer | None:
