@@ -65,7 +65,7 @@ from autotune.script import (
     job_command,
     shell_text,
 )
-from autotune.space import Workload
+from autotune.space import Workload, micro_batch_options
 from autotune.study.fingerprint import (
     DEFAULT_STORAGE,
     Fingerprint,
@@ -572,6 +572,11 @@ def prepare(
     from autotune.study.store import TrialStore
 
     store = TrialStore(fingerprint, storage=storage, headroom=share)
+    store.estimates = {
+        (row.config, size): (row.speeds.get(size), row.peak_at(size))
+        for row in rows
+        for size in micro_batch_options(workload)
+    }
     template = ProbeTemplate(
         model=model,
         seq_len=workload.seq_len,
@@ -1143,13 +1148,7 @@ def export(
             "trial with --trial N"
         )
     launch = _launch(found, measurement, _model_of(found.fingerprint.model, model))
-    script = found.fingerprint.script
-    if chosen is Format.COMMAND and script is not None:
-        job = ScriptJob.from_dict(script)
-        command = job_command(job, launch, cpu=found.fingerprint.device == "cpu")
-        text = shell_text(command, launch, launch.summary())
-    else:
-        text = render(launch, chosen)
+    text = _render(found, launch, chosen)
     return Export(
         study=found.study_name,
         measurement=measurement,
@@ -1157,6 +1156,17 @@ def export(
         format=chosen,
         text=text,
     )
+
+
+def _render(found: StudyResult, launch: Launch, fmt: Format) -> str:
+    """A study's configuration in ``fmt``; ``command``: the study's own script, run with it."""
+    script = found.fingerprint.script
+    if fmt is not Format.COMMAND or script is None:
+        return render(launch, fmt)
+    command = job_command(
+        ScriptJob.from_dict(script), launch, cpu=found.fingerprint.device == "cpu"
+    )
+    return shell_text(command, launch, launch.summary())
 
 
 def _one_study(
@@ -1248,7 +1258,7 @@ def write_report(
         launch = _launch(found, found.best, spec)
         for fmt in Format:
             try:
-                launches[fmt.value] = render(launch, fmt)
+                launches[fmt.value] = _render(found, launch, fmt)
             except ConfigError:
                 continue  # a format that cannot express this engine
     text = render_html(

@@ -8,7 +8,6 @@ size fits, 1 when none does.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -468,8 +467,9 @@ def run(
 ) -> None:
     """Find the fastest configuration that fits: probe, escalate, record every trial."""
     from autotune import api
-    from autotune.report.live import RunView, speed_text, stand_in_gap
+    from autotune.report.live import RunView, speed_text
     from autotune.report.tables import ranking_table, ranks_text
+    from autotune.study.measurement import prediction_gap
 
     _quiet_optuna()
     # The run's options, as a job file names them (a workload's own fields override them).
@@ -532,15 +532,15 @@ def run(
         budget_s=tuning.budget_s,
         simulated=simulated,
         objective=tuning.fingerprint.objective,
-        stand_in=None if job is None else tuning.rows,
+        job=job is not None,
     )
     with _sigterm_interrupts(), view:
         summary = tuning.run(view)
     gap = None
     if job is not None:
-        gap = stand_in_gap(tuning.rows, summary.measurements)
+        gap = prediction_gap(summary.measurements)
     if json_output:
-        extra = {} if gap is None else {"prediction_gap": dataclasses.asdict(gap)}
+        extra = {} if gap is None else {"prediction_gap": gap.to_dict()}
         _print_json({"study": tuning.fingerprint.study_name, **summary.to_dict(), **extra})
     else:
         if summary.best is not None:  # an empty table says nothing

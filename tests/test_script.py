@@ -29,6 +29,7 @@ from autotune.script import (
     write_files,
 )
 from autotune.study.fingerprint import Fingerprint
+from autotune.study.measurement import Measurement, prediction_gap
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -219,3 +220,35 @@ def test_framework_engines_cover_every_engine_of_torchrun() -> None:
     from autotune.script import FRAMEWORK_ENGINES
 
     assert set(FRAMEWORK_ENGINES[Framework.TORCHRUN]) == set(Engine)
+
+
+def _measured(outcome: str, tokens: float, peak: int, **attrs: object) -> Measurement:
+    return Measurement(
+        number=0,
+        config=TrainConfig(),
+        micro_batch_size=4,
+        state="COMPLETE",
+        outcome=outcome,
+        feasible=outcome == "ok",
+        value=tokens,
+        tokens_per_second=tokens,
+        peak_bytes=peak,
+        attrs=attrs,
+    )
+
+
+def test_the_gap_to_the_estimate_is_the_median_over_the_points_that_ran() -> None:
+    points = [
+        _measured("ok", 50.0, 120, estimate_tokens_per_second=100.0, estimate_peak_bytes=100),
+        _measured("ok", 80.0, 150, estimate_tokens_per_second=100.0, estimate_peak_bytes=100),
+        _measured("ok", 60.0, 110, estimate_tokens_per_second=100.0, estimate_peak_bytes=100),
+        _measured("oom", 0.0, 999, estimate_tokens_per_second=100.0, estimate_peak_bytes=100),
+        _measured("ok", 70.0, 100),  # a trial recorded without an estimate
+    ]
+    gap = prediction_gap(points)
+    assert gap is not None
+    assert (gap.speed_ratio, gap.memory_ratio, gap.points) == (0.6, 1.2, 3)
+    assert (
+        gap.text() == "tokens/s 0.60x and peak memory 1.20x the estimator's prediction (3 points)"
+    )
+    assert prediction_gap(points[3:]) is None

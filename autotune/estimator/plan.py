@@ -8,8 +8,7 @@ listed after, with how much they miss by at micro-batch 1.
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,58 +264,4 @@ def plan(
     return sorted(
         rows,
         key=lambda r: (not r.fits, not r.host_fits, -r.tokens_per_second, r.over_bytes),
-    )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PredictionGap:
-    """How far the estimator's own (uncalibrated) predictions were from what was measured:
-    the median measured / predicted ratio over the points that ran."""
-
-    speed_ratio: float | None
-    """Measured tokens/s over predicted (above 1: faster than predicted)."""
-    memory_ratio: float | None
-    """Measured peak bytes over predicted (above 1: more memory than predicted)."""
-    points: int
-
-    def text(self) -> str:
-        """``tokens/s 0.31x and peak memory 1.24x the estimator's prediction (3 points)``."""
-        parts = []
-        if self.speed_ratio is not None:
-            parts.append(f"tokens/s {self.speed_ratio:.2f}x")
-        if self.memory_ratio is not None:
-            parts.append(f"peak memory {self.memory_ratio:.2f}x")
-        plural = "" if self.points == 1 else "s"
-        return f"{' and '.join(parts)} the estimator's prediction ({self.points} point{plural})"
-
-
-def prediction_gap(
-    rows: Sequence[PlanRow], points: Iterable[tuple[TrainConfig, int, float | None, int | None]]
-) -> PredictionGap | None:
-    """The gap between ``rows``' predictions and measured ``points`` (configuration,
-    micro-batch, tokens/s, peak bytes), or None when no point has a prediction."""
-    by_config = {row.config: row for row in rows}
-    speeds: list[float] = []
-    memories: list[float] = []
-    count = 0
-    for config, mbs, tokens, peak in points:
-        row = by_config.get(config)
-        if row is None:
-            continue
-        counted = False
-        predicted_speed = row.speeds.get(mbs)
-        if tokens and predicted_speed:
-            speeds.append(tokens / predicted_speed)
-            counted = True
-        predicted_peak = row.peak_at(mbs)
-        if peak and predicted_peak > 0:
-            memories.append(peak / predicted_peak)
-            counted = True
-        count += counted
-    if not count:
-        return None
-    return PredictionGap(
-        speed_ratio=statistics.median(speeds) if speeds else None,
-        memory_ratio=statistics.median(memories) if memories else None,
-        points=count,
     )

@@ -27,8 +27,9 @@ from typing import Any
 
 from autotune.estimator.memory import CATEGORIES, estimate_memory
 from autotune.models import ModelSpec
+from autotune.script import ScriptJob
 from autotune.study.fingerprint import Fingerprint
-from autotune.study.measurement import Measurement, StudyResult, parse_time
+from autotune.study.measurement import Measurement, StudyResult, parse_time, prediction_gap
 from autotune.study.reader import sqlite_path
 from autotune.units import format_bytes, format_duration
 
@@ -417,6 +418,12 @@ def render_html(
         ("trials", str(study.trial_count)),
         ("software", ", ".join(f"{k} {v}" for k, v in sorted(fp.software.items()))),
     ]
+    if fp.script is not None:
+        job = ScriptJob.from_dict(fp.script)
+        meta.append(("job", f"{job.path} ({job.framework.value}) {' '.join(job.args)}"))
+        gap = prediction_gap(study.measurements)
+        if gap is not None:
+            meta.append(("your job", f"{gap.text()} for autotune's stand-in"))
     if budget_s is not None:
         meta.append(("budget", format_duration(budget_s)))
     meta_rows = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in meta)

@@ -10,7 +10,7 @@ the best so far (tokens/s and MFU), probes done, and the budget as a bar.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from types import TracebackType
 
 from rich.console import Console, Group, RenderableType
@@ -19,12 +19,10 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from autotune.devices.base import SetupResult
-from autotune.estimator.plan import PlanRow, PredictionGap, prediction_gap
-from autotune.probe.outcome import Outcome
 from autotune.probe.result import SizeResult
 from autotune.search.controller import Event
 from autotune.study.fingerprint import Objective
-from autotune.study.measurement import Measurement
+from autotune.study.measurement import Measurement, prediction_gap
 from autotune.units import format_duration
 
 __all__ = ["RunView", "outcome_text", "speed_text"]
@@ -71,19 +69,6 @@ def print_setup_done(console: Console, done: SetupResult) -> None:
     )
 
 
-def stand_in_gap(rows: Sequence[PlanRow], measured: Iterable[Measurement]) -> PredictionGap | None:
-    """How far a user's job ran from the estimator's prediction for autotune's stand-in, over
-    the points that ran."""
-    return prediction_gap(
-        rows,
-        [
-            (m.config, m.micro_batch_size, m.tokens_per_second, m.peak_bytes)
-            for m in measured
-            if m.outcome == Outcome.OK.value
-        ],
-    )
-
-
 class RunView:
     """Consumes the controller's events; a context manager around the run."""
 
@@ -95,12 +80,12 @@ class RunView:
         simulated: bool,
         objective: Objective = Objective.TOKENS,
         live: bool | None = None,
-        stand_in: Sequence[PlanRow] | None = None,
+        job: bool = False,
     ) -> None:
         self.console = console
-        self.stand_in = stand_in
-        """The estimator's rows, when the probes run the user's job: the view says how far
-        the job was from the stand-in's prediction after the first probe that measured."""
+        self.job = job
+        """The probes run the user's job: the view says how far the job was from the
+        stand-in's prediction after the first probe that measured."""
         self._gap_said = False
         self.budget_s = budget_s
         self.simulated = simulated
@@ -164,9 +149,9 @@ class RunView:
             self.console.print(event.message, style="dim", markup=False, highlight=False)
 
     def _say_gap(self, measured: list[Measurement]) -> None:
-        if self.stand_in is None or self._gap_said:
+        if not self.job or self._gap_said:
             return
-        gap = stand_in_gap(self.stand_in, measured)
+        gap = prediction_gap(measured)
         if gap is not None:
             self._gap_said = True
             self.console.print(

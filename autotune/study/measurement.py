@@ -12,6 +12,7 @@ import dataclasses
 import datetime as dt
 import functools
 import json
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -339,3 +340,60 @@ class StudyResult:
             best=best_point(measurements) if best else None,
             updated=updated,
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PredictionGap:
+    """How far measurements were from the estimator's own (uncalibrated) predictions, which
+    each trial records: the median measured / predicted over the points that ran."""
+
+    speed_ratio: float | None
+    """Measured tokens/s over predicted (above 1: faster than predicted)."""
+    memory_ratio: float | None
+    """Measured peak bytes over predicted (above 1: more memory than predicted)."""
+    points: int
+
+    def text(self) -> str:
+        """``tokens/s 0.31x and peak memory 1.24x the estimator's prediction (3 points)``."""
+        parts = []
+        if self.speed_ratio is not None:
+            parts.append(f"tokens/s {self.speed_ratio:.2f}x")
+        if self.memory_ratio is not None:
+            parts.append(f"peak memory {self.memory_ratio:.2f}x")
+        plural = "" if self.points == 1 else "s"
+        return f"{' and '.join(parts)} the estimator's prediction ({self.points} point{plural})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "speed_ratio": self.speed_ratio,
+            "memory_ratio": self.memory_ratio,
+            "points": self.points,
+        }
+
+
+def prediction_gap(measurements: Iterable[Measurement]) -> PredictionGap | None:
+    """The gap between the points that ran and the estimator's predictions recorded with
+    them (``estimate_tokens_per_second``, ``estimate_peak_bytes``), or None without any."""
+    speeds: list[float] = []
+    memories: list[float] = []
+    count = 0
+    for m in measurements:
+        if m.outcome != "ok":
+            continue
+        speed = m.attrs.get("estimate_tokens_per_second")
+        peak = m.attrs.get("estimate_peak_bytes")
+        counted = False
+        if m.tokens_per_second and isinstance(speed, int | float) and speed > 0:
+            speeds.append(m.tokens_per_second / speed)
+            counted = True
+        if m.peak_bytes and isinstance(peak, int | float) and peak > 0:
+            memories.append(m.peak_bytes / peak)
+            counted = True
+        count += counted
+    if not count:
+        return None
+    return PredictionGap(
+        speed_ratio=statistics.median(speeds) if speeds else None,
+        memory_ratio=statistics.median(memories) if memories else None,
+        points=count,
+    )

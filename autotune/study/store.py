@@ -35,7 +35,7 @@ import random
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -285,6 +285,11 @@ class TrialStore:
             url = storage if isinstance(storage, str) else "the trial storage"
             raise cannot_open(url, RuntimeError(storage_problem(error))) from None
         self.retry_window_s = RETRY_WINDOW_S
+        self.estimates: Mapping[tuple[TrainConfig, int], tuple[float | None, float | None]] = {}
+        """The estimator's own (uncalibrated) tokens/s and peak bytes per configuration and
+        micro-batch, recorded with each trial (``estimate_tokens_per_second``,
+        ``estimate_peak_bytes``): how far a measurement was from the prediction, readable
+        from the study alone (a user's job against the stand-in's prediction)."""
         """How long a lost database server is retried before a call gives up (0: never)."""
         self._server = self.storage.engine.dialect.name != "sqlite"
         self._file = _file_id(self.storage.engine.url.database) if not self._server else None
@@ -370,7 +375,11 @@ class TrialStore:
             state=TrialState.RUNNING,
             params=params,
             distributions=distributions,
-            user_attrs={**_owner(), **({"repeat": repeat} if repeat else {})},
+            user_attrs={
+                **_owner(),
+                **({"repeat": repeat} if repeat else {}),
+                **_estimate_attrs(self.estimates.get((config, micro_batch_size))),
+            },
         )
         trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
         self.storage.record_heartbeat(trial_id)
@@ -615,6 +624,13 @@ class TrialStore:
         if measurements is None:
             measurements = self.measurements((TrialState.COMPLETE,))
         return best_point(measurements)
+
+
+def _estimate_attrs(estimate: tuple[float | None, float | None] | None) -> dict[str, Any]:
+    if estimate is None:
+        return {}
+    speed, peak = estimate
+    return {"estimate_tokens_per_second": speed, "estimate_peak_bytes": peak}
 
 
 def _owner() -> dict[str, Any]:

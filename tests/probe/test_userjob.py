@@ -265,6 +265,10 @@ def check_tuned_and_exported(tmp_path: Path, case: Case) -> None:
         for t in trials
         if t["config"] == best["config"] and t["micro_batch_size"] == best["micro_batch_size"]
     )
+    report = tmp_path / "report.html"
+    autotune("report", "--model", str(case.model), "--storage", storage, "-o", str(report))
+    html = report.read_text()
+    assert "your job</td>" in html and "autotune export --format command" in html
     ran = run_export(exported["text"], case, best, tmp_path / "export")
     peak = max(e["peak_reserved_bytes"] for e in ran["sizes"])
     again = probe_again(ran["spec"], tmp_path / "again")
