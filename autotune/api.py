@@ -960,7 +960,7 @@ def trials(
 
 
 def probe(
-    model: str,
+    model: str | None,
     config: TrainConfig | None = None,
     *,
     micro_batch_sizes: Iterable[int] = (1,),
@@ -979,6 +979,10 @@ def probe(
     nodes: int | None = None,
     hosts: str | Sequence[str] | None = None,
     host_memory: str | int | None = None,
+    script: str | Path | None = None,
+    framework: str | None = None,
+    script_args: Sequence[str] = (),
+    batch_flag: str | None = None,
 ) -> ProbeResult:
     """Run a few real training steps of one configuration at each micro-batch size.
 
@@ -1004,10 +1008,20 @@ def probe(
         host_memory: Host memory of a node for the job (``"125GiB"``); default: what this
             node gives it. A probe predicted to need more is refused before it starts (the
             kernel's OOM killer would end it as ``host_oom``, minutes later).
+        script, framework, script_args, batch_flag: Probe the user's own training script
+            (as :func:`tune` does), each size a run of its own.
 
     Raises:
         NothingFits: The probe is predicted to need more host memory than the node has.
     """
+    job = _script_job(script, framework, script_args, batch_flag, simulate=None, device=device)
+    if job is not None:
+        model = model or _script_model(job)
+        check_engines(job, [(config or TrainConfig()).engine])
+        if (nodes or 1) > 1 or hosts:
+            raise ConfigError("--script runs on one node: leave out --nodes and --hosts")
+    if model is None:
+        raise ConfigError("give --model: a preset name or the path of a config.json")
     shape = resolve_model(model)  # fails fast on an unknown name
     seq_len = _seq_len(shape, seq_len)
     config = config or TrainConfig()
@@ -1052,6 +1066,7 @@ def probe(
         warmup_steps=warmup_steps,
         timed_steps=timed_steps,
         timeout_s=_seconds(timeout, "the probe timeout"),
+        script=job,
     )
     if isinstance(chosen, LocalDevice):
         _check_probe_host(shape, spec, _bytes(host_memory, "--host-memory"))

@@ -122,6 +122,37 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 
 # Options several commands share.
 ModelOption = Annotated[str, typer.Option(help="Preset name or path to a config.json.")]
+ScriptOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Your own training script: each probe runs it with the configuration applied "
+        "(its own arguments after --).",
+        show_default=False,
+    ),
+]
+FrameworkOption = Annotated[
+    str | None,
+    typer.Option(
+        help="What the script is written for: hf (a Trainer script: its flags are rewritten), "
+        "accelerate (accelerate launch with a generated config) or torchrun (it reads "
+        "autotune.job_config()).",
+        show_default=False,
+    ),
+]
+BatchFlagOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The script's own flag for the per-GPU micro-batch, e.g. --batch-size "
+        "(accelerate and torchrun scripts that do not read autotune.job_config()).",
+        show_default=False,
+    ),
+]
+ScriptArgs = Annotated[
+    list[str] | None,
+    typer.Argument(
+        metavar="[-- SCRIPT_ARGS...]", help="The script's own arguments.", show_default=False
+    ),
+]
 StorageOption = Annotated[
     str,
     typer.Option(
@@ -208,7 +239,10 @@ def _print_json(data: object) -> None:
 
 @command()
 def probe(
-    model: ModelOption = "tiny",
+    model: Annotated[
+        str | None,
+        typer.Option(help="Preset name or path to a config.json (default: tiny)."),
+    ] = None,
     engine: Annotated[Engine, typer.Option(help="Training engine.")] = Engine.SINGLE,
     zero_stage: Annotated[int, typer.Option(help="ZeRO stage (fsdp: 2 or 3).")] = 0,
     precision: Annotated[Precision, typer.Option()] = Precision.BF16_MIXED,
@@ -237,9 +271,15 @@ def probe(
             "gives it); a probe predicted to need more is refused before it starts."
         ),
     ] = None,
+    script: ScriptOption = None,
+    framework: FrameworkOption = None,
+    batch_flag: BatchFlagOption = None,
+    script_args: ScriptArgs = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print result.json.")] = False,
 ) -> None:
-    """Run a few real training steps of one configuration and report OOM or throughput."""
+    """Run a few real training steps of one configuration and report OOM or throughput.
+
+    With --script, the steps are your own training script's."""
     from autotune import api
     from autotune.devices.base import SetupResult, SetupStep
     from autotune.report.live import print_setup_done
@@ -276,10 +316,21 @@ def probe(
         print_setup_done(shown, done)
         return done
 
+    job: dict[str, Any] = {}
+    if script is not None or framework is not None or script_args or batch_flag is not None:
+        job = {
+            "script": script,
+            "framework": framework,
+            "script_args": script_args or (),
+            "batch_flag": batch_flag,
+        }
+    elif model is None:
+        model = "tiny"
     with running:
         result = api.probe(
             model,
             config,
+            **job,
             micro_batch_sizes=sizes,
             seq_len=seq_len,
             grad_accum=grad_accum,
@@ -432,37 +483,10 @@ def run(
             "result stands while nothing changed)."
         ),
     ] = None,
-    script: Annotated[
-        Path | None,
-        typer.Option(
-            help="Tune your own training script: each probe runs it with the configuration "
-            "applied (its own arguments after --).",
-            show_default=False,
-        ),
-    ] = None,
-    framework: Annotated[
-        str | None,
-        typer.Option(
-            help="What the script is written for: hf (a Trainer script: its flags are "
-            "rewritten), accelerate (accelerate launch with a generated config) or torchrun "
-            "(it reads autotune.job_config()).",
-            show_default=False,
-        ),
-    ] = None,
-    batch_flag: Annotated[
-        str | None,
-        typer.Option(
-            help="The script's own flag for the per-GPU micro-batch, e.g. --batch-size "
-            "(accelerate and torchrun scripts that do not read autotune.job_config()).",
-            show_default=False,
-        ),
-    ] = None,
-    script_args: Annotated[
-        list[str] | None,
-        typer.Argument(
-            metavar="[-- SCRIPT_ARGS...]", help="The script's own arguments.", show_default=False
-        ),
-    ] = None,
+    script: ScriptOption = None,
+    framework: FrameworkOption = None,
+    batch_flag: BatchFlagOption = None,
+    script_args: ScriptArgs = None,
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable summary.")] = False,
 ) -> None:
     """Find the fastest configuration that fits: probe, escalate, record every trial."""

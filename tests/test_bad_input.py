@@ -155,6 +155,26 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         "--batch-flag 'bs' is not a flag",
     ),
     (("run", *CPU, "--batch-flag", "--bs"), "--batch-flag without --script"),
+    (("probe", "--device", "cpu", "--framework", "hf"), "--framework without --script"),
+    (
+        ("probe", "--device", "cpu", "--script", "train.py", "--framework", "hf"),
+        "give --model with --script",
+    ),
+    (
+        (
+            "probe",
+            *CPU,
+            "--script",
+            "train.py",
+            "--framework",
+            "hf",
+            "--engine",
+            "fsdp",
+            "--zero-stage",
+            "3",
+        ),
+        "--framework hf cannot run engine fsdp",
+    ),
 ]
 
 

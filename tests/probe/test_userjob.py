@@ -452,3 +452,31 @@ def test_a_nightly_job_tunes_a_script_workload_then_keeps_it(here: Path) -> None
     again = json.loads(autotune("run", "--jobs", str(nightly), *storage, "--json").stdout)
     (kept,) = again["workloads"]
     assert kept["status"] == "skipped" and "unchanged" in kept["why"], kept
+
+
+def test_autotune_probe_runs_the_script_at_the_sizes_asked(here: Path) -> None:
+    done = autotune(
+        "probe",
+        "--script",
+        str(EXAMPLES / "train_hf.py"),
+        "--framework",
+        "hf",
+        "--device",
+        "cpu",
+        "--micro-batch",
+        "2,4",
+        "--seq-len",
+        str(SEQ),
+        "--ac",
+        "every",
+        "--trials-dir",
+        str(here / "trials"),
+        "--json",
+        "--",
+        *hf_args(here / "model", here / "out"),
+    )
+    result = json.loads(done.stdout)
+    assert result["outcome"] == "ok", result["message"]
+    assert [s["micro_batch_size"] for s in result["sizes"]] == [2, 4]
+    assert all(s["checkpointed_blocks"] == 2 for s in result["sizes"])  # tiny's 2 blocks
+    assert result["spec"]["script"]["framework"] == "hf"
