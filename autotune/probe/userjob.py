@@ -225,13 +225,16 @@ class Layer:
         self._micro_step(tuple(ids.shape))
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
-        """A module returned a loss (a Hugging Face model's output): the forward is done.
-        (Module nesting is no guide: a checkpoint's recompute may stop inside a module.)"""
+        """A module returned a loss (a Hugging Face model's output, or a one-element tensor
+        that needs gradients): the forward is done. (Module nesting is no guide: a
+        checkpoint's recompute may stop inside a module.)"""
         if self.stage is not Stage.FORWARD or self.current is None:
             return
         loss = getattr(output, "loss", None)
         if loss is None and isinstance(output, dict):
             loss = output.get("loss")
+        if loss is None and isinstance(output, self.torch.Tensor) and output.requires_grad:
+            loss = output  # a loss module's output (nn.CrossEntropyLoss), or a model's own
         if isinstance(loss, self.torch.Tensor) and loss.numel() == 1:
             self.stage = Stage.BACKWARD
             self.current.losses.append(float(loss.detach().float().item()))

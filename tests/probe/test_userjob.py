@@ -480,3 +480,33 @@ def test_autotune_probe_runs_the_script_at_the_sizes_asked(here: Path) -> None:
     assert [s["micro_batch_size"] for s in result["sizes"]] == [2, 4]
     assert all(s["checkpointed_blocks"] == 2 for s in result["sizes"])  # tiny's 2 blocks
     assert result["spec"]["script"]["framework"] == "hf"
+
+
+CUSTOM = """
+import torch
+import autotune
+
+job = autotune.job_config()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Embedding(256, 32), torch.nn.Linear(32, 256))
+loss_fn = torch.nn.CrossEntropyLoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(job.max_steps):
+    for _ in range(job.grad_accum):
+        ids = torch.randint(0, 256, (job.micro_batch_size, job.seq_len))
+        loss = loss_fn(model(ids).flatten(0, 1), ids.flatten()) / job.grad_accum
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_a_model_of_the_users_own_is_measured_at_its_accumulation(here: Path) -> None:
+    script = here / "custom.py"
+    script.write_text(CUSTOM)
+    result = one_probe(here, script, "torchrun", [], sizes=(2, 4), grad_accum=2)
+    assert result.outcome is Outcome.OK, result.message
+    for size in result.sizes:
+        assert size.extra["optimizers"] == ["SGD"]
+        assert size.extra["tokens_counted"] is True
+        assert len(size.losses) == 3 and all(loss > 0 for loss in size.losses)
