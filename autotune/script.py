@@ -244,7 +244,7 @@ class JobConfig:
         return {**extra, **data}
 
 
-def _job_config(launch: Launch, max_steps: int | None) -> JobConfig:
+def _job_config(launch: Launch, max_steps: int | None, cpu: bool = False) -> JobConfig:
     config = launch.config
     ds = None
     if config.engine is Engine.DEEPSPEED:
@@ -254,6 +254,7 @@ def _job_config(launch: Launch, max_steps: int | None) -> JobConfig:
             grad_accum=launch.grad_accum,
             world_size=launch.world_size,
             hidden_size=launch.hidden_size,
+            cpu=cpu,
         )
     return JobConfig(
         micro_batch_size=launch.micro_batch_size,
@@ -393,7 +394,10 @@ def _hf_command(job: ScriptJob, launch: Launch, max_steps: int | None, cpu: bool
     files: dict[str, str] = {}
     notes = []
     if "deepspeed" in fields:
-        files["ds_config.json"] = json.dumps(fields.pop("deepspeed"), indent=2) + "\n"
+        ds = fields.pop("deepspeed")
+        if cpu:  # torch's AdamW on the CPU, as the stand-in's CPU probes: no Adam op to build
+            ds["optimizer"]["params"]["torch_adam"] = True
+        files["ds_config.json"] = json.dumps(ds, indent=2) + "\n"
         fields["deepspeed"] = "ds_config.json"
     if not launch.config.ac_every:
         # The user's own checkpointing flag is replaced: off must be said, not left out.
@@ -435,8 +439,10 @@ def _without(args: Sequence[str], flag: str) -> list[str]:
     return kept
 
 
-def _torchrun_command(job: ScriptJob, launch: Launch, max_steps: int | None) -> JobCommand:
-    config = _job_config(launch, max_steps)
+def _torchrun_command(
+    job: ScriptJob, launch: Launch, max_steps: int | None, cpu: bool
+) -> JobCommand:
+    config = _job_config(launch, max_steps, cpu)
     how = (
         f"the script takes its micro-batch from {job.batch_flag}, the rest of the "
         "configuration from autotune.job_config()"
@@ -454,8 +460,10 @@ def _torchrun_command(job: ScriptJob, launch: Launch, max_steps: int | None) -> 
 ACCELERATE_CONFIG_FILE = "accelerate.yaml"
 
 
-def _accelerate_command(job: ScriptJob, launch: Launch, max_steps: int | None) -> JobCommand:
-    config = _job_config(launch, max_steps)
+def _accelerate_command(
+    job: ScriptJob, launch: Launch, max_steps: int | None, cpu: bool
+) -> JobCommand:
+    config = _job_config(launch, max_steps, cpu)
     return JobCommand(
         target=(job.path, *_script_args(job, launch)),
         # Accelerator() reads its accumulation here unless the script passes its own.
@@ -489,8 +497,8 @@ def job_command(
     if job.framework is Framework.HF:
         return _hf_command(job, launch, max_steps, cpu)
     if job.framework is Framework.ACCELERATE:
-        return _accelerate_command(job, launch, max_steps)
-    return _torchrun_command(job, launch, max_steps)
+        return _accelerate_command(job, launch, max_steps, cpu)
+    return _torchrun_command(job, launch, max_steps, cpu)
 
 
 def placed(command: JobCommand, folder: Path) -> JobCommand:

@@ -17,7 +17,8 @@ recorded.
   ``accelerate launch`` on a CPU starts several ranks unjoined).
 - DeepSpeed through the Trainer over 2 ranks: tuned and exported the same way (beside other
   tests, so its tokens/s ratio is printed, not checked; no first probe of it sweeps a size
-  that runs out, so its cap is a fixed one), and a probe whose optimizer is DeepSpeed's.
+  that runs out, so its cap is a fixed one), and a probe that runs DeepSpeed's engine from
+  the adapter's JSON.
 - Bad jobs: a crash at import, a script that ignores the batch flags, one that never trains,
   one that hangs: each an error or timeout with the job's last lines, never a hang.
 """
@@ -38,6 +39,7 @@ import pytest
 
 from autotune.api import prepare
 from autotune.config import Engine, TrainConfig
+from autotune.devices import LocalDevice
 from autotune.models import resolve_model
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.metrics import throughput
@@ -367,6 +369,8 @@ def one_probe(tmp_path: Path, script: Path, framework: str, args: list[str], **f
         timeout_s=fields.pop("timeout_s", 300.0),
         **fields,
     )
+    for step in LocalDevice("cpu", warm=False).setup(spec):
+        step.run()  # DeepSpeed's ops built first, as the tuner does (under the build lock)
     return launch_script_probe(spec, tmp_path / "probe", warm=warm)
 
 
@@ -397,10 +401,14 @@ def test_deepspeed_through_the_trainer_is_the_jobs_engine(
     )
     assert result.outcome is Outcome.OK, result.message
     (size,) = result.sizes
-    assert size.extra["optimizers"] == ["FusedAdam"]  # DeepSpeed's, built from the JSON
+    # DeepSpeed's engine around torch's AdamW (the JSON's torch_adam on the CPU, as the
+    # stand-in's CPU probes: no Adam op to build), not the Trainer's own optimizer.
+    assert size.extra["optimizers"] == ["AdamW"]
+    assert "DeepSpeed" in (here / "probe" / "mb2" / "stdout.log").read_text()
     assert size.extra["tokens_counted"] is True
     written = json.loads((here / "probe" / "mb2" / "ds_config.json").read_text())
     assert written["zero_optimization"]["stage"] == 2
+    assert written["optimizer"]["params"]["torch_adam"] is True
     assert "--deepspeed" in (here / "probe" / "mb2" / "cmd.txt").read_text()
 
 
