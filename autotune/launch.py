@@ -26,6 +26,7 @@ __all__ = [
     "Launch",
     "checkpointing_field",
     "deepspeed_config",
+    "deepspeed_for",
     "hf_fields",
     "render",
     "torchrun_args",
@@ -212,19 +213,21 @@ def _json(data: Any) -> str:
 
 def _deepspeed_json(launch: Launch) -> str:
     _needs(launch, Engine.DEEPSPEED, Format.DEEPSPEED)
-    data = _deepspeed_for(launch)
+    data = deepspeed_for(launch)
     if launch.simulated:  # DeepSpeed reads the keys it knows and passes others by
         data = {"autotune": f"{launch.summary()}", **data}
     return _json(data)
 
 
-def _deepspeed_for(launch: Launch) -> dict[str, Any]:
+def deepspeed_for(launch: Launch, *, cpu: bool = False) -> dict[str, Any]:
+    """:func:`deepspeed_config` of a launch (``cpu``: as the CPU probes run it)."""
     return deepspeed_config(
         launch.config,
         micro_batch_size=launch.micro_batch_size,
         grad_accum=launch.grad_accum,
         world_size=launch.world_size,
         hidden_size=launch.hidden_size,
+        cpu=cpu,
     )
 
 
@@ -349,8 +352,9 @@ def checkpointing_field(transformers: str | None) -> str:
     return "activation_checkpointing" if new else "gradient_checkpointing"
 
 
-def hf_fields(launch: Launch) -> dict[str, Any]:
-    """The keyword arguments of ``transformers.TrainingArguments`` for ``launch``."""
+def hf_fields(launch: Launch, *, cpu: bool = False) -> dict[str, Any]:
+    """The keyword arguments of ``transformers.TrainingArguments`` for ``launch`` (``cpu``:
+    as a CPU probe runs it, DeepSpeed with torch's AdamW)."""
     config = launch.config
     fields: dict[str, Any] = {
         "per_device_train_batch_size": launch.micro_batch_size,
@@ -369,10 +373,12 @@ def hf_fields(launch: Launch) -> dict[str, Any]:
         fields[name] = True
         fields[f"{name}_kwargs"] = kwargs
     if config.engine is Engine.DEEPSPEED:
-        ds = copy.deepcopy(_deepspeed_for(launch))
+        ds = copy.deepcopy(deepspeed_for(launch, cpu=cpu))
         # The Trainer fills "auto" from its own arguments (learning_rate, adam_beta*,
         # weight_decay), where a fixed value would have to match them.
-        ds["optimizer"]["params"] = {"lr": "auto", "betas": "auto", "weight_decay": "auto"}
+        params = ds["optimizer"]["params"]
+        auto = {"lr": "auto", "betas": "auto", "weight_decay": "auto"}
+        ds["optimizer"]["params"] = {**auto, **{k: v for k, v in params.items() if k not in auto}}
         fields["deepspeed"] = ds
     elif config.engine is Engine.FSDP:
         fields["fsdp"] = True

@@ -29,7 +29,7 @@ from autotune.launch import (
     Format,
     Launch,
     checkpointing_field,
-    deepspeed_config,
+    deepspeed_for,
     hf_fields,
     render,
 )
@@ -161,13 +161,6 @@ class ScriptJob:
         identity = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         return f"{self.name}@{self.framework.value}:{identity[:8]}"
 
-    def changed(self) -> bool:
-        """Whether the script on disk is no longer the one hashed."""
-        try:
-            return _sha256(Path(self.path)) != self.sha256
-        except OSError:
-            return True
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "framework": self.framework.value,
@@ -246,16 +239,7 @@ class JobConfig:
 
 def _job_config(launch: Launch, max_steps: int | None, cpu: bool = False) -> JobConfig:
     config = launch.config
-    ds = None
-    if config.engine is Engine.DEEPSPEED:
-        ds = deepspeed_config(
-            config,
-            micro_batch_size=launch.micro_batch_size,
-            grad_accum=launch.grad_accum,
-            world_size=launch.world_size,
-            hidden_size=launch.hidden_size,
-            cpu=cpu,
-        )
+    ds = deepspeed_for(launch, cpu=cpu) if config.engine is Engine.DEEPSPEED else None
     return JobConfig(
         micro_batch_size=launch.micro_batch_size,
         grad_accum=launch.grad_accum,
@@ -388,16 +372,14 @@ def rewrite_flags(
 
 
 def _hf_command(job: ScriptJob, launch: Launch, max_steps: int | None, cpu: bool) -> JobCommand:
-    fields = dict(hf_fields(launch))
+    # On the CPU, DeepSpeed with torch's AdamW as the stand-in's CPU probes: no op to build.
+    fields = dict(hf_fields(launch, cpu=cpu))
     if cpu:
         fields["use_cpu"] = True
     files: dict[str, str] = {}
     notes = []
     if "deepspeed" in fields:
-        ds = fields.pop("deepspeed")
-        if cpu:  # torch's AdamW on the CPU, as the stand-in's CPU probes: no Adam op to build
-            ds["optimizer"]["params"]["torch_adam"] = True
-        files["ds_config.json"] = json.dumps(ds, indent=2) + "\n"
+        files["ds_config.json"] = json.dumps(fields.pop("deepspeed"), indent=2) + "\n"
         fields["deepspeed"] = "ds_config.json"
     if not launch.config.ac_every:
         # The user's own checkpointing flag is replaced: off must be said, not left out.

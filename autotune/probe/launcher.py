@@ -598,12 +598,18 @@ def launch_probe(
                 spec, probe_dir, across, launches, running, reports, stderr_tail
             )
     if not gone:
-        try:
-            result.write()
-        except OSError as error:
-            note = f"result.json could not be written ({error.strerror or error})"
-            result.message = f"{result.message}; {note}" if result.message else note
-            result.tuner_fault = result.tuner_fault or folder_fault(
-                probe_dir, error.strerror or str(error)
-            )
+        write_result(result)
     return result
+
+
+def write_result(result: ProbeResult) -> None:
+    """Write ``result.json``; one that cannot be written is said in the result's message and
+    is the tuner's fault (the probe's folder), not the configuration's."""
+    try:
+        result.write()
+    except OSError as error:
+        note = f"result.json could not be written ({error.strerror or error})"
+        result.message = f"{result.message}; {note}" if result.message else note
+        result.tuner_fault = result.tuner_fault or folder_fault(
+            result.probe_dir, error.strerror or str(error)
+        )

@@ -27,7 +27,7 @@ import autotune
 from autotune.launch import Launch
 from autotune.models import resolve_model
 from autotune.probe.forkserver import ForkServer
-from autotune.probe.launcher import ProcessHandle, launch_probe
+from autotune.probe.launcher import ProcessHandle, launch_probe, write_result
 from autotune.probe.lifetime import PARENT_ENV
 from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult
@@ -289,8 +289,5 @@ def launch_script_probe(
         exits=last.exits,
         tuner_fault=last.tuner_fault,
     )
-    try:
-        merged.write()
-    except OSError as error:
-        merged.tuner_fault = merged.tuner_fault or f"result.json could not be written ({error})"
+    write_result(merged)
     return merged

@@ -136,9 +136,9 @@ class Layer:
         self.current: _Step | None = None
         self.done = False
         self.optimizers: set[str] = set()
+        """The optimizer classes whose steps were seen (the job's engine shows in them)."""
         self.joined: int | None = None
         """The size of the process group this rank trained in (at its first step)."""
-        """The optimizer classes whose steps were seen (the job's engine shows in them)."""
         self.began = time.time()
         self.report.update(device=str(self.device), startup_s=self.began - spawned)
 
