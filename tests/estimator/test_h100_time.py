@@ -111,7 +111,20 @@ def test_family_within_tolerance_at_every_ok_size(family: str) -> None:
     )
 
 
-@pytest.mark.parametrize("model", sorted({row.model for row in ROWS}))
+RANKED = sorted(
+    model
+    for model in {row.model for row in ROWS}
+    if len({row.config for row in ROWS if row.model == model}) >= 2
+)
+"""Models with at least two measured configurations: a ranking of one compares it with itself
+(llama-7b ran one configuration to completion on the node, so it has no ranking to check)."""
+
+
+def test_rankings_have_configurations_to_order() -> None:
+    assert RANKED == ["qwen2.5-1.5b"]
+
+
+@pytest.mark.parametrize("model", RANKED)
 def test_ranking_of_configurations_matches(model: str) -> None:
     """Configurations ordered by their best ok size, measured and predicted alike."""
     measured: dict[TrainConfig, float] = {}

@@ -15,7 +15,10 @@ size up, failed, interrupted, running on another worker, re-measured), the next 
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
+import random
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,9 +27,11 @@ from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow, plan
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
-from autotune.search.ladder import propose
+from autotune.search.ladder import Proposal, propose
 from autotune.space import Workload, micro_batch_options
 from autotune.study.measurement import Measurement
+
+T = TypeVar("T")
 
 WORKLOADS = (
     ("llama-7b", "h100-80gb", 8, 2048, 64),
@@ -42,21 +47,62 @@ def _space(index: int) -> tuple[list[PlanRow], list[int]]:
     return plan(resolve_model(model), gpu_spec(gpu), workload), micro_batch_options(workload)
 
 
-@st.composite
-def studies(draw: st.DrawFn) -> tuple[int, list[Measurement]]:
-    """A workload and a study of it: each drawn configuration measured ok at some sizes below
-    its first out-of-memory size (if any), and some trials failed, interrupted or running."""
-    index = draw(st.integers(0, len(WORKLOADS) - 1))
+class Draw(Protocol):
+    """Where a study's choices come from: hypothesis (the property test) or a seeded
+    ``random.Random`` (the test that the property test reaches every branch)."""
+
+    def integer(self, low: int, high: int) -> int: ...
+    def real(self, low: float, high: float) -> float: ...
+    def pick(self, options: Sequence[T]) -> T: ...
+
+
+class _Hypothesis:
+    def __init__(self, draw: st.DrawFn) -> None:
+        self.draw = draw
+
+    def integer(self, low: int, high: int) -> int:
+        return self.draw(st.integers(low, high))
+
+    def real(self, low: float, high: float) -> float:
+        return self.draw(st.floats(low, high))
+
+    def pick(self, options: Sequence[T]) -> T:
+        return self.draw(st.sampled_from(options))
+
+
+class _Seeded:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def integer(self, low: int, high: int) -> int:
+        return self.rng.randint(low, high)
+
+    def real(self, low: float, high: float) -> float:
+        return self.rng.uniform(low, high)
+
+    def pick(self, options: Sequence[T]) -> T:
+        return self.rng.choice(list(options))
+
+
+def build_study(draw: Draw) -> tuple[int, list[Measurement]]:
+    """A workload and a study of it, of one of two kinds:
+
+    - open: some configurations measured at some sizes below their first out-of-memory size
+      (if any), each measured/predicted ratio drawn in 0.6-1.4 (so the bound keeps some
+      configurations open), some trials failed, interrupted or running elsewhere;
+    - finished: every configuration measured up to its limit at speeds drawn close together
+      (so only near-ties are left), at most one point re-measured so far.
+    """
+    index = draw.integer(0, len(WORKLOADS) - 1)
     rows, sizes = _space(index)
-    # Up to every configuration, so that some studies are finished and only near-ties (the
-    # measured speeds are drawn close together) are left to re-measure.
-    finished = draw(st.booleans())  # every configuration measured up to its limit
-    chosen = (
-        list(range(len(rows)))
-        if finished
-        else draw(st.lists(st.integers(0, len(rows) - 1), max_size=len(rows), unique=True))
-    )
-    low = draw(st.floats(1e3, 1e5))
+    finished = draw.pick([False, True])
+    if finished:
+        chosen = list(range(len(rows)))
+    else:
+        count = draw.integer(0, len(rows))
+        chosen = sorted({draw.integer(0, len(rows) - 1) for _ in range(count)})
+    low = draw.real(1e3, 1e5)
+    repeated = draw.integer(0, 3)  # finished studies: how many points were re-measured
     measurements: list[Measurement] = []
 
     def add(config: TrainConfig, mbs: int, state: str, outcome: str | None, **kw: object) -> None:
@@ -69,30 +115,57 @@ def studies(draw: st.DrawFn) -> tuple[int, list[Measurement]]:
 
     for row in (rows[i] for i in chosen):
         config = row.config
-        oom_at = draw(st.sampled_from([None, *range(len(sizes))]))
+        oom_at = draw.pick([None, *range(len(sizes))])
         below = sizes if oom_at is None else sizes[:oom_at]
-        every = finished or draw(st.booleans())  # each size below the OOM measured
-        measured = (
-            below if every or not below else draw(st.lists(st.sampled_from(below), unique=True))
-        )
+        measured = list(below)
+        if not finished and below and draw.pick([False, True]):
+            measured = sorted({draw.pick(below) for _ in range(draw.integer(0, len(below)))})
+        ratio = draw.real(0.6, 1.4)
         for mbs in measured:
-            value = draw(st.floats(low, low * 1.05))
-            peak = int(row.peak_at(mbs) * draw(st.floats(0.7, 1.0)))
-            repeats = draw(st.sampled_from([1, 1, 1, 2, 3]))
+            if finished:
+                value = draw.real(low, low * 1.05)
+                repeats = 1
+                if repeated and draw.integer(0, 3) == 0:
+                    repeated, repeats = repeated - 1, 2
+            else:
+                value = (row.speeds.get(mbs) or low) * ratio
+                repeats = draw.pick([1, 1, 1, 2, 3])
+            peak = int(row.peak_at(mbs) * draw.real(0.7, 1.0))
             for repeat in range(repeats):
                 add(config, mbs, "COMPLETE", "ok", value=value, peak_bytes=peak, repeat=repeat)
         if oom_at is not None:
             add(config, sizes[oom_at], "COMPLETE", "oom", value=0.0)
-        extra = draw(st.sampled_from([None, None, "error", "interrupted", "running"]))
+        extra = draw.pick([None, None, "error", "interrupted", "running"])
         free = [m for m in below if m not in {x.micro_batch_size for x in measurements
                                               if x.config == config}]  # fmt: skip
         if extra is not None and free:
-            mbs = draw(st.sampled_from(free))
+            mbs = draw.pick(free)
             if extra == "running":
                 add(config, mbs, "RUNNING", None, value=None)
             else:
                 add(config, mbs, "FAIL", extra, value=None)
     return index, measurements
+
+
+@st.composite
+def studies(draw: st.DrawFn) -> tuple[int, list[Measurement]]:
+    return build_study(_Hypothesis(draw))
+
+
+def _kind(proposal: Proposal | None) -> str:
+    return "none" if proposal is None else "re-measure" if proposal.repeat else "first"
+
+
+def test_the_generated_studies_reach_every_branch_of_the_search() -> None:
+    """The property below is only as good as the studies it sees: on 150 seeded studies of the
+    same generator, the search proposes first measurements, re-measurements of near-ties and
+    nothing (a finished study), each in a good share of them."""
+    kinds = Counter(
+        _kind(propose(_space(index)[0], measurements, _space(index)[1]))
+        for index, measurements in (build_study(_Seeded(seed)) for seed in range(150))
+    )
+    print(dict(kinds))
+    assert kinds["first"] >= 45 and kinds["re-measure"] >= 25 and kinds["none"] >= 15, kinds
 
 
 @settings(
