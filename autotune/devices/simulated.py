@@ -4,7 +4,9 @@
 and returns a :class:`~autotune.probe.ProbeResult`, as the local device does, so the search,
 the tests and the benchmarks run the whole tuning loop on machines without a GPU. Peak memory
 comes from the memory model, step times from the time model, with seeded multiplicative noise
-(a real probe's timings scatter by a few percent); a micro-batch whose predicted peak exceeds
+(a real probe's timings scatter by a few percent) and the device's own error terms
+(:class:`ErrorTerm`: how far, and shared by which configurations, its truth departs from the
+estimator; none by default); a micro-batch whose predicted peak exceeds
 the GPU's usable memory (or the spec's ``device_memory_bytes``) ends in an out-of-memory
 outcome, as on the device, and a probe whose offloaded states need more host memory than the
 simulated node has (``host_memory_bytes``) is killed while it builds them (``host_oom``, after
@@ -16,8 +18,10 @@ result's ``device`` reads ``simulated:<gpu>``, every size is marked ``simulated`
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +48,89 @@ from autotune.probe.result import ProbeResult, SizeResult
 from autotune.probe.spec import ProbeSpec
 from autotune.units import format_bytes
 
-__all__ = ["SimulatedDevice"]
+__all__ = ["ErrorTerm", "SimulatedDevice"]
+
+
+FEATURES = ("engine", "zero_stage", "precision", "ac_every", "offload", "attention")
+"""The configuration fields an error term may be shared by (``config``: each its own)."""
+
+
+def _draw(*key: object) -> random.Random:
+    return random.Random(hashlib.sha256(json.dumps(key, default=str).encode()).digest())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ErrorTerm:
+    """One way a simulated GPU disagrees with the estimator: seeded factors drawn once per
+    group of configurations that agree on ``by``, uniform in each range (1 is no error).
+
+    A time factor above 1 is slower than predicted; a memory factor above 1 needs more than
+    predicted. ``memory_per_doubling`` makes the memory error grow with the micro-batch (the
+    factor ``(1 + g) ** log2(mbs)``, g drawn in the range: fragmentation that grows with the
+    activations); ``cliff`` slows every micro-batch from a size drawn in ``cliff_from`` up
+    (a kernel or allocator cliff, so throughput need not grow with the micro-batch).
+    ``only`` limits the term to configurations with (``offload``) or without
+    (``no-offload``) offload. The host factor ignores checkpointing (the offloaded states do
+    not depend on it)."""
+
+    by: tuple[str, ...] = ("config",)
+    time: tuple[float, float] = (1.0, 1.0)
+    memory: tuple[float, float] = (1.0, 1.0)
+    host: tuple[float, float] = (1.0, 1.0)
+    memory_per_doubling: tuple[float, float] = (0.0, 0.0)
+    cliff: tuple[float, float] = (1.0, 1.0)
+    cliff_from: tuple[int, int] = (1, 1)
+    only: str | None = None
+
+    def __post_init__(self) -> None:
+        unknown = set(self.by) - {*FEATURES, "config"}
+        if unknown:
+            raise ValueError(f"error term by {sorted(unknown)}: use {', '.join(FEATURES)}, config")
+        if self.only not in (None, "offload", "no-offload"):
+            raise ValueError(f"error term only {self.only!r}: use offload or no-offload")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ErrorTerm:
+        """A term from its JSON form (lists for the tuples)."""
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"error term fields {sorted(unknown)} are not known")
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+        }
+        return cls(**fields)
+
+    def _group(self, config: TrainConfig, *, host: bool = False) -> list[Any]:
+        fields = config.to_dict()
+        if host:
+            fields.pop("ac_every", None)
+        if "config" in self.by:
+            return sorted(fields.items())
+        return [fields[name] for name in self.by if name in fields]
+
+    def _applies(self, config: TrainConfig) -> bool:
+        offload = config.offload is not Offload.NONE
+        return self.only is None or (self.only == "offload") == offload
+
+    def factors(
+        self, seed: int, index: int, model: str, config: TrainConfig, micro_batch_size: int
+    ) -> tuple[float, float]:
+        """(peak memory, step time) factors at ``micro_batch_size``."""
+        if not self._applies(config):
+            return 1.0, 1.0
+        rng = _draw("term", seed, index, model, self._group(config))
+        memory, time = rng.uniform(*self.memory), rng.uniform(*self.time)
+        growth = rng.uniform(*self.memory_per_doubling)
+        memory *= (1 + growth) ** math.log2(max(1, micro_batch_size))
+        low, high = (int(math.log2(max(1, size))) for size in self.cliff_from)
+        if micro_batch_size >= 2 ** rng.randint(low, high):
+            time *= rng.uniform(*self.cliff)
+        return memory, time
+
+    def host_factor(self, seed: int, index: int, model: str, config: TrainConfig) -> float:
+        if not self._applies(config) or self.host == (1.0, 1.0):
+            return 1.0
+        return _draw("host", seed, index, model, self._group(config, host=True)).uniform(*self.host)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,17 +145,11 @@ class SimulatedDevice(AnsweredDevice):
     gpus_per_node: int = 8
     reserve: int = DEVICE_RESERVE_BYTES
     """Device bytes tensors cannot use (CUDA context, allocator); see the planner."""
-    model_error: float = 0.0
-    """Systematic error of the estimator against this simulated GPU: each configuration's peak
-    memory and step time are off by a seeded factor within ±model_error (the same at every
-    micro-batch), so a search guided by the estimator meets surprises, as on a real GPU."""
-    family_error: float = 0.0
-    """Step-time error shared by every configuration of a family without offload (engine):
-    a seeded factor within ±family_error, on top of ``model_error``."""
-    offload_slowdown: tuple[float, float] = (1.0, 1.0)
-    """Step-time factor shared by every configuration of an offload family (engine and
-    offload): seeded, uniform in this range (the estimator's offload predictions are
-    optimistic: the H100 run measured 1.4-2x their step time)."""
+    errors: tuple[ErrorTerm, ...] = ()
+    """How this simulated GPU disagrees with the estimator: each term a seeded factor on peak
+    memory, step time or host memory, shared by the configurations its ``by`` groups together
+    (none: the estimator's predictions are the truth). Which structure a run uses is the
+    caller's choice (bench/search-sets.json holds the benchmark's)."""
     host_memory_bytes: int | None = None
     """Host memory of the simulated node (None: not limited)."""
     host_cores: int | None = None
@@ -98,36 +178,24 @@ class SimulatedDevice(AnsweredDevice):
     def _jitter(self, spec: ProbeSpec, mbs: int) -> float:
         point = [self.seed, spec.model, spec.config.to_dict(), mbs, spec.seq_len]
         # A probe with another seed (a re-measurement) draws its own noise.
-        key = json.dumps([*point, spec.seed] if spec.seed else point)
-        rng = random.Random(hashlib.sha256(key.encode()).digest())
+        rng = _draw(*point, spec.seed) if spec.seed else _draw(*point)
         return max(0.5, rng.gauss(1.0, self.noise)) if self.noise else 1.0
 
-    def bias(self, model: str, config: TrainConfig) -> tuple[float, float]:
-        """The (peak memory, step time) factors this device applies to ``config``'s estimate."""
-        if not (self.model_error or self.family_error or self.offload_slowdown != (1.0, 1.0)):
-            return 1.0, 1.0
-        key = json.dumps(["bias", self.seed, model, config.to_dict()])
-        rng = random.Random(hashlib.sha256(key.encode()).digest())
-        error = self.model_error
-        memory, time = 1.0 + rng.uniform(-error, error), 1.0 + rng.uniform(-error, error)
-        family = json.dumps(["family", self.seed, model, config.engine.value, config.offload.value])
-        shared = random.Random(hashlib.sha256(family.encode()).digest())
-        if config.offload is Offload.NONE:
-            time *= 1.0 + shared.uniform(-self.family_error, self.family_error)
-        else:
-            time *= shared.uniform(*self.offload_slowdown)
+    def bias(self, model: str, config: TrainConfig, micro_batch_size: int) -> tuple[float, float]:
+        """The (peak memory, step time) factors this device applies to ``config``'s estimate at
+        ``micro_batch_size``: the product of its error terms'."""
+        memory = time = 1.0
+        for index, term in enumerate(self.errors):
+            m, t = term.factors(self.seed, index, model, config, micro_batch_size)
+            memory, time = memory * m, time * t
         return memory, time
 
     def host_factor(self, model: str, config: TrainConfig) -> float:
-        """The factor this device applies to ``config``'s predicted host memory: one per
-        layout of the offloaded states (engine, stage, offload), as checkpointing and the
-        micro-batch do not change them, within ±model_error."""
-        if not self.model_error:
-            return 1.0
-        layout = [config.engine.value, config.zero_stage, config.offload.value]
-        key = json.dumps(["host", self.seed, model, layout])
-        rng = random.Random(hashlib.sha256(key.encode()).digest())
-        return 1.0 + rng.uniform(-self.model_error, self.model_error)
+        """The factor this device applies to ``config``'s predicted host memory."""
+        factor = 1.0
+        for index, term in enumerate(self.errors):
+            factor *= term.host_factor(self.seed, index, model, config)
+        return factor
 
     def launch(
         self,
@@ -144,7 +212,6 @@ class SimulatedDevice(AnsweredDevice):
         (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
         model = resolve_model(spec.model)
         capacity = self.capacity(spec)
-        memory_factor, time_factor = self.bias(spec.model, spec.config)
         peak_flops = self.gpu.peak(spec.config.precision.compute_dtype)
         killed = self._host_oom(model, spec, probe_dir)
         if killed is not None:
@@ -165,6 +232,7 @@ class SimulatedDevice(AnsweredDevice):
                 world_size=spec.world_size,
                 cuda_allocator=caching_allocator(self.gpu),
             )
+            memory_factor, time_factor = self.bias(spec.model, spec.config, mbs)
             # Reserved: the live tensors and the allocator's unusable blocks (what must fit).
             peak = int(memory.device_bytes * memory_factor)
             reading: dict[str, Any] = {

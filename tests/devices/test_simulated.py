@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from autotune.config import TrainConfig
-from autotune.devices import SimulatedDevice
+from autotune.devices import ErrorTerm, SimulatedDevice
 from autotune.probe import Outcome, ProbeResult, ProbeSpec
 
 
@@ -62,14 +62,18 @@ def test_simulated_single_rank_recovers_after_an_oom(tmp_path: Path) -> None:
     assert (result.sizes[0].peak_allocated_bytes or 0) > 40 * 1024**3
 
 
-def test_simulated_model_error_is_per_configuration_and_bounded(tmp_path: Path) -> None:
+OWN = (ErrorTerm(time=(0.9, 1.1), memory=(0.9, 1.1)),)
+
+
+def test_an_error_term_by_configuration_is_its_own_and_bounded(tmp_path: Path) -> None:
     exact = SimulatedDevice.named("h100-80gb", seed=5)
-    biased = SimulatedDevice.named("h100-80gb", seed=5, model_error=0.1)
+    biased = SimulatedDevice.named("h100-80gb", seed=5, errors=OWN)
     configs = [TrainConfig(), TrainConfig(ac_every=1), TrainConfig(ac_every=2)]
-    factors = [biased.bias("qwen2.5-1.5b", c) for c in configs]
+    factors = [biased.bias("qwen2.5-1.5b", c, 4) for c in configs]
     assert all(0.9 <= f <= 1.1 for pair in factors for f in pair)
     assert len(set(factors)) == len(configs)  # each configuration is off by its own factors
-    assert exact.bias("qwen2.5-1.5b", configs[0]) == (1.0, 1.0)
+    assert exact.bias("qwen2.5-1.5b", configs[0], 4) == (1.0, 1.0)
+    assert biased.bias("qwen2.5-1.5b", configs[0], 1) == factors[0]  # the same at every size
 
     def reading(device: SimulatedDevice) -> tuple[float, float]:
         result = _probe(
@@ -85,23 +89,42 @@ def test_simulated_model_error_is_per_configuration_and_bounded(tmp_path: Path) 
     assert ratio_biased == pytest.approx(ratio_exact, rel=1e-6)  # the same at every size
 
 
-def test_simulated_family_error_is_shared_within_a_family() -> None:
-    """As on the H100 run: a family's configurations are off together; offload slower."""
-    device = SimulatedDevice.named(
-        "h100-80gb", seed=3, model_error=0.02, family_error=0.2, offload_slowdown=(1.4, 2.0)
-    )
+FAMILY = (
+    ErrorTerm(time=(0.98, 1.02)),
+    ErrorTerm(by=("engine",), time=(0.8, 1.2), only="no-offload"),
+    ErrorTerm(by=("engine", "offload"), time=(1.4, 2.0), only="offload"),
+)
+
+
+def test_an_error_term_by_engine_and_offload_is_shared_within_the_family() -> None:
+    device = SimulatedDevice.named("h100-80gb", seed=3, errors=FAMILY)
     offload = [
         TrainConfig(engine="deepspeed", zero_stage=z, offload="optimizer", ac_every=ac)
         for z in (1, 2, 3)
         for ac in (0, 1)
     ]
-    times = [device.bias("llama-7b", c)[1] for c in offload]
+    times = [device.bias("llama-7b", c, 1)[1] for c in offload]
     assert all(1.4 * 0.98 <= t <= 2.0 * 1.02 for t in times)
     assert max(times) / min(times) <= (1.02 / 0.98) ** 1  # one family factor, per-config jitter
-    singles = [device.bias("llama-7b", TrainConfig(ac_every=ac))[1] for ac in (0, 1, 2, 4)]
+    singles = [device.bias("llama-7b", TrainConfig(ac_every=ac), 1)[1] for ac in (0, 1, 2, 4)]
     assert all(0.8 * 0.98 <= t <= 1.2 * 1.02 for t in singles)
     assert max(singles) / min(singles) <= 1.02 / 0.98
-    other_seed = SimulatedDevice.named(
-        "h100-80gb", seed=4, model_error=0.02, family_error=0.2, offload_slowdown=(1.4, 2.0)
-    )
-    assert other_seed.bias("llama-7b", offload[0])[1] != times[0]
+    other_seed = SimulatedDevice.named("h100-80gb", seed=4, errors=FAMILY)
+    assert other_seed.bias("llama-7b", offload[0], 1)[1] != times[0]
+
+
+def test_memory_error_may_grow_with_the_micro_batch_and_throughput_may_fall_off_a_cliff() -> None:
+    growing = ErrorTerm(memory_per_doubling=(0.05, 0.05), cliff=(1.25, 1.25), cliff_from=(8, 8))
+    device = SimulatedDevice.named("h100-80gb", seed=1, errors=(growing,))
+    factors = {mbs: device.bias("llama-7b", TrainConfig(), mbs) for mbs in (1, 2, 4, 8, 16)}
+    assert [round(m, 6) for m, _ in factors.values()] == [round(1.05**k, 6) for k in range(5)]
+    assert [t for _, t in factors.values()] == [1.0, 1.0, 1.0, 1.25, 1.25]
+
+
+def test_an_error_term_says_what_it_cannot_take() -> None:
+    with pytest.raises(ValueError, match="use engine"):
+        ErrorTerm(by=("layers",))
+    with pytest.raises(ValueError, match="not known"):
+        ErrorTerm.from_dict({"by": ["engine"], "slope": [1, 2]})
+    term = ErrorTerm.from_dict({"by": ["engine", "ac_every"], "time": [0.8, 1.6]})
+    assert term.by == ("engine", "ac_every") and term.time == (0.8, 1.6)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from autotune.api import prepare
-from autotune.devices import Clock, Device, SimulatedDevice
+from autotune.devices import Clock, Device, ErrorTerm, SimulatedDevice
 from autotune.devices.base import SetupResult, SetupStep
 from autotune.probe import ProbeResult, ProbeSpec
 from autotune.search.controller import (
@@ -250,8 +250,9 @@ def test_search_lands_within_2_percent_when_the_estimator_is_off_by_10(
     ends within 2 % of the best point of the whole space, or measured that point as often as
     any near-tie and lost it to the noise."""
     name, gpu, world, seq, gbs = scenario
-    truth = SimulatedDevice.named(gpu, seed=7, model_error=0.1, noise=0.0)
-    measured = SimulatedDevice.named(gpu, seed=7, model_error=0.1, noise=0.02)
+    own = (ErrorTerm(time=(0.9, 1.1), memory=(0.9, 1.1), host=(0.9, 1.1)),)
+    truth = SimulatedDevice.named(gpu, seed=7, errors=own, noise=0.0)
+    measured = SimulatedDevice.named(gpu, seed=7, errors=own, noise=0.02)
     work = Workload(seq_len=seq, global_batch=gbs, world_size=world)
     controller, rows, _ = _controller(tmp_path, scenario, device=measured)
 
