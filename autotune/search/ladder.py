@@ -7,35 +7,30 @@ bound over the configurations of the space, with the estimator as the bound:
 1. Every configuration has the estimator's predicted peak memory (linear in the micro-batch)
    and throughput at each size (:func:`autotune.estimator.plan.plan`).
 2. Measurements calibrate the predictions. Memory, per configuration: one measured peak fixes
-   the offset of the predicted line, two fit the line. Throughput: a measured configuration's
-   own measured/predicted ratio rescales its other sizes; the others are rescaled per
-   :func:`family` (engine and offload, whose errors the first GPU run showed to be shared): by
-   the family's own ratios, shrunk toward the whole study's median ratio with the weight of
-   ``FAMILY_WEIGHT`` configurations, or by the whole's ratio for a family not yet measured.
-3. Each prediction carries an uncertainty. Memory: ``PRIOR_ERROR`` before a configuration is
-   measured, ``ONE_POINT_ERROR`` with one measured point, none with two or more. Throughput
-   of an unmeasured configuration: its family's error (two standard deviations of the
-   family's measured/predicted ratios, shrunk toward ``WITHIN_FAMILY_ERROR`` with the weight
-   of ``KNOWN_AFTER`` configurations, at least ``MIN_ERROR``, times (1 + 1/sqrt(n)) for the
-   error of a scale learnt from n configurations); for a family with no measurement, the
-   whole study's error, but above at least up to its uncalibrated prediction times
-   (1 + ``PRIOR_ERROR``) (another family's surprise may not be its own), and below at least
-   ``OFFLOAD_PRIOR_ERROR`` for offload, which has shown itself slower than predicted, never
-   faster; a measured configuration's other sizes: ``MIN_ERROR``. A memory prediction may be
-   high or low by its uncertainty: a size fits for sure below the capacity, and may fit up to
-   capacity / (1 - uncertainty).
+   the offset of the predicted line, two fit the line. Throughput: every measured point's
+   measured/predicted ratio feeds the residual model (:mod:`autotune.search.residuals`),
+   which learns from the study which knobs share the estimator's error (engine, ZeRO stage,
+   offload, checkpointing, their pairs, each configuration, its micro-batch) and predicts
+   every point's ratio with a standard deviation: a measured configuration's other sizes
+   closely, an unmeasured one by the groups it shares with measured ones, as far as the
+   data shows them shared.
+3. Memory predictions carry an uncertainty: ``PRIOR_ERROR`` before a configuration is
+   measured, ``ONE_POINT_ERROR`` with one measured point, none with two or more. A memory
+   prediction may be high or low by its uncertainty: a size fits for sure below the
+   capacity, and may fit up to capacity / (1 - uncertainty).
 4. The next probe goes to the open configuration with the highest expected throughput at the
-   low end of its uncertainty (of two alike, the better known first): the calibrated
-   throughput at its calibrated largest fitting size (or, where none fits, its smallest size
-   that may), times the chance that the size fits, times (1 - the error below). One probe
-   sweeps, smallest first: that size, the size below when the configuration has no
-   measurement yet (a second point for the memory line), and the sizes above it that may
-   still fit within the memory uncertainty (an OOM there is cheap: the sizes below it are
-   kept).
+   low end of its uncertainty (``Z_RANK`` standard deviations of the residual below its
+   mean: of two alike, the better known first): the calibrated throughput at its calibrated
+   largest fitting size (or, where none fits, its smallest size that may), times the chance
+   that the size fits. One probe sweeps, smallest first: that size, the size below when the
+   configuration has no measurement yet (a second point for the memory line), and the sizes
+   above it that may still fit within the memory uncertainty (an OOM there is cheap: the
+   sizes below it are kept).
 5. A configuration is closed once its largest fitting size is bracketed (measured ok, and the
    next size measured or inferred OOM, or certainly out of memory). The branch and bound ends
-   when no open configuration's optimistic bound (calibrated throughput x (1 + the error
-   above) at any size that may fit) beats the best measured.
+   when no open configuration's optimistic bound (its prediction times the residual model's
+   ratio ``Z_BOUND`` standard deviations above the mean, at least ``MIN_ERROR`` above it, at
+   any size that may fit) beats the best measured.
 6. Then near-ties are re-measured: one short probe's timing scatters by a few per cent, so
    of the ``CONFIRM_TOP`` best points, those within ``CONFIRM_MARGIN`` of the best are
    measured again until each has ``REPEATS`` measurements (at most ``CONFIRM_TOP`` points
@@ -51,13 +46,13 @@ bound over the configurations of the space, with the estimator as the bound:
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from autotune.config import Engine, Offload, TrainConfig
+from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow
+from autotune.search.residuals import Observation, ResidualModel
 from autotune.study.fingerprint import Objective
 from autotune.study.measurement import RETRYABLE, Measurement, pooled
 
@@ -73,33 +68,15 @@ __all__ = [
 ]
 
 PRIOR_ERROR = 0.10
-"""Relative error assumed of an unmeasured prediction, memory and time alike: the time model's
-agreement with published runs is within 9-15 % (docs/time-model.md), and the memory model's
-error on real GPUs (allocator, workspaces) is not yet measured (docs/gpu-results.md)."""
+"""Relative error assumed of an unmeasured configuration's predicted peak memory: the memory
+model was within 0.1-1.5 % of most H100 rows, and this leaves room for the allocator and
+workspaces of other nodes (docs/estimator.md). (Throughput's prior is the residual model's.)"""
 ONE_POINT_ERROR = 0.03
 """Memory error at other sizes of a configuration measured at one size (the slope is
 predicted; the offset is measured)."""
 MIN_ERROR = 0.03
-"""Floor of the throughput uncertainty learnt from measured configurations (timing noise of a
-short probe, and what three configurations cannot show)."""
-OFFLOAD_PRIOR_ERROR = 0.40
-"""How much slower than predicted an offload family may be before one of its configurations
-is measured: offload runs at the speed of the node's host CPUs and PCIe links, which vary from
-node to node far more than GPUs do (the first H100 run measured DeepSpeed optimizer offload at
-0.44-0.76 of its prediction, and the other families within 25 % above theirs)."""
-WITHIN_FAMILY_ERROR = 0.05
-"""Relative error of a configuration's calibrated prediction from its family's measured ratio,
-before the family's own spread is known: on the H100 run the measured/predicted speed of the
-configurations of one family agreed within about ±5 % (single across checkpointing, DeepSpeed
-optimizer offload across ZeRO stages and checkpointing, docs/time-model.md)."""
-FAMILY_WEIGHT = 0.5
-"""Weight of the whole study's ratio, in configurations, against a family's own measured ones:
-configurations of one family share most of their error. The evidence is the H100 run against
-the time model before it was calibrated on that run: DeepSpeed ZeRO-2 and ZeRO-3 optimizer
-offload measured 0.56 and 0.60 of their predictions, one family's error shared by its stages;
-on another node the calibrated model's error is expected to take the same shape."""
-KNOWN_AFTER = 5
-"""Weight of the prior throughput error, in measured configurations, against their spread."""
+"""Floor of the throughput bound above a calibrated prediction (a short probe's timing
+noise)."""
 CONFIRM_MARGIN = MIN_ERROR
 """Points measured within this fraction of the best are re-measured: a single short probe
 cannot order them (its timing noise)."""
@@ -238,79 +215,30 @@ def _host_limit(rows: list[PlanRow], seen: dict[TrainConfig, _Seen]) -> float:
     return float(min(killed, default=math.inf))
 
 
-Family = tuple[Engine, Offload]
+Z_BOUND = 2.0
+"""Standard deviations of the residual model above its mean that bound what an open
+configuration may reach: the branch and bound ends when no bound beats the best measured."""
+Z_RANK = 1.0
+"""Standard deviations below the mean that rank open configurations: of two expected alike,
+the better known goes first."""
 
 
-def family(config: TrainConfig) -> Family:
-    """What a configuration's prediction errors are shared with: its engine and offload. The
-    first GPU run showed the errors systematic per family (offload rows 1.4-2x optimistic,
-    the rest 15-20 % pessimistic), not independent per configuration."""
-    return config.engine, config.offload
-
-
-def _scale(ratios: list[float], prior: float) -> tuple[float, float]:
-    """The median of measured/predicted ratios, and the error of applying it elsewhere: about
-    two standard deviations of the ratios, shrunk toward ``prior`` by ``KNOWN_AFTER``
-    pseudo-observations (a few similar ratios do not prove a small error), times
-    (1 + 1/sqrt(n)) for the error of a scale learnt from n configurations."""
-    if not ratios:
-        return 1.0, prior
-    scale = statistics.median(ratios)
-    n = len(ratios)
-    spread = prior
-    if n >= 2:
-        observed = 2 * statistics.stdev(r / scale for r in ratios)
-        spread = max(MIN_ERROR, (KNOWN_AFTER * prior + n * observed) / (KNOWN_AFTER + n))
-    return scale, spread * (1 + 1 / math.sqrt(n))
-
-
-@dataclass(frozen=True, slots=True)
-class _Calibration:
-    """How an unmeasured configuration's predicted objective is corrected, and how far the
-    truth may lie above (``up``) and below (``down``) the corrected value."""
-
-    ratio: float
-    up: float
-    down: float
-
-
-def _throughput_scales(
-    rows: list[PlanRow], seen: dict[TrainConfig, _Seen], objective: Objective
-) -> dict[Family, _Calibration]:
-    """Per family: the ratio that calibrates an unmeasured configuration's prediction, and its
-    uncertainty.
-
-    A measured family's own ratios count, shrunk toward the whole study's median ratio by
-    ``FAMILY_WEIGHT`` pseudo-configurations, so one family's surprise neither flatters nor
-    condemns the others; its error is its own spread (``WITHIN_FAMILY_ERROR`` until two are
-    measured). A family with no measurement takes the whole study's ratio and error, but its
-    bound is at least its own uncalibrated prediction times (1 + ``PRIOR_ERROR``) (the other
-    families' surprise may not be its own), and below it at least ``OFFLOAD_PRIOR_ERROR`` for
-    offload: offload has shown itself slower than predicted, never faster.
-    """
-    ratios: dict[Family, list[float]] = defaultdict(list)
+def observations(
+    rows: list[PlanRow], seen: Mapping[TrainConfig, _Seen], objective: Objective
+) -> list[Observation]:
+    """Every measured point as the residual model takes it: measured / predicted."""
+    found = []
     for row in rows:
         s = seen.get(row.config)
-        predicted = predictions(row, objective)
-        pairs = [(v, predicted[m]) for m, v in s.speed.items() if predicted.get(m)] if s else []
-        if pairs:
-            ratios[family(row.config)].append(statistics.mean(v / p for v, p in pairs))
-    whole, whole_error = _scale([r for own in ratios.values() for r in own], PRIOR_ERROR)
-    scales: dict[Family, _Calibration] = {}
-    for key in {family(row.config) for row in rows}:
-        offload = key[1] is not Offload.NONE
-        own = ratios.get(key, [])
-        if not own:
-            # Another family's surprise may not be shared: an unmeasured family may still be
-            # as fast as its own prediction says, within the prior.
-            ceiling = max(whole * (1 + whole_error), 1 + PRIOR_ERROR)
-            down = max(whole_error, OFFLOAD_PRIOR_ERROR) if offload else whole_error
-            scales[key] = _Calibration(whole, ceiling / whole - 1, down)
+        if s is None:
             continue
-        ratio = (FAMILY_WEIGHT * whole + sum(own)) / (FAMILY_WEIGHT + len(own))
-        error = _scale(own, WITHIN_FAMILY_ERROR)[1]
-        scales[key] = _Calibration(ratio, error, error)
-    return scales
+        predicted = predictions(row, objective)
+        for mbs, value in sorted(s.speed.items()):
+            if predicted.get(mbs):
+                found.append(
+                    Observation(row.config, mbs, value / predicted[mbs], s.runs.get(mbs, 1))
+                )
+    return found
 
 
 def propose(
@@ -332,7 +260,7 @@ def propose(
     """
     seen = _by_config(list(measurements))
     host_limit = _host_limit(rows, seen)
-    scales = _throughput_scales(rows, seen, objective)
+    model = ResidualModel(observations(rows, seen, objective))
     best = max((max(s.speed.values()) for s in seen.values() if s.speed), default=0.0)
     candidates: list[tuple[float, Proposal]] = []
     for row in rows:
@@ -344,17 +272,16 @@ def propose(
         if not row.host_fits or (heavy and not s.ok):
             continue  # needs more host memory than the node has, or than a killed probe
         memory = _Memory(row, s)
-        own = [v / predicted[m] for m, v in s.speed.items() if predicted.get(m)]
-        calibration = (
-            _Calibration(statistics.mean(own), MIN_ERROR, MIN_ERROR)
-            if own
-            else scales[family(row.config)]
-        )
-        ratio = calibration.ratio
         open_sizes = [m for m in sizes if m in predicted and m not in s.ok and memory.may_fit(m)]
         if not open_sizes:
             continue  # every size that may fit is measured: the limit is bracketed
-        bound = max(predicted[m] for m in open_sizes) * ratio * (1 + calibration.up)
+        residual = dict(
+            zip(open_sizes, model.predict([(row.config, m) for m in open_sizes]), strict=True)
+        )
+        bound = max(
+            predicted[m] * max(residual[m].up(Z_BOUND), residual[m].ratio * (1 + MIN_ERROR))
+            for m in open_sizes
+        )
         if best and bound <= best:
             continue  # cannot beat the best measured, even optimistically
         fitting = [m for m in sizes if m in predicted and memory.fits(m)]
@@ -367,15 +294,16 @@ def propose(
             below = [m for m in sizes if m < target and m in predicted]
             if below:
                 probe.add(below[-1])  # a second point for the memory line and the speed
-        # Expected objective: the prediction there times the chance that it fits (the
-        # calibrated peak's error taken as uniform within the memory uncertainty).
-        expected = predicted[target] * ratio * memory.chance_to_fit(target)
+        # Expected objective: the calibrated prediction there times the chance that it fits
+        # (the calibrated peak's error taken as uniform within the memory uncertainty).
+        (at,) = model.predict([(row.config, target)])
+        expected = predicted[target] * at.ratio * memory.chance_to_fit(target)
         candidates.append(
             (
                 # Ranked by the low end of the calibrated prediction: of two configurations
-                # expected alike, the better known goes first, so an untried family (offload
-                # the least known) does not win a probe on an optimistic prediction alone.
-                expected * (1 - calibration.down),
+                # expected alike, the better known goes first, so an untried offload family
+                # (the least known) does not win a probe on an optimistic prediction alone.
+                expected * at.down(Z_RANK) / at.ratio,
                 Proposal(
                     config=row.config,
                     micro_batch_sizes=tuple(sorted(probe)),
