@@ -1,0 +1,338 @@
+"""Leave-one-out figures for the time model's constants fitted on the first H100 run.
+
+Eight constants of ``autotune/estimator/timing.py`` were fitted to the probes of
+``measurements/h100-2026-11-23`` (docs/time-model.md, "Constants and their sources"). Checking
+the model on those same probes shows how well the fit went, not how well it predicts. This
+script refits each constant the way its comment says it was fitted (the same rows, the same
+measured quantity, least squares on the log), then, for every ok size of the run:
+
+- **in-sample**: the error of the shipped model at that size;
+- **leave-one-out**: every constant whose fit used that size refitted without that size's
+  probe (all its sizes: they share one optimizer step and one process, so leaving out one
+  size alone would leave its twin in), and the size predicted with the refitted constants.
+  Where a constant was fitted on that probe alone, no fit is left: the row says so and is
+  left out of the leave-one-out summary.
+
+The constants, their rows and their measured quantity (``GROUPS``):
+
+- Hopper's sustained factor ``s`` and the host/GPU overlap norm ``p``, jointly: the single
+  rows' tokens/s;
+- fused Adam's share of HBM bandwidth: the single rows' optimizer step;
+- FSDP2's host step cost per block: ``c1-fsdp-0``'s optimizer step;
+- host Adam's parameters per second per core: the fsdp off:params rows' optimizer step;
+- ZeRO-3's host step beyond Adam: the deepspeed z3 off:optimizer rows' optimizer step;
+- DeepSpeed's offload copy efficiency: the deepspeed off:optimizer rows' micro-step;
+- FSDP2's offload copy efficiency: ``llama-7b-run-2``'s micro-step.
+
+Each fit is a search over a grid of the constant's values (log-spaced, or a product grid for
+``s`` and ``p``) with every other constant at its shipped value. Errors are predicted /
+measured - 1 of tokens/s at the probe's accumulation (one micro-step per step).
+
+    python bench/leave_one_out.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.config import Offload, TrainConfig
+from autotune.estimator import timing
+from autotune.estimator.timing import StepTime, predict_step_time
+from autotune.hardware import gpu_spec
+from autotune.models import resolve_model
+from autotune.probe.result import ProbeResult
+
+FOLDER = Path(__file__).parents[1] / "measurements" / "h100-2026-11-23"
+H100 = gpu_spec("h100-80gb")
+HOST_CORES = 16
+"""The node's CPU cores (measurements/h100-2026-11-23/README.md)."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One ok size of one probe of the run."""
+
+    probe: str
+    model: str
+    config: TrainConfig
+    micro_batch_size: int
+    seq_len: int
+    micro_step_s: float
+    optimizer_step_s: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.probe} {self.config.label()} mbs {self.micro_batch_size}"
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.micro_batch_size * self.seq_len / (self.micro_step_s + self.optimizer_step_s)
+
+    def predict(self) -> StepTime:
+        return predict_step_time(
+            resolve_model(self.model), self.config, H100, micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len, grad_accum=1, world_size=1, host_cores=HOST_CORES,
+        )  # fmt: skip
+
+    def predicted_tokens_per_second(self) -> float:
+        step = self.predict()
+        return self.micro_batch_size * self.seq_len / (step.micro_step_s + step.optimizer_step_s)
+
+
+def points(folder: Path = FOLDER) -> list[Point]:
+    """Every ok size of the run's probes (one rank, one micro-step per step)."""
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        if path.stem.endswith("-plan"):
+            continue
+        result = ProbeResult.from_dict(json.loads(path.read_text()))
+        spec = result.spec
+        assert spec.grad_accum == 1 and spec.num_processes == 1, path
+        for size in result.ok_sizes():
+            if size.micro_step_s is None or size.optimizer_step_s is None:
+                continue
+            found.append(
+                Point(
+                    path.stem, spec.model, spec.config, size.micro_batch_size, spec.seq_len,
+                    size.micro_step_s, size.optimizer_step_s,
+                )
+            )  # fmt: skip
+    return found
+
+
+Quantity = Callable[[Point, StepTime | None], float]
+"""A measured quantity of a point (the step time None) or its prediction."""
+
+
+def _tokens(p: Point, step: StepTime | None) -> float:
+    if step is None:
+        return p.tokens_per_second
+    return p.micro_batch_size * p.seq_len / (step.micro_step_s + step.optimizer_step_s)
+
+
+def _micro(p: Point, step: StepTime | None) -> float:
+    return p.micro_step_s if step is None else step.micro_step_s
+
+
+def _optimizer(p: Point, step: StepTime | None) -> float:
+    return p.optimizer_step_s if step is None else step.optimizer_step_s
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A module constant of the time model (``key``: an entry of a dict constant)."""
+
+    name: str
+    low: float
+    high: float
+    key: str | None = None
+
+    def get(self) -> float:
+        value = getattr(timing, self.name)
+        return float(value[self.key] if self.key else value)
+
+    def set(self, value: float) -> None:
+        if self.key:
+            getattr(timing, self.name)[self.key] = value
+        else:
+            setattr(timing, self.name, value)
+
+    def grid(self, n: int) -> list[float]:
+        step = math.log(self.high / self.low) / (n - 1)
+        return [self.low * math.exp(i * step) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Constants fitted together, on the points ``rows`` selects, to ``quantity``."""
+
+    about: str
+    constants: tuple[Constant, ...]
+    rows: Callable[[Point], bool]
+    quantity: Quantity
+
+    def fit(self, chosen: list[Point]) -> tuple[float, ...]:
+        """The values minimizing the squared log error over ``chosen``."""
+        grids = [c.grid(61 if len(self.constants) == 1 else 41) for c in self.constants]
+        best, best_loss = None, math.inf
+        for values in itertools.product(*grids):
+            with assigned(dict(zip(self.constants, values, strict=True))):
+                loss = sum(
+                    math.log(self.quantity(p, p.predict()) / self.quantity(p, None)) ** 2
+                    for p in chosen
+                )
+            if loss < best_loss:
+                best, best_loss = values, loss
+        assert best is not None
+        return best
+
+
+@contextmanager
+def assigned(values: dict[Constant, float]) -> Iterator[None]:
+    """The time model with ``values``, restored after."""
+    before = {c: c.get() for c in values}
+    try:
+        for c, v in values.items():
+            c.set(v)
+        yield
+    finally:
+        for c, v in before.items():
+            c.set(v)
+
+
+def _single(p: Point) -> bool:
+    return p.config.engine.value == "single"
+
+
+def _engine_offload(engine: str, offload: Offload, stage: int | None = None) -> Callable:
+    def rows(p: Point) -> bool:
+        c = p.config
+        return (
+            c.engine.value == engine
+            and c.offload is offload
+            and (stage is None or c.zero_stage == stage)
+        )
+
+    return rows
+
+
+GROUPS = (
+    Group(
+        "Hopper sustained factor s and overlap norm p (single rows, tokens/s)",
+        (Constant("_SUSTAINED", 0.7, 1.1, key="hopper"), Constant("_OVERLAP_NORM", 1.2, 8.0)),
+        _single,
+        _tokens,
+    ),
+    Group(
+        "fused Adam's share of HBM bandwidth (single rows, optimizer step)",
+        (Constant("_ADAM_HBM_EFFICIENCY", 0.2, 1.2),),
+        _single,
+        _optimizer,
+    ),
+    Group(
+        "FSDP2 host step per block (c1-fsdp-0, optimizer step)",
+        (Constant("_FSDP_STEP_HOST_PER_LAYER_S", 0.05e-3, 3e-3),),
+        _engine_offload("fsdp", Offload.NONE),
+        _optimizer,
+    ),
+    Group(
+        "host Adam per core (fsdp off:params rows, optimizer step)",
+        (Constant("_HOST_ADAM_PARAMS_PER_CORE_S", 5e7, 2e9),),
+        _engine_offload("fsdp", Offload.PARAMS),
+        _optimizer,
+    ),
+    Group(
+        "ZeRO-3 host step beyond Adam (deepspeed z3 off:optimizer, optimizer step)",
+        (Constant("_ZERO3_HOST_STEP_PARAMS_PER_CORE_S", 2e7, 2e9),),
+        _engine_offload("deepspeed", Offload.OPTIMIZER, stage=3),
+        _optimizer,
+    ),
+    Group(
+        "DeepSpeed offload copy efficiency (deepspeed off:optimizer, micro-step)",
+        (Constant("_DEEPSPEED_COPY_EFFICIENCY", 0.1, 1.5),),
+        _engine_offload("deepspeed", Offload.OPTIMIZER),
+        _micro,
+    ),
+    Group(
+        "FSDP2 offload copy efficiency (llama-7b-run-2, micro-step)",
+        (Constant("_FSDP_COPY_EFFICIENCY", 0.2, 2.0),),
+        lambda p: p.probe == "llama-7b-run-2",
+        _micro,
+    ),
+)
+
+
+def leave_one_out(every: list[Point]) -> list[dict[str, Any]]:
+    """Per point: its in-sample error and its leave-one-probe-out error (None where a constant
+    it needs was fitted on its probe alone)."""
+    rows = []
+    for p in every:
+        in_sample = p.predicted_tokens_per_second() / p.tokens_per_second - 1
+        refitted: dict[Constant, float] = {}
+        alone: list[str] = []
+        for group in GROUPS:
+            if not group.rows(p):
+                continue
+            others = [q for q in every if group.rows(q) and q.probe != p.probe]
+            if not others:
+                alone.append(group.about.split(" (")[0])
+                continue
+            refitted.update(zip(group.constants, group.fit(others), strict=True))
+        loo = None
+        if not alone:
+            with assigned(refitted):
+                loo = p.predicted_tokens_per_second() / p.tokens_per_second - 1
+        rows.append(
+            {
+                "point": p.label,
+                "measured_tokens_per_second": p.tokens_per_second,
+                "in_sample_error": in_sample,
+                "leave_one_out_error": loo,
+                "fitted_on_it_alone": alone,
+                "refitted": {c.name + (f"[{c.key}]" if c.key else ""): v
+                             for c, v in refitted.items()},
+            }
+        )  # fmt: skip
+    return rows
+
+
+def constants_refit(every: list[Point]) -> list[dict[str, Any]]:
+    """Each constant as shipped, and refitted on all its rows by this script."""
+    found = []
+    for group in GROUPS:
+        chosen = [p for p in every if group.rows(p)]
+        for c, v in zip(group.constants, group.fit(chosen), strict=True):
+            found.append(
+                {"constant": c.name + (f"[{c.key}]" if c.key else ""), "shipped": c.get(),
+                 "refit_on_all": v, "rows": len(chosen), "group": group.about}
+            )  # fmt: skip
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    every = points()
+    constants = constants_refit(every)
+    rows = leave_one_out(every)
+    if args.json:
+        print(json.dumps({"constants": constants, "points": rows}, indent=2))
+        return
+    print("| constant | shipped | refit on all its rows | rows |")
+    print("| --- | ---: | ---: | ---: |")
+    for c in constants:
+        print(f"| `{c['constant']}` | {c['shipped']:.4g} | {c['refit_on_all']:.4g} | {c['rows']} |")
+    print("\n| point | measured tokens/s | in-sample error | leave-one-out error |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in rows:
+        loo = (
+            f"{r['leave_one_out_error']:+.1%}"
+            if r["leave_one_out_error"] is not None
+            else f"— (fitted on it alone: {', '.join(r['fitted_on_it_alone'])})"
+        )
+        print(
+            f"| {r['point']} | {r['measured_tokens_per_second']:,.0f} "
+            f"| {r['in_sample_error']:+.1%} | {loo} |"
+        )
+    both = [r for r in rows if r["leave_one_out_error"] is not None]
+    inside = [abs(r["in_sample_error"]) for r in both]
+    out = [abs(r["leave_one_out_error"]) for r in both]
+    print(
+        f"\nOn the {len(both)} of {len(rows)} points a leave-one-out fit can predict: |error| "
+        f"in-sample median {statistics.median(inside):.1%}, worst {max(inside):.1%}; "
+        f"leave-one-out median {statistics.median(out):.1%}, worst {max(out):.1%}."
+    )
+
+
+if __name__ == "__main__":
+    main()
