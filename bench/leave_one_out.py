@@ -28,6 +28,14 @@ Each fit is a search over a grid of the constant's values (log-spaced, or a prod
 ``s`` and ``p``) with every other constant at its shipped value. Errors are predicted /
 measured - 1 of tokens/s at the probe's accumulation (one micro-step per step).
 
+The memory model's allocator shares (``autotune.estimator.memory.fragmentation``: free bytes
+the caching allocator cannot hand out, per activation byte, one share per family) decide fit
+verdicts. They were chosen from the run's OOM readings so that every verdict of the run is
+right. Here each size of the run (ok and OOM alike) is left out with its probe, and the share
+of its family is taken anywhere in the interval the other probes' verdicts allow: the
+left-out size's verdict is *decided* when every share of that interval gives the measured
+outcome, *wrong* when none does, and *open* otherwise (the other probes do not pin it).
+
     python bench/leave_one_out.py [--json]
 """
 
@@ -44,10 +52,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.config import Offload, TrainConfig
-from autotune.estimator import timing
+from autotune.config import Engine, Offload, TrainConfig
+from autotune.estimator import memory, timing
+from autotune.estimator.plan import usable_bytes
 from autotune.estimator.timing import StepTime, predict_step_time
 from autotune.hardware import gpu_spec
+from autotune.hardware.lookup import driver_spec
 from autotune.models import resolve_model
 from autotune.probe.result import ProbeResult
 
@@ -298,6 +308,88 @@ def constants_refit(every: list[Point]) -> list[dict[str, Any]]:
     return found
 
 
+SHARES = [i / 400 for i in range(0, 121)]
+"""Allocator shares tried, 0-30 % of the activations in steps of 0.25 %."""
+
+
+def share_family(config: TrainConfig) -> str:
+    """Which share of ``memory.fragmentation`` a configuration takes."""
+    if config.offload is Offload.PARAMS:
+        return "parameter offload"
+    if config.engine is Engine.FSDP:
+        return "FSDP2"
+    return "single, DDP, DeepSpeed"
+
+
+@dataclass(frozen=True)
+class Size:
+    """One micro-batch size of a probe that ran one (ok or out of memory)."""
+
+    probe: str
+    result: ProbeResult
+    micro_batch_size: int
+    ok: bool
+
+    @property
+    def label(self) -> str:
+        outcome = "ok" if self.ok else "oom"
+        return (
+            f"{self.probe} {self.result.spec.config.label()} mbs {self.micro_batch_size} {outcome}"
+        )
+
+    def fits(self, share: float) -> bool:
+        """The verdict with ``share`` for its family."""
+        spec = self.result.spec
+        original = memory.fragmentation
+        memory.fragmentation = lambda config: share  # type: ignore[assignment]
+        try:
+            estimate = memory.estimate_memory(
+                resolve_model(spec.model), spec.config, micro_batch_size=self.micro_batch_size,
+                seq_len=spec.seq_len, world_size=spec.num_processes, cuda_allocator=True,
+            )  # fmt: skip
+        finally:
+            memory.fragmentation = original
+        gpu = driver_spec(self.result.gpu_name or "")
+        assert gpu is not None
+        cap = spec.device_memory_bytes or usable_bytes(gpu)
+        return estimate.device_bytes <= cap
+
+
+def sizes(folder: Path = FOLDER) -> list[Size]:
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        if path.stem.endswith("-plan"):
+            continue
+        result = ProbeResult.from_dict(json.loads(path.read_text()))
+        for size in result.sizes:
+            found.append(Size(path.stem, result, size.micro_batch_size, size.ok))
+    return found
+
+
+def share_verdicts(every: list[Size]) -> list[dict[str, Any]]:
+    """Per size: the verdict in-sample (the shipped share) and left out with its probe."""
+    right = {id(s): {share: s.fits(share) == s.ok for share in SHARES} for s in every}
+    rows = []
+    for s in every:
+        family = share_family(s.result.spec.config)
+        others = [
+            o for o in every if share_family(o.result.spec.config) == family and o.probe != s.probe
+        ]
+        allowed = [share for share in SHARES if all(right[id(o)][share] for o in others)]
+        mine = [right[id(s)][share] for share in allowed]
+        verdict = "decided" if mine and all(mine) else "wrong" if not any(mine) else "open"
+        rows.append(
+            {
+                "size": s.label,
+                "family": family,
+                "in_sample_right": s.fits(memory.fragmentation(s.result.spec.config)) == s.ok,
+                "allowed_shares": [min(allowed), max(allowed)] if allowed else None,
+                "leave_one_out": verdict,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -305,8 +397,9 @@ def main() -> None:
     every = points()
     constants = constants_refit(every)
     rows = leave_one_out(every)
+    verdicts = share_verdicts(sizes())
     if args.json:
-        print(json.dumps({"constants": constants, "points": rows}, indent=2))
+        print(json.dumps({"constants": constants, "points": rows, "memory": verdicts}, indent=2))
         return
     print("| constant | shipped | refit on all its rows | rows |")
     print("| --- | ---: | ---: | ---: |")
@@ -331,6 +424,28 @@ def main() -> None:
         f"\nOn the {len(both)} of {len(rows)} points a leave-one-out fit can predict: |error| "
         f"in-sample median {statistics.median(inside):.1%}, worst {max(inside):.1%}; "
         f"leave-one-out median {statistics.median(out):.1%}, worst {max(out):.1%}."
+    )
+    print_verdicts(verdicts)
+
+
+def print_verdicts(verdicts: list[dict[str, Any]]) -> None:
+    print("\n| size | share family | shares the other probes allow | in-sample | left out |")
+    print("| --- | --- | --- | --- | --- |")
+    for v in verdicts:
+        allowed = v["allowed_shares"]
+        span = f"{allowed[0]:.2%}-{allowed[1]:.2%}" if allowed else "none"
+        print(
+            f"| {v['size']} | {v['family']} | {span} | "
+            f"{'right' if v['in_sample_right'] else 'WRONG'} | {v['leave_one_out']} |"
+        )
+    count = {
+        k: sum(v["leave_one_out"] == k for v in verdicts) for k in ("decided", "open", "wrong")
+    }
+    right = sum(v["in_sample_right"] for v in verdicts)
+    print(
+        f"\nFit verdicts of the {len(verdicts)} sizes: in-sample {right} right; left out with "
+        f"their probe, {count['decided']} decided right, {count['open']} open, "
+        f"{count['wrong']} wrong."
     )
 
 

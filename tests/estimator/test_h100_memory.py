@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import benchmarks
 import pytest
 from h100 import probes
 
@@ -181,3 +182,20 @@ def test_the_cpu_device_gets_no_allocator_share() -> None:
             cuda_allocator=False,
         )
         assert row.peaks[row.micro_batch_size] == again.peak_bytes
+
+
+def test_no_verdict_is_wrong_with_its_probe_left_out() -> None:
+    """The allocator shares were chosen so that every verdict of the run is right. Left out
+    with its probe (bench/leave_one_out.py), each size's family share may lie anywhere the
+    other probes' verdicts allow: no size's verdict is then wrong for every such share, and
+    the sizes the other probes do not decide are the ones the docs name."""
+    verdicts = benchmarks.load("leave_one_out").share_verdicts(
+        benchmarks.load("leave_one_out").sizes()
+    )
+    assert len(verdicts) == len(SIZES) and all(v["in_sample_right"] for v in verdicts)
+    assert not [v["size"] for v in verdicts if v["leave_one_out"] == "wrong"]
+    assert {v["size"] for v in verdicts if v["leave_one_out"] == "open"} == {
+        "c1-fsdp-0 fsdp z3 ac:every mbs 16 oom",
+        "grid-5 deepspeed z3 off:params ac:off mbs 8 oom",
+        "qwen2.5-1.5b-run-2 deepspeed z3 off:optimizer ac:off mbs 8 ok",
+    }

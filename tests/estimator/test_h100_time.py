@@ -7,12 +7,9 @@ prediction is the same formula over the predicted times.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
+import benchmarks
 import pytest
 from h100 import probes
 
@@ -147,16 +144,6 @@ def test_ranking_of_configurations_matches(model: str) -> None:
     assert [c.label() for c in by_predicted] == [c.label() for c in by_measured]
 
 
-def _bench(name: str) -> ModuleType:
-    path = Path(__file__).parents[2] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    return module
-
-
 LOO_TOLERANCE = 0.20
 
 
@@ -167,7 +154,7 @@ def test_every_probe_predicted_without_its_own_fit_within_20_percent() -> None:
     leave-one-out error when it was written (15.6 %), so it is a regression gate on the run,
     not evidence about another node. The constants fitted on one probe alone have no figure;
     the check asserts which they are, so a new constant fitted on one probe is noticed."""
-    bench = _bench("leave_one_out")
+    bench = benchmarks.load("leave_one_out")
     rows = bench.leave_one_out(bench.points())
     for row in rows:
         print(row["point"], row["in_sample_error"], row["leave_one_out_error"])

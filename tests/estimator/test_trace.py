@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
-from pathlib import Path
 
+import benchmarks
 import pytest
 import torch
 import torch.distributed as dist
@@ -265,9 +264,4 @@ def test_extrapolation_to_a_real_preset_is_exact() -> None:
 
 def test_states_model_fixture_is_the_bench_model() -> None:
     """Keep the copy above in step with bench/model_states.py."""
-    path = Path(__file__).parents[2] / "bench" / "model_states.py"
-    spec = importlib.util.spec_from_file_location("bench_model_states", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.MODEL_CONFIG == STATES_MODEL
+    assert benchmarks.load("model_states").MODEL_CONFIG == STATES_MODEL

@@ -1,0 +1,24 @@
+"""The benchmarks under bench/ as modules, for tests that check their code or run their
+functions (bench/ is not a package)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+def load(name: str) -> ModuleType:
+    """``bench/<name>.py``, imported once per session."""
+    key = f"bench_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module  # its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
