@@ -36,6 +36,13 @@ of its family is taken anywhere in the interval the other probes' verdicts allow
 left-out size's verdict is *decided* when every share of that interval gives the measured
 outcome, *wrong* when none does, and *open* otherwise (the other probes do not pin it).
 
+The host model's two fitted constants: each engine's process baseline (the peak RSS of the
+probes that offload nothing: single alone, FSDP2 for every distributed engine, rounded to
+0.1 GiB) is refitted without the probe and the probe's peak RSS predicted; the node's reserve
+(``HOST_RESERVE_BYTES``, chosen so the 118 GiB probe fits the 125 GiB node) is judged like the
+shares: each offloading probe's verdict (ran, or killed by the OOM killer) with the reserve
+anywhere 0-16 GiB the other probes' verdicts allow.
+
     python bench/leave_one_out.py [--json]
 """
 
@@ -53,12 +60,13 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import Engine, Offload, TrainConfig
-from autotune.estimator import memory, timing
+from autotune.estimator import host, memory, timing
 from autotune.estimator.plan import usable_bytes
 from autotune.estimator.timing import StepTime, predict_step_time
 from autotune.hardware import gpu_spec
 from autotune.hardware.lookup import driver_spec
 from autotune.models import resolve_model
+from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult
 
 FOLDER = Path(__file__).parents[1] / "measurements" / "h100-2026-11-23"
@@ -390,6 +398,124 @@ def share_verdicts(every: list[Size]) -> list[dict[str, Any]]:
     return rows
 
 
+NODE_BYTES = 125 * 1024**3
+"""The H100 node's host RAM (measurements/h100-2026-11-23/README.md)."""
+RESERVES = [i * 0.25 * 1024**3 for i in range(0, 65)]
+"""Host reserves tried, 0-16 GiB in steps of 0.25 GiB."""
+
+
+def _baseline_group(config: TrainConfig) -> str:
+    return "single" if config.engine is Engine.SINGLE else "distributed"
+
+
+def _probes(folder: Path = FOLDER) -> dict[str, ProbeResult]:
+    return {
+        path.stem: ProbeResult.from_dict(json.loads(path.read_text()))
+        for path in sorted(folder.glob("*.json"))
+        if not path.stem.endswith("-plan")
+    }
+
+
+def _peak_rss(result: ProbeResult) -> int:
+    return max((s.host_peak_rss_bytes or 0 for s in result.sizes), default=0)
+
+
+def _host_bytes(result: ProbeResult, baselines: dict[str, float] | None = None) -> int:
+    """The predicted node bytes, with the baselines given (else as shipped)."""
+    shipped = dict(host.CUDA_RANK_BASELINE_BYTES)
+    if baselines is not None:
+        for engine in host.CUDA_RANK_BASELINE_BYTES:
+            group = "single" if engine is Engine.SINGLE else "distributed"
+            host.CUDA_RANK_BASELINE_BYTES[engine] = int(baselines[group])
+    try:
+        spec = result.spec
+        return host.estimate_host(resolve_model(spec.model), spec.config).node_bytes
+    finally:
+        host.CUDA_RANK_BASELINE_BYTES.update(shipped)
+
+
+def host_rows(probes: dict[str, ProbeResult] | None = None) -> list[dict[str, Any]]:
+    """Per probe that reached its first step or was killed: its peak RSS predicted in-sample
+    and with the baselines refitted without it, and (offloading probes) its host verdict with
+    the reserve anywhere the other probes allow."""
+    probes = probes if probes is not None else _probes()
+    step = 0.1 * 1024**3
+
+    def baselines(without: str) -> dict[str, float] | None:
+        fitted = {}
+        for group in ("single", "distributed"):
+            plain = [
+                _peak_rss(r) for name, r in probes.items()
+                if name != without and _peak_rss(r) and r.spec.config.offload is Offload.NONE
+                and _baseline_group(r.spec.config) == group
+            ]  # fmt: skip
+            if not plain:
+                return None
+            fitted[group] = round(max(plain) / step) * step
+        return fitted
+
+    judged = {
+        name: r for name, r in probes.items()
+        if r.spec.config.offload is not Offload.NONE
+        and (_peak_rss(r) or r.outcome is Outcome.HOST_OOM)
+    }  # fmt: skip
+
+    def fits(name: str, reserve: float) -> bool:
+        return _host_bytes(judged[name]) <= NODE_BYTES - reserve
+
+    right = {
+        name: {reserve: fits(name, reserve) == (r.outcome is not Outcome.HOST_OOM)
+               for reserve in RESERVES}
+        for name, r in judged.items()
+    }  # fmt: skip
+    rows = []
+    for name, result in probes.items():
+        measured = _peak_rss(result)
+        killed = result.outcome is Outcome.HOST_OOM
+        if not measured and not killed:
+            continue
+        row: dict[str, Any] = {"probe": name, "config": result.spec.config.label(),
+                               "measured_bytes": measured or None, "killed": killed}  # fmt: skip
+        if measured:
+            refit = baselines(without=name)
+            row["in_sample_error"] = _host_bytes(result) / measured - 1
+            row["leave_one_out_error"] = (
+                None if refit is None else _host_bytes(result, refit) / measured - 1
+            )
+        if name in judged:
+            allowed = [r for r in RESERVES if all(right[o][r] for o in right if o != name)]
+            mine = [right[name][r] for r in allowed]
+            row["verdict_in_sample"] = right[name][min(RESERVES, key=lambda r: abs(
+                r - host.HOST_RESERVE_BYTES))]  # fmt: skip
+            row["verdict_left_out"] = (
+                "decided" if mine and all(mine) else "wrong" if not any(mine) else "open"
+            )
+            row["allowed_reserve_gib"] = (
+                [min(allowed) / 1024**3, max(allowed) / 1024**3] if allowed else None
+            )
+        rows.append(row)
+    return rows
+
+
+def print_host(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\n| probe | configuration | peak RSS | in-sample | baseline left out | host verdict "
+        "left out (reserves allowed) |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | --- |")
+    for r in rows:
+        rss = f"{r['measured_bytes'] / 1024**3:.1f} GiB" if r["measured_bytes"] else "killed"
+        inside = f"{r['in_sample_error']:+.1%}" if "in_sample_error" in r else "-"
+        loo = r.get("leave_one_out_error")
+        out = f"{loo:+.1%}" if loo is not None else ("-" if "in_sample_error" not in r else "—")
+        verdict = "-"
+        if "verdict_left_out" in r:
+            allowed = r["allowed_reserve_gib"]
+            span = f"{allowed[0]:.2f}-{allowed[1]:.2f} GiB" if allowed else "none"
+            verdict = f"{r['verdict_left_out']} ({span})"
+        print(f"| {r['probe']} | {r['config']} | {rss} | {inside} | {out} | {verdict} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -398,8 +524,11 @@ def main() -> None:
     constants = constants_refit(every)
     rows = leave_one_out(every)
     verdicts = share_verdicts(sizes())
+    hosts = host_rows()
     if args.json:
-        print(json.dumps({"constants": constants, "points": rows, "memory": verdicts}, indent=2))
+        print(json.dumps(
+            {"constants": constants, "points": rows, "memory": verdicts, "host": hosts}, indent=2
+        ))  # fmt: skip
         return
     print("| constant | shipped | refit on all its rows | rows |")
     print("| --- | ---: | ---: | ---: |")
@@ -426,6 +555,7 @@ def main() -> None:
         f"leave-one-out median {statistics.median(out):.1%}, worst {max(out):.1%}."
     )
     print_verdicts(verdicts)
+    print_host(hosts)
 
 
 def print_verdicts(verdicts: list[dict[str, Any]]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import benchmarks
 import pytest
 from h100 import HOST_MEMORY_BYTES, probes
 
@@ -91,3 +92,21 @@ def test_a_real_cpu_probe_with_parameter_offload(tmp_path: Path) -> None:
     predicted = estimate_host(model, config, device="cpu", device_bytes=device)
     measured = _peak_rss(result)
     assert predicted.node_bytes == pytest.approx(measured, rel=0.15)
+
+
+def test_left_out_the_baselines_carry_over_and_one_probe_pins_the_reserve() -> None:
+    """bench/leave_one_out.py: each probe's peak RSS predicted with the baselines refitted
+    without it, and each offloading probe's verdict with the reserve anywhere the others allow.
+    The baselines carry over (within 10 %, as in-sample); FSDP2's rests on one probe; no
+    verdict is wrong left out, and only the survivor that sets the reserve's bound is open."""
+    rows = benchmarks.load("leave_one_out").host_rows()
+    assert len(rows) == 17
+    measured = [r for r in rows if r["measured_bytes"]]
+    alone = [r["probe"] for r in measured if r["leave_one_out_error"] is None]
+    assert alone == ["c1-fsdp-0"]
+    for r in measured:
+        if r["leave_one_out_error"] is not None:
+            assert abs(r["leave_one_out_error"]) <= BASELINE_TOLERANCE, r
+    verdicts = {r["probe"]: r["verdict_left_out"] for r in rows if "verdict_left_out" in r}
+    assert len(verdicts) == 9 and "wrong" not in verdicts.values()
+    assert [p for p, v in verdicts.items() if v == "open"] == ["llama-7b-run-2"]
