@@ -22,7 +22,10 @@ groups differ grows, and predictions for unmeasured configurations follow the gr
 data supports, with an uncertainty that says how well it does.
 
 Measurement noise is ``NOISE`` (a short probe's timing scatter), divided by the repeats pooled
-into a point. The model is pure numpy: no torch, no scipy.
+into a point. The model is pure numpy: the search runs in the tuner, whose core imports no
+torch, so Optuna's GP sampler (torch and scipy) and BoTorch (torch) are not at hand; what is
+here is the textbook algebra (a Cholesky solve and the marginal likelihood's gradient) on the
+few dozen points a study holds.
 """
 
 from __future__ import annotations
