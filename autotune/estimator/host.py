@@ -26,12 +26,13 @@ needs:
 The baselines are measured, the states follow from the three mechanisms above (written after
 the H100 run's probes showed the rounded sizes), and the node's reserve was chosen so that
 run's 118 GiB probe fits: the figures below are in-sample (docs/estimator.md has the
-left-out ones). They predict the peak RSS of every probe of the H100 run within 9 % (``tests/estimator/
-test_host.py``; docs/estimator.md has the table): FSDP2 parameter offload 27.8 GiB predicted
-vs 27.8 measured (qwen2.5-1.5b) and 118.0 vs 118.0 (llama-7b); DeepSpeed optimizer offload
-33.8 vs 34.0 (ZeRO-2) and 33.2 (ZeRO-3); DeepSpeed ZeRO-3 parameter offload 37.4 vs 39.4,
-the one under-prediction (5 %). The three llama-7b DeepSpeed probes that the OOM killer
-stopped are predicted at 129.8-130.3 GiB, over the 121 GiB usable of that 125 GiB node.
+left-out ones). They predict the peak RSS of every probe of the H100 run within 9 %
+(``tests/estimator/test_host.py``; docs/estimator.md has the table): FSDP2 parameter
+offload 27.8 GiB predicted vs 27.8 measured (qwen2.5-1.5b) and 118.0 vs 118.0 (llama-7b);
+DeepSpeed optimizer offload 33.8 vs 34.0 (ZeRO-2) and 33.2 (ZeRO-3); DeepSpeed ZeRO-3
+parameter offload 37.4 vs 39.4, the one under-prediction (5 %). The three llama-7b DeepSpeed
+probes that the OOM killer stopped are predicted at 129.8-130.3 GiB, over the 121 GiB usable
+of that 125 GiB node.
 On a CPU device nothing is pinned and the device's own tensors are host memory too.
 """
 

@@ -29,8 +29,9 @@ bound over the configurations of the space, with the estimator as the bound:
 5. A configuration is closed once its largest fitting size is bracketed (measured ok, and the
    next size measured or inferred OOM, or certainly out of memory). The branch and bound ends
    when no open configuration's optimistic bound (its prediction times the residual model's
-   ratio ``Z_BOUND`` standard deviations above the mean, at least ``MIN_ERROR`` above it, at
-   any size that may fit) beats the best measured.
+   ratio about ``Z_BOUND`` standard deviations above the mean, widened by :func:`bound_z`
+   while few configurations are measured, at least ``MIN_ERROR`` above it, at any size that
+   may fit) beats the best measured.
 6. Then near-ties are re-measured: one short probe's timing scatters by a few per cent, so
    of the ``CONFIRM_TOP`` best points, those within ``CONFIRM_MARGIN`` of the best are
    measured again until each has ``REPEATS`` measurements (at most ``CONFIRM_TOP`` points
@@ -217,10 +218,22 @@ def _host_limit(rows: list[PlanRow], seen: dict[TrainConfig, _Seen]) -> float:
 
 Z_BOUND = 2.0
 """Standard deviations of the residual model above its mean that bound what an open
-configuration may reach: the branch and bound ends when no bound beats the best measured."""
+configuration may reach, once many configurations are measured (:func:`bound_z` widens it
+before): the branch and bound ends when no bound beats the best measured."""
 Z_RANK = 1.0
 """Standard deviations below the mean that rank open configurations: of two expected alike,
 the better known goes first."""
+
+
+def bound_z(configurations: int) -> float:
+    """``Z_BOUND`` widened as Student's t with one degree of freedom fewer than the measured
+    configurations: the residual model's variances are learnt from them, so with few the
+    bound allows for variances larger than learnt (4.0 with three measured configurations,
+    2.8 with five, 2.3 with ten). The quantile is the Cornish-Fisher expansion of t's in the
+    normal one (Abramowitz & Stegun 26.7.5; within 2 % of the exact t from three)."""
+    nu = max(1, configurations - 1)
+    z = Z_BOUND
+    return z + (z**3 + z) / (4 * nu) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * nu**2)
 
 
 def observations(
@@ -261,6 +274,7 @@ def propose(
     seen = _by_config(list(measurements))
     host_limit = _host_limit(rows, seen)
     model = ResidualModel(observations(rows, seen, objective))
+    z_bound = bound_z(len({o.config for o in model.observations}))
     best = max((max(s.speed.values()) for s in seen.values() if s.speed), default=0.0)
     candidates: list[tuple[float, Proposal]] = []
     for row in rows:
@@ -279,7 +293,7 @@ def propose(
             zip(open_sizes, model.predict([(row.config, m) for m in open_sizes]), strict=True)
         )
         bound = max(
-            predicted[m] * max(residual[m].up(Z_BOUND), residual[m].ratio * (1 + MIN_ERROR))
+            predicted[m] * max(residual[m].up(z_bound), residual[m].ratio * (1 + MIN_ERROR))
             for m in open_sizes
         )
         if best and bound <= best:

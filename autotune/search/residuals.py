@@ -78,7 +78,11 @@ TERMS: tuple[Term, ...] = (
     Term("engine x ac_every", ("engine", "ac_every"), 0.06),
     Term("zero_stage x offload", ("zero_stage", "offload"), 0.06),
     Term("offload x ac_every", ("offload", "ac_every"), 0.06),
-    Term("configuration", None, 0.05),
+    # Each configuration's own error: the memory model's rows of the H100 run were within
+    # 0.1-1.5 %, its time model's about 5 % (docs/time-model.md); 8 % was chosen on the
+    # search benchmark's tuning set, where 5 % left configurations with a large error of
+    # their own hidden under the bound (bench/search-sets.json, per-configuration).
+    Term("configuration", None, 0.08),
 )
 """The terms of the residual and their prior sizes. The prior spread of two configurations that
 share nothing but the study is about 20 % (offload about 30 %), and the data moves each term."""
