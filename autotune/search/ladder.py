@@ -37,7 +37,8 @@ bound over the configurations of the space, with the estimator as the bound:
    measured again until each has ``REPEATS`` measurements (at most ``CONFIRM_TOP`` points
    in all); a point's speed is the mean of its measurements, and the branch and bound
    resumes if the means reopen it. A point whose re-measurement ran out of memory no longer
-   fits.
+   fits. If the best two means are still within ``TIE_MARGIN`` of each other, each is
+   measured again, up to ``MAX_REPEATS`` times.
 7. Host memory: a configuration whose offloaded states are predicted not to fit the node's
    host memory (:mod:`autotune.estimator.host`) is never probed, and a probe killed by the
    host's OOM killer (``host_oom``) rules out, for the whole study, every configuration not
@@ -86,6 +87,11 @@ CONFIRM_TOP = 3
 are re-measured in all."""
 REPEATS = 2
 """Measurements of each near-tie before the search ends."""
+TIE_MARGIN = CONFIRM_MARGIN / 2
+"""The best two points, measured ``REPEATS`` times each, closer than this are measured again
+(:func:`_tie_break`)."""
+MAX_REPEATS = 4
+"""Measurements of each of the best two points at most."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,6 +121,8 @@ class _Seen:
     """Micro-batch size -> how many measurements ``speed`` pools."""
     unconfirmed: set[int] = field(default_factory=set)
     """Sizes whose re-measurement failed for good (not re-measured again)."""
+    scattered: set[int] = field(default_factory=set)
+    """Sizes whose measurements differ among themselves (more may tell them apart)."""
     host_oom: bool = False
     """A probe of the configuration was killed for want of host memory."""
 
@@ -137,6 +145,8 @@ def _by_config(measurements: list[Measurement]) -> dict[TrainConfig, _Seen]:
                 (entry.unconfirmed if m.repeat else entry.failed).add(mbs)
         elif m.outcome == "ok":
             entry.ok[mbs] = max(entry.ok.get(mbs, 0.0), float(m.peak_bytes or 0))
+            if m.value and mbs in entry.speed and m.value != entry.speed[mbs]:
+                entry.scattered.add(mbs)
             if not m.feasible:
                 entry.oom.add(mbs)  # ran, but inside the headroom or thrashing: not fitting
         elif m.outcome == "host_oom":
@@ -349,17 +359,47 @@ def _confirm(seen: dict[TrainConfig, _Seen], objective: Objective) -> Proposal |
     if len(close) < 2:
         return None  # the best is ahead of the rest by more than the noise
     remeasured = sum(runs > 1 for s in seen.values() for runs in s.runs.values())
-    if remeasured >= CONFIRM_TOP:
-        return None  # the cost is bounded; the means stand
-    for speed, config, mbs, runs in close:
+    if remeasured < CONFIRM_TOP:  # the cost is bounded; past it the means stand
+        for speed, config, mbs, runs in close:
+            s = seen[config]
+            if runs < REPEATS and not s.running and mbs not in s.unconfirmed:
+                return Proposal(
+                    config=config,
+                    micro_batch_sizes=(mbs,),
+                    predicted=speed,
+                    reason=f"re-measure: {objective.text(speed)} is within "
+                    f"{CONFIRM_MARGIN:.0%} of the best {objective.text(best)} "
+                    f"(measurement {runs + 1} of {REPEATS})",
+                    repeat=runs,
+                )
+    return _tie_break(points[:2], seen, objective)
+
+
+def _tie_break(
+    top: list[tuple[float, TrainConfig, int, int]],
+    seen: dict[TrainConfig, _Seen],
+    objective: Objective,
+) -> Proposal | None:
+    """One more measurement of the best two points while their means, each of at least
+    ``REPEATS`` measurements, stay within ``TIE_MARGIN`` of each other (the less measured
+    first, up to ``MAX_REPEATS`` each): two means of two short probes still differ by a
+    probe's timing noise, enough to order a point 2-3 % slower first. Points whose repeats
+    all measured the same (a device without timing noise) are not measured again."""
+    (best, *_), (second, *_) = top
+    if second < best * (1 - TIE_MARGIN) or any(p[3] < REPEATS for p in top):
+        return None
+    if not any(p[2] in seen[p[1]].scattered for p in top):
+        return None  # each measured alike every time: more measurements cannot tell them apart
+    for speed, config, mbs, runs in sorted(top, key=lambda p: p[3]):
         s = seen[config]
-        if runs < REPEATS and not s.running and mbs not in s.unconfirmed:
+        if runs < MAX_REPEATS and not s.running and mbs not in s.unconfirmed:
             return Proposal(
                 config=config,
                 micro_batch_sizes=(mbs,),
                 predicted=speed,
-                reason=f"re-measure: {objective.text(speed)} is within {CONFIRM_MARGIN:.0%} "
-                f"of the best {objective.text(best)} (measurement {runs + 1} of {REPEATS})",
+                reason=f"tie-break: {objective.text(second)} and {objective.text(best)} are "
+                f"within {TIE_MARGIN:.1%} after {runs} measurements (measurement {runs + 1} "
+                f"of at most {MAX_REPEATS})",
                 repeat=runs,
             )
     return None
