@@ -106,21 +106,27 @@ class Point:
         return self.micro_batch_size * self.seq_len / (step.micro_step_s + step.optimizer_step_s)
 
 
+def _probes(folder: Path = FOLDER) -> dict[str, ProbeResult]:
+    """Every probe of the run by file stem (the plan file aside)."""
+    return {
+        path.stem: ProbeResult.from_dict(json.loads(path.read_text()))
+        for path in sorted(folder.glob("*.json"))
+        if not path.stem.endswith("-plan")
+    }
+
+
 def points(folder: Path = FOLDER) -> list[Point]:
     """Every ok size of the run's probes (one rank, one micro-step per step)."""
     found = []
-    for path in sorted(folder.glob("*.json")):
-        if path.stem.endswith("-plan"):
-            continue
-        result = ProbeResult.from_dict(json.loads(path.read_text()))
+    for stem, result in _probes(folder).items():
         spec = result.spec
-        assert spec.grad_accum == 1 and spec.num_processes == 1, path
+        assert spec.grad_accum == 1 and spec.num_processes == 1, stem
         for size in result.ok_sizes():
             if size.micro_step_s is None or size.optimizer_step_s is None:
                 continue
             found.append(
                 Point(
-                    path.stem, spec.model, spec.config, size.micro_batch_size, spec.seq_len,
+                    stem, spec.model, spec.config, size.micro_batch_size, spec.seq_len,
                     size.micro_step_s, size.optimizer_step_s,
                 )
             )  # fmt: skip
@@ -364,14 +370,12 @@ class Size:
 
 
 def sizes(folder: Path = FOLDER) -> list[Size]:
-    found = []
-    for path in sorted(folder.glob("*.json")):
-        if path.stem.endswith("-plan"):
-            continue
-        result = ProbeResult.from_dict(json.loads(path.read_text()))
-        for size in result.sizes:
-            found.append(Size(path.stem, result, size.micro_batch_size, size.ok))
-    return found
+    """Every size of the run's probes that ran one, ok or out of memory."""
+    return [
+        Size(stem, result, size.micro_batch_size, size.ok)
+        for stem, result in _probes(folder).items()
+        for size in result.sizes
+    ]
 
 
 def share_verdicts(every: list[Size]) -> list[dict[str, Any]]:
@@ -406,14 +410,6 @@ RESERVES = [i * 0.25 * 1024**3 for i in range(0, 65)]
 
 def _baseline_group(config: TrainConfig) -> str:
     return "single" if config.engine is Engine.SINGLE else "distributed"
-
-
-def _probes(folder: Path = FOLDER) -> dict[str, ProbeResult]:
-    return {
-        path.stem: ProbeResult.from_dict(json.loads(path.read_text()))
-        for path in sorted(folder.glob("*.json"))
-        if not path.stem.endswith("-plan")
-    }
 
 
 def _peak_rss(result: ProbeResult) -> int:
