@@ -299,9 +299,8 @@ def propose(
         open_sizes = [m for m in sizes if m in predicted and m not in s.ok and memory.may_fit(m)]
         if not open_sizes:
             continue  # every size that may fit is measured: the limit is bracketed
-        residual = dict(
-            zip(open_sizes, model.predict([(row.config, m) for m in open_sizes]), strict=True)
-        )
+        known = [m for m in sizes if m in predicted]
+        residual = dict(zip(known, model.predict([(row.config, m) for m in known]), strict=True))
         bound = max(
             predicted[m] * max(residual[m].up(z_bound), residual[m].ratio * (1 + MIN_ERROR))
             for m in open_sizes
@@ -320,14 +319,14 @@ def propose(
                 probe.add(below[-1])  # a second point for the memory line and the speed
         # Expected objective: the calibrated prediction there times the chance that it fits
         # (the calibrated peak's error taken as uniform within the memory uncertainty).
-        (at,) = model.predict([(row.config, target)])
+        at = residual[target]
         expected = predicted[target] * at.ratio * memory.chance_to_fit(target)
         candidates.append(
             (
                 # Ranked by the low end of the calibrated prediction: of two configurations
                 # expected alike, the better known goes first, so an untried offload family
                 # (the least known) does not win a probe on an optimistic prediction alone.
-                expected * at.down(Z_RANK) / at.ratio,
+                expected * math.exp(-Z_RANK * at.sd),
                 Proposal(
                     config=row.config,
                     micro_batch_sizes=tuple(sorted(probe)),

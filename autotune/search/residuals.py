@@ -38,10 +38,7 @@ import numpy as np
 
 from autotune.config import Offload, TrainConfig
 
-__all__ = ["KNOBS", "TERMS", "Observation", "Residual", "ResidualModel", "Term"]
-
-KNOBS = ("engine", "zero_stage", "offload", "ac_every")
-"""The configuration fields whose values may share an error."""
+__all__ = ["TERMS", "Observation", "Residual", "ResidualModel", "Term"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +127,6 @@ class Residual:
         """The factor ``z`` standard deviations above."""
         return math.exp(self.mean + z * self.sd)
 
-    def down(self, z: float) -> float:
-        """The factor ``z`` standard deviations below."""
-        return math.exp(self.mean - z * self.sd)
-
 
 def _key(config: TrainConfig, fields: tuple[str, ...] | None) -> tuple[object, ...]:
     if fields is None:
@@ -152,8 +145,13 @@ class ResidualModel:
         self._y = np.array([math.log(o.ratio) for o in self.observations])
         self._noise = np.array([NOISE**2 / max(1, o.repeats) for o in self.observations])
         self._prior = np.array([2 * math.log(t.prior_sd) for t in TERMS] + [2 * math.log(SIZE_SD)])
+        self._kernels_xx = self._kernels(self._x, self._x)
         self.log_variances = self._fit()
-        self._solve()
+        if self.observations:
+            self._cholesky = np.linalg.cholesky(self._covariance(np.exp(self.log_variances)))
+            self._alpha = np.linalg.solve(
+                self._cholesky.T, np.linalg.solve(self._cholesky, self._y)
+            )
 
     @property
     def sds(self) -> dict[str, float]:
@@ -219,8 +217,7 @@ class ResidualModel:
         theta = self._prior.copy()
         if len(self.observations) < 2:
             return theta
-        kernels = self._kernels(self._x, self._x)
-        value, gradient = self._posterior(theta, kernels)
+        value, gradient = self._posterior(theta)
         step = 0.5
         for _ in range(STEPS):
             candidate = np.clip(
@@ -228,7 +225,7 @@ class ResidualModel:
                 self._prior - 4 * SPREAD,
                 self._prior + 2 * SPREAD,
             )
-            candidate_value, candidate_gradient = self._posterior(candidate, kernels)
+            candidate_value, candidate_gradient = self._posterior(candidate)
             if candidate_value > value:
                 theta, value, gradient = candidate, candidate_value, candidate_gradient
                 step *= 1.2
@@ -238,13 +235,17 @@ class ResidualModel:
                     break
         return theta
 
-    def _posterior(self, theta: np.ndarray, kernels: list[np.ndarray]) -> tuple[float, np.ndarray]:
+    def _covariance(self, variances: np.ndarray) -> np.ndarray:
+        """The observations' covariance: each term's kernel at its variance, and the noise."""
+        weighted = sum(v * k for v, k in zip(variances, self._kernels_xx, strict=True))
+        return weighted + np.diag(self._noise)
+
+    def _posterior(self, theta: np.ndarray) -> tuple[float, np.ndarray]:
         """The log marginal likelihood plus the variances' log prior at ``theta``, and its
         gradient (-inf where the kernel is not positive definite)."""
         variances = np.exp(theta)
-        k = sum(v * g for v, g in zip(variances, kernels, strict=True)) + np.diag(self._noise)
         try:
-            chol = np.linalg.cholesky(k)
+            chol = np.linalg.cholesky(self._covariance(variances))
         except np.linalg.LinAlgError:
             return -math.inf, np.zeros_like(theta)
         y = self._y
@@ -258,15 +259,9 @@ class ResidualModel:
         inverse = np.linalg.solve(chol.T, np.linalg.solve(chol, np.eye(len(y))))
         inner = np.outer(alpha, alpha) - inverse
         gradient = np.array(
-            [0.5 * v * float((inner * g).sum()) for v, g in zip(variances, kernels, strict=True)]
+            [
+                0.5 * v * float((inner * g).sum())
+                for v, g in zip(variances, self._kernels_xx, strict=True)
+            ]
         )
         return value, gradient - prior
-
-    def _solve(self) -> None:
-        if not self.observations:
-            return
-        variances = np.exp(self.log_variances)
-        kernels = self._kernels(self._x, self._x)
-        k = sum(v * g for v, g in zip(variances, kernels, strict=True)) + np.diag(self._noise)
-        self._cholesky = np.linalg.cholesky(k)
-        self._alpha = np.linalg.solve(self._cholesky.T, np.linalg.solve(self._cholesky, self._y))
