@@ -31,10 +31,12 @@ from autotune.config import (
     Attention,
     ConfigError,
     Engine,
+    Loss,
     NothingFits,
     Precision,
     TrainConfig,
     parse_choice,
+    parse_losses,
 )
 from autotune.devices import Device, LocalDevice, ReplayDevice, SimulatedDevice
 from autotune.devices.base import SetupResult, SetupStep
@@ -50,7 +52,7 @@ from autotune.hardware import (
     host_memory_bytes,
 )
 from autotune.jobs import JobResult
-from autotune.launch import Format, Launch, render
+from autotune.launch import Format, Launch, knob_notes, render
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.nodes import Nodes, nodes_from_environment
@@ -284,6 +286,7 @@ def plan(
     reserve: str | int = DEVICE_RESERVE_BYTES,
     host_memory: str | int | None = None,
     host_cores: int | None = None,
+    losses: str | Iterable[Loss | str] | None = None,
 ) -> Plan:
     """Predict peak memory and throughput of every configuration (no GPU needed).
 
@@ -304,8 +307,11 @@ def plan(
             node's GPU, else not checked.
         host_cores: CPU cores of a node; default: this node's when the plan is for its GPU,
             else 16 per GPU.
+        losses: The losses to try (``"full,chunked"``); default both, the chunked one where
+            it pays.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    chosen_losses = parse_losses(losses) or tuple(Loss)
     target, here = _gpu(gpu)
     detected = detect_gpus() if gpu is not None else None
     local = gpu is None or (
@@ -328,6 +334,7 @@ def plan(
         headroom=_fraction(headroom, "headroom"),
         host_memory_bytes=host.memory_bytes,
         host_cores=host.cores,
+        losses=chosen_losses,
     )
     return Plan(
         model=spec,
@@ -478,12 +485,14 @@ def prepare(
     framework: str | None = None,
     script_args: Sequence[str] = (),
     batch_flag: str | None = None,
+    losses: str | Iterable[Loss | str] | None = None,
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
     Opens (or creates) the study, so a bad storage URL fails here.
     """
     job = _script_job(script, framework, script_args, batch_flag, simulate=simulate, device=device)
+    chosen_losses = _losses(job, parse_losses(losses))
     if job is not None:
         model = model or _script_model(job)
         engines = _job_engines(job, engines)
@@ -519,6 +528,8 @@ def prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     _check_ranks(chosen, per_node, here)
+    if isinstance(chosen, ReplayDevice):  # a grid answers only the losses it recorded
+        chosen_losses = tuple(x for x in chosen_losses if x in chosen.grid.losses) or (Loss.FULL,)
     if job is not None and job.framework is Framework.ACCELERATE and on_cpu and per_node > 1:
         raise ConfigError(
             "--framework accelerate starts several ranks on GPUs only (on the CPU accelerate "
@@ -567,6 +578,7 @@ def prepare(
         host_cores=_cores_for(chosen, cores),
         device="cpu" if on_cpu else "cuda",
         gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
+        losses=chosen_losses,
     )
     _check_something_fits(rows, spec, world, capacity, on_cpu=on_cpu)
     from autotune.study.store import TrialStore
@@ -640,6 +652,19 @@ def _script_model(job: ScriptJob) -> str:
     raise ConfigError(
         "give --model with --script: the preset or config.json of the model the script trains"
     )
+
+
+def _losses(job: ScriptJob | None, losses: tuple[Loss, ...] | None) -> tuple[Loss, ...]:
+    """The losses a run tries: those asked (all by default); a user's script computes its own
+    loss, so only the model's own is tried with one."""
+    if job is None:
+        return losses or tuple(Loss)
+    if losses is not None and set(losses) != {Loss.FULL}:
+        raise ConfigError(
+            "--loss chunked is a loss of autotune's stand-in; your script computes its own: "
+            "leave out --loss with --script"
+        )
+    return (Loss.FULL,)
 
 
 def _job_engines(job: ScriptJob, engines: Iterable[Engine] | None) -> list[Engine]:
@@ -853,6 +878,8 @@ def tune_jobs(
         model = options.pop("model")
         if "engine" in options:
             options["engines"] = [Engine(name) for name in options.pop("engine").split(",")]
+        if "loss" in options:
+            options["losses"] = options.pop("loss")
         if "args" in options:
             options["script_args"] = options.pop("args")
         storage = options.get("storage", DEFAULT_STORAGE)
@@ -1018,6 +1045,7 @@ def probe(
     if job is not None:
         model = model or _script_model(job)
         check_engines(job, [(config or TrainConfig()).engine])
+        _losses(job, ((config or TrainConfig()).loss,))
         if (nodes or 1) > 1 or hosts:
             raise ConfigError("--script runs on one node: leave out --nodes and --hosts")
     if model is None:
@@ -1092,6 +1120,8 @@ class Export:
     launch: Launch
     format: Format
     text: str
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the format cannot carry of the configuration, and what to do instead."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -1108,6 +1138,7 @@ class Export:
             "seq_len": self.launch.seq_len,
             "global_batch": self.launch.global_batch,
             "text": self.text,
+            "notes": list(self.notes),
         }
 
 
@@ -1170,6 +1201,7 @@ def export(
         launch=launch,
         format=chosen,
         text=text,
+        notes=knob_notes(launch, chosen),
     )
 
 

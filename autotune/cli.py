@@ -25,6 +25,7 @@ from autotune.config import (
     Attention,
     ConfigError,
     Engine,
+    Loss,
     NothingFits,
     Offload,
     Precision,
@@ -186,6 +187,14 @@ ForceOption = Annotated[bool, typer.Option("--force", help="Overwrite the -o fil
 EngineOption = Annotated[
     str | None, typer.Option(help="Only these engines, comma-separated: fsdp,deepspeed.")
 ]
+LossOption = Annotated[
+    str | None,
+    typer.Option(
+        "--loss",
+        help="Losses to try, comma-separated: full (the model's own), chunked (the logits a "
+        "chunk at a time). Default: both, chunked where it pays.",
+    ),
+]
 SeqLenOption = Annotated[
     int | None,
     typer.Option(help="Tokens per sequence (default: 2048, or the model's positions if fewer)."),
@@ -249,6 +258,9 @@ def probe(
     offload: Annotated[Offload, typer.Option(help="Model states kept on the CPU.")] = Offload.NONE,
     ac: Annotated[str, typer.Option(help="Activation checkpointing: off, every, every-N.")] = "off",
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
+    loss: Annotated[
+        Loss, typer.Option(help="full: the model's own; chunked: the logits a chunk at a time.")
+    ] = Loss.FULL,
     micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
     seq_len: SeqLenOption = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
@@ -292,6 +304,7 @@ def probe(
         offload=offload,
         ac_every=parse_ac(ac),
         attention=attention,
+        loss=loss,
     )
     sizes = _parse_sizes(micro_batch)
     running = contextlib.ExitStack()
@@ -380,6 +393,7 @@ def plan(
         Precision | None, typer.Option(help="Default: bf16-mixed, fp16-mixed without bf16.")
     ] = None,
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
+    loss: LossOption = None,
     headroom: HeadroomOption = "0%",
     reserve: Annotated[
         str | None,
@@ -413,6 +427,7 @@ def plan(
         host_memory=host_memory,
         host_cores=host_cores,
         reserve=api.DEVICE_RESERVE_BYTES if reserve is None else reserve,
+        losses=loss,
     )
     if json_output:
         _print_json(found.to_dict())
@@ -445,6 +460,7 @@ def run(
         Precision | None, typer.Option(help="Default: bf16-mixed, fp16-mixed without bf16.")
     ] = None,
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
+    loss: LossOption = None,
     simulate: Annotated[
         str | None, typer.Option(help="Probe a simulated GPU (the estimator), e.g. h100-80gb.")
     ] = None,
@@ -507,6 +523,7 @@ def run(
         "engine": engine,
         "precision": precision,
         "attention": attention,
+        "loss": loss,
         "simulate": simulate,
         "device": device,
         "device_memory": device_memory,
@@ -528,6 +545,7 @@ def run(
     if max_age is not None:
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
     options["engines"] = _parse_engines(options.pop("engine"))
+    options["losses"] = options.pop("loss")
     if script is not None or framework is not None or script_args or batch_flag is not None:
         options.update(
             script=script,
@@ -781,6 +799,9 @@ def export(
     )
     if output is not None:
         api.write_new_file(output, found.text, force=force)
+    if not json_output:
+        for note in found.notes:
+            errors.print(f"note: {note}", markup=False, highlight=False)
     if json_output:
         _print_json({**found.to_dict(), "output": str(output) if output else None})
     elif output is None:

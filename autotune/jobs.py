@@ -32,7 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.config import DEVICES, Attention, ConfigError, Engine, Precision, parse_choice
+from autotune.config import (
+    DEVICES,
+    Attention,
+    ConfigError,
+    Engine,
+    Precision,
+    parse_choice,
+    parse_losses,
+)
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
 from autotune.script import Framework, ScriptJob
@@ -58,6 +66,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "engine": (str, list),
     "precision": (str,),
     "attention": (str,),
+    "loss": (str, list),
     "headroom": (str, int, float),
     "host_memory": (str, int),  # numbers are refused with a word: sizes take a unit
     "host_cores": (int,),
@@ -249,6 +258,8 @@ def _checked(key: str, value: Any, at: str) -> Any:
             for name in names:
                 Engine(str(name).strip())
             value = ",".join(str(name).strip() for name in names)
+        if key == "loss":
+            value = ",".join(x.value for x in parse_losses(value) or ())
         if key == "hosts" and isinstance(value, list):
             value = ",".join(str(host).strip() for host in value)
         if key == "script":

@@ -19,7 +19,15 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
+from autotune.config import (
+    LOSS_CHUNK_TOKENS,
+    ConfigError,
+    Engine,
+    Loss,
+    Offload,
+    Precision,
+    TrainConfig,
+)
 
 __all__ = [
     "Format",
@@ -28,6 +36,7 @@ __all__ = [
     "deepspeed_config",
     "deepspeed_for",
     "hf_fields",
+    "knob_notes",
     "render",
     "torchrun_args",
 ]
@@ -170,6 +179,28 @@ SIMULATED_NOTE = "; SIMULATED: predicted on a simulated GPU, never run"
 """What every export of a simulated study says, where its format allows words."""
 
 
+_CHUNKED_LOSS = (
+    "in the training step, hidden = model.model(input_ids=input_ids).last_hidden_state; "
+    "loss = autotune.probe.loss.chunked_cross_entropy(model.lm_head, hidden, labels, "
+    f"{LOSS_CHUNK_TOKENS}) (Liger-Kernel's fused linear cross-entropy, "
+    "TrainingArguments(use_liger_kernel=True), is the GPU kernel of the same idea, not measured "
+    "by this study)"
+)
+
+
+def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
+    """What ``fmt`` cannot carry of ``launch``'s configuration, each with what to do instead
+    (empty when the format says it all). ``autotune export`` prints them beside the file, and
+    the formats that take comments carry them too."""
+    notes = []
+    if launch.config.loss is Loss.CHUNKED:
+        notes.append(
+            f"--format {Format(fmt).value} has no setting for the chunked loss autotune "
+            f"measured ({LOSS_CHUNK_TOKENS} tokens a chunk): {_CHUNKED_LOSS}"
+        )
+    return notes
+
+
 def render(launch: Launch, fmt: Format | str) -> str:
     """The text of ``launch`` in format ``fmt`` (ends with a newline).
 
@@ -229,6 +260,12 @@ def deepspeed_for(launch: Launch, *, cpu: bool = False) -> dict[str, Any]:
         hidden_size=launch.hidden_size,
         cpu=cpu,
     )
+
+
+def _loss_note(loss: Loss) -> str:
+    if loss is Loss.FULL:
+        return "the model's own (the whole micro-batch's logits at once)"
+    return f"chunked cross-entropy, {LOSS_CHUNK_TOKENS} tokens a chunk, recomputed in the backward"
 
 
 def _checkpointing_note(ac_every: int) -> str:
@@ -328,6 +365,7 @@ def _accelerate(launch: Launch) -> str:
         )
     if launch.nodes > 1:
         notes.append("set machine_rank, main_process_ip and main_process_port on each node")
+    notes += knob_notes(launch, Format.ACCELERATE)
     return "\n".join([*(f"# {n}" for n in notes), *_yaml(data)]) + "\n"
 
 
@@ -428,6 +466,7 @@ def _torchrun(launch: Launch) -> str:
         "offload": config.offload.value,
         "activation checkpointing": _checkpointing_note(config.ac_every),
         "attention": config.attention.value,
+        "loss": _loss_note(config.loss),
         "micro-batch per rank": str(launch.micro_batch_size),
         "accumulation steps": str(launch.grad_accum),
     }
@@ -438,6 +477,7 @@ def _torchrun(launch: Launch) -> str:
     ]
     if engine_format:
         lines.append(f"# the engine's settings: autotune export --format {engine_format}")
+    lines += [f"# {note}" for note in knob_notes(launch, Format.TORCHRUN)]
     if launch.nodes > 1:
         lines.append("# run on every node, with MASTER_ADDR the first node's address")
     lines += [
@@ -455,7 +495,7 @@ _FSDP_SNIPPET = '''"""FSDP2 as autotune measured it: {summary}.
 On every rank, after torch.distributed.init_process_group and before the optimizer is built:
     model = apply_fsdp(model)
 then train with {micro_batch} sequences per rank per micro-step and {grad_accum} micro-steps per
-optimizer step (model.set_requires_gradient_sync(False) on all micro-steps but the last).
+optimizer step (model.set_requires_gradient_sync(False) on all micro-steps but the last).{loss}
 """
 
 import torch
@@ -523,6 +563,7 @@ def _fsdp(launch: Launch) -> str:
     mixed = config.precision is Precision.BF16_MIXED
     return _FSDP_SNIPPET.format(
         summary=launch.summary(),
+        loss="".join(f"\n\nLoss: {note}" for note in knob_notes(launch, Format.FSDP)),
         micro_batch=launch.micro_batch_size,
         grad_accum=launch.grad_accum,
         ac_every=config.ac_every,

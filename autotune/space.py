@@ -1,9 +1,11 @@
 """The search space: every configuration worth trying on a number of GPUs, in ladder order.
 
 The ladder (docs/architecture.md) climbs from the cheapest configuration to the costliest in
-memory savings: no sharding, then activation checkpointing coarse to fine, then heavier
-sharding, then CPU offload. :func:`ladder_key` orders configurations that way; the planner,
-the search and the exports all enumerate the same :func:`configurations`.
+memory savings: no sharding, then the chunked loss (the logits never whole, for one more
+forward of the output layer), then activation checkpointing coarse to fine, each with the
+chunked loss after it, then heavier sharding, then CPU offload. :func:`ladder_key` orders
+configurations that way; the planner, the search and the exports all enumerate the same
+:func:`configurations`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from autotune.config import Attention, ConfigError, Engine, Offload, Precision, TrainConfig
+from autotune.config import (
+    Attention,
+    ConfigError,
+    Engine,
+    Loss,
+    Offload,
+    Precision,
+    TrainConfig,
+)
 
 __all__ = [
     "Workload",
@@ -108,6 +118,7 @@ def configurations(
     precision: Precision = Precision.BF16_MIXED,
     attention: Attention = Attention.SDPA,
     offload: bool = True,
+    losses: Iterable[Loss] = tuple(Loss),
 ) -> list[TrainConfig]:
     """Every valid configuration for ``world_size`` GPUs, sorted in ladder order.
 
@@ -120,29 +131,36 @@ def configurations(
         attention: The attention kernel.
         offload: Include the CPU-offload rungs (not where there is no host to offload to,
             as on a CPU emulating a device).
+        losses: The losses to try (``--loss``; the model's own only for a user's script,
+            which computes its loss itself).
 
     Returns:
         Configurations, cheapest rung first.
     """
     allowed = set(engines) if engines is not None else set(Engine)
+    chosen_losses = list(dict.fromkeys(losses))
+    if not chosen_losses:
+        raise ConfigError(f"no loss to try: use --loss {' or '.join(x.value for x in Loss)}")
     found: list[TrainConfig] = []
     for engine, stage, where in _sharding(world_size):
         if engine not in allowed or (where is not Offload.NONE and not offload):
             continue
         for ac in ac_options(num_layers):
-            try:
-                found.append(
-                    TrainConfig(
-                        engine=engine,
-                        zero_stage=stage,
-                        precision=precision,
-                        ac_every=ac,
-                        offload=where,
-                        attention=attention,
+            for loss in chosen_losses:
+                try:
+                    found.append(
+                        TrainConfig(
+                            engine=engine,
+                            zero_stage=stage,
+                            precision=precision,
+                            ac_every=ac,
+                            offload=where,
+                            attention=attention,
+                            loss=loss,
+                        )
                     )
-                )
-            except ConfigError:
-                continue  # e.g. fp16 with FSDP2, pure bf16 with DeepSpeed
+                except ConfigError:
+                    continue  # e.g. fp16 with FSDP2, pure bf16 with DeepSpeed
     if not found and engines is not None:
         usable = {
             e.value for e, _, where in _sharding(world_size) if offload or where is Offload.NONE
@@ -160,12 +178,15 @@ def configurations(
 _OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.PARAMS: 2}
 
 
-def ladder_key(config: TrainConfig) -> tuple[int, int, int, int]:
-    """Sort key of the ladder: offload, then sharding, then checkpointing (coarse first)."""
+def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int]:
+    """Sort key of the ladder: offload, then sharding, then checkpointing (coarse first), the
+    chunked loss right after the same configuration with the model's own (it costs one more
+    forward of the output layer, less than any checkpointing)."""
     ac_rank = 0 if config.ac_every == 0 else 1 + 4 // config.ac_every
     return (
         _OFFLOAD_RANK[config.offload],
         config.zero_stage,
         ac_rank,
+        int(config.loss is not Loss.FULL),
         int(config.engine is Engine.DEEPSPEED),
     )

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune import api
-from autotune.config import ConfigError, Engine, TrainConfig
+from autotune.config import ConfigError, Engine, TrainConfig, parse_losses
 from autotune.devices import Device, LocalDevice, SimulatedDevice
 from autotune.devices.replay import REPLAYED, Grid, GridKey, without_checkpointing
 from autotune.hardware import cpu_device_spec, detect_gpus, host_memory_bytes
@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--simulate", metavar="GPU", help="record the simulated GPU (a fake)")
     parser.add_argument("--host-memory", default=None, help="the simulated node's, e.g. 125GiB")
     parser.add_argument("--engine", default=None, help="only these engines: fsdp,deepspeed")
+    parser.add_argument(
+        "--loss", default="full", help="the losses to record: full (default), chunked or both"
+    )
     parser.add_argument("--timeout", default="15m", help="per probe")
     parser.add_argument("--stop-after", default=None, help="start nothing predicted to end later")
     parser.add_argument("--complete", action="store_true", help="also points the rules decide")
@@ -196,6 +199,7 @@ def record(args: argparse.Namespace) -> None:
         num_layers=model.num_layers,
         engines=engines,
         offload=on_gpu,  # an emulated device has no host to offload to
+        losses=parse_losses(args.loss) or (),
     )
     sizes = micro_batch_options(workload)
     stop_after = parse_duration(args.stop_after) if args.stop_after else None

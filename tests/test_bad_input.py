@@ -87,6 +87,9 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("plan", "--model", "x" * 300, "--gpu", "h100"), "unknown model 'xxxxxxxx"),
     (("run", *SIM, "--engine", ""), "unknown engine in ''"),
     (("plan", "--gpu", "h100", "--engine", "fsdp,"), "unknown engine in 'fsdp,'"),
+    (("plan", "--gpu", "h100", "--loss", "fused"), "unknown loss in 'fused': use full or chunked"),
+    (("run", *SIM, "--loss", "full,"), "unknown loss in 'full,'"),
+    (("probe", "--loss", "liger"), "liger"),
     (("run", *CPU, "--gpus", "1", "--engine", "ddp"), "--engine ddp leaves no configuration"),
     (("run", *SIM, "--device", "tpu"), "unknown device 'tpu': use auto, cuda, cpu"),
     (("probe", "--device", "tpu"), "unknown device 'tpu'"),
@@ -124,6 +127,10 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     ),
     (("run", *CPU, "--script", "train.py", "--framework", "pl"), "unknown framework 'pl'"),
     (("run", *CPU, "--framework", "hf"), "--framework without --script"),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "hf", "--loss", "chunked"),
+        "--loss chunked is a loss of autotune's stand-in; your script computes its own",
+    ),
     (("run", *CPU, "--", "--lr", "1"), "arguments after -- without --script"),
     (("run", *CPU[2:], "--script", "train.py", "--framework", "hf"), "give --model with --script"),
     (

@@ -235,6 +235,7 @@ def test_to_dict_values() -> None:
         "ac_every": 0,
         "offload": "optimizer",
         "attention": "sdpa",
+        "loss": "full",
     }
 
 

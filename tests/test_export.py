@@ -17,8 +17,8 @@ import pytest
 from test_cli import autotune
 
 import autotune as library
-from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
-from autotune.launch import Format, Launch, deepspeed_config, hf_fields, render
+from autotune.config import ConfigError, Engine, Loss, Offload, Precision, TrainConfig
+from autotune.launch import Format, Launch, deepspeed_config, hf_fields, knob_notes, render
 from autotune.models import resolve_model
 from autotune.probe.ops import op_environment
 
@@ -222,6 +222,7 @@ def test_a_cpu_deepspeed_engine_trains_from_the_export(config: TrainConfig, tmp_
         *FSDP_CONFIGS,
         TrainConfig(engine=Engine.DDP, ac_every=2),
         TrainConfig(engine=Engine.SINGLE),
+        TrainConfig(engine=Engine.FSDP, zero_stage=3, loss=Loss.CHUNKED),  # a note in comments
     ],
     ids=lambda c: c.label(),
 )
@@ -386,7 +387,11 @@ def test_torchrun_parses_the_line(nodes: int) -> None:
 # ---- FSDP2 snippet ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", FSDP_CONFIGS, ids=lambda c: c.label())
+@pytest.mark.parametrize(
+    "config",
+    [*FSDP_CONFIGS, TrainConfig(engine=Engine.FSDP, zero_stage=3, loss=Loss.CHUNKED)],
+    ids=lambda c: c.label(),
+)
 def test_fsdp_snippet_shards_and_trains_a_tiny_model(config: TrainConfig, tmp_path: Path) -> None:
     """The snippet, executed on the tiny model in a one-rank gloo group on the CPU: every
     block and the root sharded (DTensor parameters), the blocks checkpointed as configured,
@@ -441,6 +446,49 @@ def test_fsdp_snippet_shards_and_trains_a_tiny_model(config: TrainConfig, tmp_pa
         "torch.bfloat16" if config.precision is Precision.BF16 else "torch.float32"
     )
     assert seen["losses"][1] < seen["losses"][0]  # the same batch twice: the step trained
+
+
+# ---- Knobs a format has no setting for ----------------------------------------------------------
+
+CHUNKED_ADVICE = (
+    "hidden = model.model(input_ids=input_ids).last_hidden_state; "
+    "loss = autotune.probe.loss.chunked_cross_entropy(model.lm_head, hidden, labels, 1024)"
+)
+
+
+@pytest.mark.parametrize("fmt", [f for f in Format if f is not Format.COMMAND])
+def test_every_format_says_how_to_get_the_chunked_loss(fmt: Format) -> None:
+    """No trainer format has a setting for the chunked loss: each export says so, with the
+    code that computes it (in the text itself where the format takes comments); a
+    configuration with the model's own loss has nothing to say."""
+    engine = {Format.DEEPSPEED: Engine.DEEPSPEED, Format.FSDP: Engine.FSDP}.get(fmt, Engine.DDP)
+    stage = {Engine.DEEPSPEED: 2, Engine.FSDP: 3}.get(engine, 0)
+    config = TrainConfig(engine=engine, zero_stage=stage, loss=Loss.CHUNKED)
+    [note] = knob_notes(launch(config), fmt)
+    assert note.startswith(f"--format {fmt.value} has no setting for the chunked loss")
+    assert CHUNKED_ADVICE in note
+    text = render(launch(config), fmt)
+    if fmt in (Format.ACCELERATE, Format.TORCHRUN, Format.FSDP):
+        assert CHUNKED_ADVICE in text
+    assert knob_notes(launch(dataclasses.replace(config, loss=Loss.FULL)), fmt) == []
+
+
+def test_the_advice_for_the_chunked_loss_computes_the_models_loss() -> None:
+    """The code every export gives for the chunked loss, run on a Hugging Face model: the
+    model's own loss, within fp32 rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import autotune.probe.loss
+    from autotune.probe.modeling import hf_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(TINY))
+    input_ids = labels = torch.randint(0, TINY.vocab_size, (3, 700))  # 2,100 tokens: 3 chunks
+    scope = {"model": model, "input_ids": input_ids, "labels": labels, "autotune": autotune}
+    exec(CHUNKED_ADVICE, scope)  # the advice, as a user pastes it
+    expected = model(input_ids=input_ids, labels=labels).loss
+    assert scope["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 # ---- Formats that cannot express the configuration ----------------------------------------------
@@ -610,3 +658,28 @@ def test_cli_trial_exports_that_trial(study: str, tmp_path: Path) -> None:
     assert data["trial"] == fsdp.number
     assert data["config"] == fsdp.config.to_dict()
     assert "torchrun --nnodes=1 --nproc-per-node=8 train.py" in data["text"]
+
+
+def test_a_chunked_best_is_exported_with_its_note(tmp_path: Path) -> None:
+    """``run --loss chunked`` on a simulated A100 40GB: the study's best has the chunked loss;
+    its export says so on stderr beside the file, and in --json."""
+    storage = f"sqlite:///{tmp_path}/t.db"
+    common = ("--storage", storage)
+    done = autotune(
+        "run",
+        *("--simulate", "a100-40gb", "--gpus", "1", "--model", "qwen2.5-1.5b"),
+        *("--loss", "chunked", "--budget", "10m", "--trials-dir", str(tmp_path / "trials")),
+        *common,
+        "--json",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    [best] = library.best(storage=storage)
+    assert best.best is not None and best.best.config.loss is Loss.CHUNKED
+    shown = autotune("export", "--format", "hf", *common, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "note: --format hf has no setting for the chunked loss" in shown.stderr
+    assert json.loads(shown.stdout)["per_device_train_batch_size"] >= 1
+    data = json.loads(autotune("export", "--format", "hf", *common, "--json", cwd=tmp_path).stdout)
+    assert data["config"]["loss"] == "chunked"
+    assert len(data["notes"]) == 1 and CHUNKED_ADVICE in data["notes"][0]

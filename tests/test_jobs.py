@@ -29,6 +29,7 @@ workloads:
     seq-len: 4096
     global_batch: 64
     engine: [fsdp]
+    loss: [chunked]
 """
 
 
@@ -40,7 +41,10 @@ def test_the_job_file_merges_the_command_line_under_each_workload(tmp_path: Path
     assert first.options == {"model": "llama-7b", "gpus": 8, "budget": "10m", "storage": "x"}
     assert second.options["seq_len"] == 4096 and second.options["engine"] == "fsdp"
     assert second.options["gpus"] == 4 and second.options["budget"] == "30m"
-    assert second.label() == "qwen2.5-1.5b engine fsdp global-batch 64 seq-len 4096"
+    assert second.options["loss"] == "chunked"
+    assert second.label() == (
+        "qwen2.5-1.5b engine fsdp global-batch 64 loss chunked seq-len 4096"
+    )
 
 
 def test_a_workloads_own_storage_is_masked_in_its_label_and_options(tmp_path: Path) -> None:
@@ -73,6 +77,7 @@ A = "workloads:\n  - model: a\n"
         (A + "    budget: -5m\n", r":3: workload 1: .*-5m"),
         (A + "    budget: soon\n", r":3: workload 1: .*soon"),
         (A + "    engine: megatron\n", r":3: workload 1: unknown engine"),
+        (A + "    loss: [full, fused]\n", r":3: workload 1: unknown loss in \['full', 'fused'\]"),
         (A + "    headroom: 150%\n", r":3: workload 1: .*150%"),
         (A + "    global_batch: 0\n", r":3: workload 1: global_batch must be positive"),
         (A + "    gpus: 2\n    gpus: 4\n", r":4: workload 1: gpus is set twice"),

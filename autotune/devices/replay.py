@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.config import ConfigError, TrainConfig
+from autotune.config import ConfigError, Loss, TrainConfig
 from autotune.devices.base import AnsweredDevice
 from autotune.hardware import GpuSpec, cpu_device_spec
 from autotune.hardware.lookup import driver_spec
@@ -148,6 +148,13 @@ class Grid:
     @property
     def probes(self) -> list[ProbeResult]:
         return [r.probe for r in self.recordings]
+
+    @property
+    def losses(self) -> tuple[Loss, ...]:
+        """The losses the grid's configurations were recorded with (a search over the grid
+        tries only those: any other point was not recorded)."""
+        seen = {r.probe.spec.config.loss for r in self.recordings}
+        return tuple(loss for loss in Loss if loss in seen)
 
     @classmethod
     def from_folder(cls, folder: Path, key: GridKey | None = None) -> Grid:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from autotune.config import Attention, Engine, Precision, TrainConfig
+from autotune.config import LOSS_CHUNK_TOKENS, Attention, Engine, Loss, Precision, TrainConfig
 from autotune.models import ModelSpec
 
 __all__ = ["ActivationProfile", "Regime", "activation_profile", "regime_of"]
@@ -62,11 +62,22 @@ class ActivationProfile:
     """Working set of one block's backward on top of what it saved: gradients of its
     activations (measured; docs/estimator.md)."""
     head_saved_per_token: float
-    """Final norm, the lm_head input, the log-softmax output (fp32) and the int64 labels."""
+    """Final norm, the lm_head input, the log-softmax output (fp32) and the int64 labels; with
+    the chunked loss, the final norm, its output and the shifted labels only."""
     head_forward_per_token: float
-    """Extra at the loss: the logits and their fp32 upcast, before the forward returns."""
+    """Extra at the loss, per token of a chunk: the logits and their fp32 upcast (and, chunked,
+    the log-probabilities, which the chunk does not keep)."""
     head_backward_per_token: float
-    """Extra at the start of the backward: gradients of the fp32 log-probabilities and logits."""
+    """Extra at the start of the backward, per token of a chunk: gradients of the fp32
+    log-probabilities and logits (and, chunked, the recomputed log-probabilities)."""
+    head_chunk_tokens: int | None
+    """Tokens the loss takes at a time (the two figures above count that many); None: all."""
+    head_backward_all_per_token: float = 0.0
+    """Chunked loss: the gradient of the whole batch's hidden states, which the chunks'
+    backwards fill in turn (all tokens, alive while the chunks run)."""
+    head_backward_bytes: int = 0
+    """Chunked loss: the output layer's weight gradient of a chunk, in flight in the
+    backward while that chunk's transients are alive."""
     layer_weight_copy_bytes: int
     """Autocast's bf16 copy of one block's weights, held from its forward to its backward."""
     head_weight_copy_bytes: int
@@ -136,6 +147,19 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
     logits = act * V + (4 * V if act != 4 else 0)  # the lm_head output and its fp32 upcast
     # Under autocast the final norm's fp32 output lives on in the returned model output.
     head_forward = logits + (4 * d if regime is Regime.AUTOCAST else 0) + 8
+    head_backward = 8 * V
+    chunk = None
+    head_backward_all, head_weight_grad = 0, 0
+    if config.loss is Loss.CHUNKED:
+        # Each chunk keeps only its inputs: its slice of the final norm's output (the residual
+        # stream's dtype) and of the shifted int64 labels. Its logits, upcast and
+        # log-probabilities exist while it runs, and again, recomputed, in the backward.
+        head_saved = norm + residual * d + 8
+        head_forward = logits + 4 * V
+        head_backward = 4 * V + 8 * V
+        chunk = LOSS_CHUNK_TOKENS
+        head_backward_all = residual * d
+        head_weight_grad = act * V * d
 
     matmul_per_layer = model.num_block_params // model.num_layers
     copies = regime is Regime.AUTOCAST
@@ -146,7 +170,10 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         layer_backward_per_token=9 * d + 2 * i,
         head_saved_per_token=head_saved,
         head_forward_per_token=head_forward,
-        head_backward_per_token=8 * V,
+        head_backward_per_token=head_backward,
+        head_chunk_tokens=chunk,
+        head_backward_all_per_token=head_backward_all,
+        head_backward_bytes=head_weight_grad,
         layer_weight_copy_bytes=2 * matmul_per_layer if copies else 0,
         head_weight_copy_bytes=2 * V * d if copies else 0,
     )

@@ -4,15 +4,21 @@ For each configuration the planner predicts peak memory and step time at every m
 reaches the global batch exactly, and keeps the fastest size that fits the GPU's memory (every
 size's prediction stays on the row for the search). Configurations that fit at no size are
 listed after, with how much they miss by at micro-batch 1.
+
+The chunked loss is kept only where it pays: a configuration with it is dropped when the same
+configuration with the model's own loss fits as large a micro-batch (it would only be slower,
+by one more forward of the output layer), so it appears on the rows where the logits are what
+stops a larger micro-batch or any fit at all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.config import Attention, Engine, Precision, TrainConfig
+from autotune.config import Attention, Engine, Loss, Precision, TrainConfig
 from autotune.estimator.host import HOST_RESERVE_BYTES, HostEstimate, estimate_host
 from autotune.estimator.memory import MemoryEstimate, estimate_memory
 from autotune.estimator.timing import StepTime, predict_step_time
@@ -172,6 +178,7 @@ def plan(
     host_reserve: int = HOST_RESERVE_BYTES,
     host_cores: int | None = None,
     device: str = "cuda",
+    losses: Iterable[Loss] = tuple(Loss),
 ) -> list[PlanRow]:
     """Every configuration of the space, fastest fitting first, then the nearest misses.
 
@@ -193,6 +200,7 @@ def plan(
             per GPU.
         device: ``cuda``, or ``cpu`` when the CPU emulates the device (no pinned memory;
             the device's tensors are host memory).
+        losses: The losses to try; a chunked one only where it pays (module docstring).
 
     Returns:
         One row per configuration.
@@ -209,6 +217,7 @@ def plan(
         precision=precision or default_precision(gpu),
         attention=attention,
         offload=offload,
+        losses=losses,
     ):
 
         def peak(mbs: int, config: TrainConfig = config) -> MemoryEstimate:
@@ -262,6 +271,24 @@ def plan(
             )
         )
     return sorted(
-        rows,
+        _paying(rows, capacity),
         key=lambda r: (not r.fits, not r.host_fits, -r.tokens_per_second, r.over_bytes),
     )
+
+
+def _paying(rows: list[PlanRow], capacity: int) -> list[PlanRow]:
+    """``rows`` without the chunked-loss rows whose twin with the model's own loss fits as large
+    a micro-batch (0 where nothing fits)."""
+
+    def largest(row: PlanRow) -> int:
+        return max((m for m, peak in row.peaks.items() if peak <= capacity), default=0)
+
+    full = {row.config: largest(row) for row in rows if row.config.loss is Loss.FULL}
+    kept = []
+    for row in rows:
+        if row.config.loss is not Loss.FULL:
+            twin = full.get(dataclasses.replace(row.config, loss=Loss.FULL))
+            if twin is not None and twin >= largest(row):
+                continue
+        kept.append(row)
+    return kept

@@ -24,7 +24,15 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from autotune.config import Attention, Engine, Offload, Precision, TrainConfig
+from autotune.config import (
+    LOSS_CHUNK_TOKENS,
+    Attention,
+    Engine,
+    Loss,
+    Offload,
+    Precision,
+    TrainConfig,
+)
 from autotune.hardware.specs import GpuSpec
 from autotune.models import ModelSpec
 
@@ -108,6 +116,11 @@ _DISPATCH_S = 12e-6
 _DISPATCHES_PER_LAYER = {"autocast": 243.0, "low": 217.0, "fp32": 217.0}
 _EAGER_EXTRA_DISPATCHES = 30.0
 _HEAD_DISPATCHES = 110.0
+# The chunked loss (--loss chunked) dispatches per chunk, against the model's own loss:
+# (forward per chunk, forward fixed, total per chunk, total fixed), counted the same way on a
+# tiny llama at 1, 2 and 4 chunks (226 + 9 a chunk forward, 556 + 37 a chunk in all, against
+# 222 and 575).
+_CHUNK_DISPATCHES = (9.0, -5.0, 37.0, -19.0)
 _FORWARD_SHARE = 0.36  # forward kernels over forward + backward kernels of a block (trace)
 # How the host's dispatch time and the GPU's time combine in one pass (_overlap): a p-norm,
 # 1 would be their sum, infinity their maximum.  Fitted with the Hopper sustained factor to the
@@ -501,6 +514,13 @@ def _compute(
     head_t = n * (h_tv * shape.vocab + h_td * d)
     t_f += (block_f + head_f) / hbm
     t_b += (block_t - block_f + fraction * block_f + head_t - head_f) / hbm
+    chunked = config.loss is Loss.CHUNKED
+    if chunked:
+        # The backward makes each chunk's logits again: the output layer's forward matmul and
+        # the loss's forward traffic, once more.
+        v = shape.vocab
+        t_b += max(2.0 * d * v * n / (mm_eff * peak), operand * (2.0 * n + 2.0 * d) * v / hbm)
+        t_b += head_f / hbm
 
     sustained = _SUSTAINED.get(arch, _SUSTAINED_DEFAULT)
     gpu_f, gpu_b = t_f / sustained, t_b / sustained
@@ -512,6 +532,11 @@ def _compute(
     recomputed = (1.0 - _FORWARD_SHARE + fraction * _FORWARD_SHARE) * per_layer
     host_f = (_FORWARD_SHARE * per_layer * layers + 0.5 * _HEAD_DISPATCHES) * _DISPATCH_S
     host_b = (recomputed * layers + 0.5 * _HEAD_DISPATCHES) * _DISPATCH_S
+    if chunked:
+        chunks = math.ceil(n / LOSS_CHUNK_TOKENS)
+        per_f, fixed_f, per_t, fixed_t = _CHUNK_DISPATCHES
+        host_f += (per_f * chunks + fixed_f) * _DISPATCH_S
+        host_b += ((per_t - per_f) * chunks + fixed_t - fixed_f) * _DISPATCH_S
     if config.engine is Engine.DEEPSPEED and config.zero_stage == 3:
         hooks = _ZERO3_HOST_PER_LAYER_S * layers + _ZERO3_HOST_FIXED_S
     elif config.engine is Engine.DEEPSPEED and config.zero_stage == 0:
@@ -821,6 +846,8 @@ def predict_step_time(
     attention_f = 4.0 * layers * shape.heads * shape.head_dim * seq_len
     model_flops = shape.flops_per_token_fixed + 3.0 * attention_f
     hardware_flops = model_flops + fraction * (2.0 * shape.block_params + attention_f)
+    if config.loss is Loss.CHUNKED:
+        hardware_flops += 2.0 * shape.hidden * shape.vocab  # the logits, made again
     per_rank = tokens_per_second / world_size
     return StepTime(
         compute_s=compute_s,

@@ -189,7 +189,9 @@ class ModelSpec:
             return self.hardware_flops_per_token(seq_len, 1.0)
         return 6.0 * self.num_matmul_params + 3.0 * self._attention_flops(seq_len)
 
-    def hardware_flops_per_token(self, seq_len: int, checkpointed_fraction: float) -> float:
+    def hardware_flops_per_token(
+        self, seq_len: int, checkpointed_fraction: float, *, head_recomputed: bool = False
+    ) -> float:
         """FLOPs the GPU executes per token when a fraction of blocks is recomputed.
 
         Recomputing a block repeats its forward pass: 2·N_block + 4·L·H·Q·T, scaled by the
@@ -200,6 +202,8 @@ class ModelSpec:
         Args:
             seq_len: Tokens per sequence T.
             checkpointed_fraction: Fraction of decoder blocks recomputed, 0 (none) to 1 (all).
+            head_recomputed: The logit layer's forward runs again in the backward (the chunked
+                loss): 2·H·V more.
 
         Returns:
             FLOPs per token.
@@ -210,4 +214,5 @@ class ModelSpec:
         if not 0.0 <= checkpointed_fraction <= 1.0:
             raise ValueError(f"checkpointed_fraction {checkpointed_fraction} is not in [0, 1]")
         extra = 2.0 * self.num_block_params + self._attention_flops(seq_len)
-        return self.flops_per_token(seq_len) + checkpointed_fraction * extra
+        head = 2.0 * self.hidden_size * self.vocab_size if head_recomputed else 0.0
+        return self.flops_per_token(seq_len) + checkpointed_fraction * extra + head

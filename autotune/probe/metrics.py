@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from autotune.config import checkpointed_fraction
+from autotune.config import Loss, checkpointed_fraction
 from autotune.models import ModelSpec
 from autotune.probe.spec import ProbeSpec
 
@@ -116,7 +116,9 @@ def probe_throughput(
         world_size=spec.world_size,
         model_flops_per_token=model.flops_per_token(spec.seq_len),
         hardware_flops_per_token=model.hardware_flops_per_token(
-            spec.seq_len, checkpointed_fraction(model.num_layers, spec.config.ac_every)
+            spec.seq_len,
+            checkpointed_fraction(model.num_layers, spec.config.ac_every),
+            head_recomputed=spec.config.loss is Loss.CHUNKED,
         ),
         peak_flops=peak_flops,
     )

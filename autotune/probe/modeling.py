@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from autotune.config import Attention, TrainConfig
 from autotune.models import ModelSpec
+from autotune.probe.loss import apply_loss
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -63,6 +64,7 @@ def build_model(
         )
     model.config.use_cache = False
     model.train()
+    apply_loss(model, config)
     if checkpointing:
         apply_activation_checkpointing(model, config.ac_every)
     return model

@@ -46,7 +46,15 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, Trial, TrialState, create_trial
 
-from autotune.config import Attention, ConfigError, Engine, Offload, Precision, TrainConfig
+from autotune.config import (
+    Attention,
+    ConfigError,
+    Engine,
+    Loss,
+    Offload,
+    Precision,
+    TrainConfig,
+)
 from autotune.probe.metrics import throughput
 from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult, SizeResult
@@ -81,6 +89,7 @@ def _distributions() -> dict[str, BaseDistribution]:
         "ac_every": IntDistribution(0, 64),
         "offload": CategoricalDistribution([o.value for o in Offload]),
         "attention": CategoricalDistribution([a.value for a in Attention]),
+        "loss": CategoricalDistribution([x.value for x in Loss]),
         "micro_batch_size": IntDistribution(1, 1 << 16),
     }
 

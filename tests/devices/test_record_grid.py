@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from autotune.config import Loss
 from autotune.devices import ReplayDevice
 from autotune.models import resolve_model
 from autotune.probe import Outcome, Stage
@@ -30,6 +31,8 @@ SCRIPT = Path(__file__).parents[2] / "bench" / "record_grid.py"
 MODEL, SEQ, GBS = "mistral-7b", 2048, 16
 WORKLOAD = ["--model", MODEL, "--seq-len", str(SEQ), "--global-batch", str(GBS)]
 SIMULATED = ["--simulate", "h100-80gb", "--host-memory", "125GiB"]
+FULL = (Loss.FULL,)
+"""The losses a grid records by default (``--loss full``)."""
 
 
 def record(out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -59,7 +62,7 @@ def answers(device: ReplayDevice, folder: Path) -> dict[str, list[tuple[int, str
     sizes = tuple(micro_batch_options(Workload(seq_len=SEQ, global_batch=GBS, world_size=1)))
     found = {}
     for index, config in enumerate(
-        configurations(world_size=1, num_layers=spec.num_layers, offload=True)
+        configurations(world_size=1, num_layers=spec.num_layers, offload=True, losses=FULL)
     ):
         probe = ProbeSpec(
             model=MODEL, config=config, micro_batch_sizes=sizes, seq_len=SEQ, device="cuda"
@@ -89,7 +92,9 @@ def test_the_points_skipped_replay_as_the_complete_grid_measured_them(
     grids: tuple[Path, Path], tmp_path: Path
 ) -> None:
     ruled, complete = grids
-    space = configurations(world_size=1, num_layers=resolve_model(MODEL).num_layers, offload=True)
+    space = configurations(
+        world_size=1, num_layers=resolve_model(MODEL).num_layers, offload=True, losses=FULL
+    )
     facts = node(ruled)
     assert facts["state"] == "complete" and node(complete)["state"] == "complete"
     # Fewer probes: each configuration is a file or a skip that says why, never both.
@@ -214,7 +219,9 @@ def test_states_that_do_not_fit_are_probed_once(tmp_path: Path) -> None:
             timeout=600,
         )
         assert done.returncode == 0, done.stdout + done.stderr
-    space = configurations(world_size=1, num_layers=resolve_model("tiny").num_layers, offload=False)
+    space = configurations(
+        world_size=1, num_layers=resolve_model("tiny").num_layers, offload=False, losses=FULL
+    )
     assert len(space) >= 2
     ruled = node(folders["ruled"])
     assert len(list(folders["ruled"].glob("[0-9]*.json"))) == 1

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
-from autotune.config import ConfigError, Engine
-from autotune.estimator.plan import plan, usable_bytes
+from autotune.config import LOSS_CHUNK_TOKENS, ConfigError, Engine, Loss
+from autotune.estimator.plan import PlanRow, plan, usable_bytes
 from autotune.hardware import gpu_spec
 from autotune.models import preset_names, resolve_model
 from autotune.space import Workload, configurations, ladder_key, micro_batch_options
@@ -104,3 +105,68 @@ def test_a_plan_for_another_node_takes_no_host_figure_of_this_one() -> None:
     config = next(r.config for r in other.rows if r.config.offload is Offload.OPTIMIZER and r.time)
     speeds = [next(r for r in p.rows if r.config == config).speeds for p in (other, given)]
     assert all(speeds[1][m] > speeds[0][m] for m in speeds[0])  # 28 cores per GPU, not 16
+
+
+def test_the_chunked_loss_follows_its_twin_on_the_ladder() -> None:
+    """Each configuration with the chunked loss comes after the same one with the model's own
+    loss, with nothing between them on another rung (offload, sharding or checkpointing)."""
+    space = configurations(world_size=8, num_layers=32)
+    for index, config in enumerate(space):
+        if config.loss is Loss.CHUNKED:
+            twin = space.index(dataclasses.replace(config, loss=Loss.FULL))
+            assert twin < index
+            rung = ladder_key(config)[:3]
+            assert all(ladder_key(c)[:3] == rung for c in space[twin : index + 1])
+    assert all(
+        c.loss is Loss.FULL
+        for c in configurations(world_size=1, num_layers=32, losses=(Loss.FULL,))
+    )
+    with pytest.raises(ConfigError, match="no loss to try"):
+        configurations(world_size=1, num_layers=32, losses=())
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "seq_len", "global_batch"),
+    [("qwen2.5-1.5b", 1, 2048, 8), ("qwen2.5-1.5b", 1, 4096, 32), ("llama-7b", 8, 4096, 256)],
+)
+def test_the_chunked_loss_is_planned_only_where_it_pays(
+    model: str, gpus: int, seq_len: int, global_batch: int
+) -> None:
+    """A chunked row fits a larger micro-batch than its twin with the model's own loss (or its
+    twin fits nothing); every twin is there; the chunked row is slower at the same size (one
+    more forward of the output layer) and never heavier from two chunks on."""
+    spec, gpu = resolve_model(model), gpu_spec("h100-80gb")
+    work = Workload(seq_len=seq_len, global_batch=global_batch, world_size=gpus)
+    rows = plan(spec, gpu, work)
+    full = {r.config: r for r in rows if r.config.loss is Loss.FULL}
+    chunked = [r for r in rows if r.config.loss is Loss.CHUNKED]
+    assert chunked, "the logits of a 152k or 32k vocabulary stop some micro-batch"
+
+    def largest(row: PlanRow) -> int:
+        return max((m for m, p in row.peaks.items() if p <= row.capacity_bytes), default=0)
+
+    for row in chunked:
+        twin = full[dataclasses.replace(row.config, loss=Loss.FULL)]
+        assert largest(row) > largest(twin)
+        for mbs in row.speeds:
+            assert row.speeds[mbs] < twin.speeds[mbs]
+            if mbs * seq_len >= 2 * LOSS_CHUNK_TOKENS:
+                assert row.peaks[mbs] <= twin.peaks[mbs]
+    only_full = plan(spec, gpu, work, losses=(Loss.FULL,))
+    assert len(only_full) == len(full)
+
+
+def test_the_chunked_loss_replaces_checkpointing_where_the_logits_stop_the_batch() -> None:
+    """qwen2.5-1.5b (vocabulary 151,936) on one A100 40GB: without checkpointing the model's own
+    loss fits micro-batch 1, the chunked one 2, which the plan ranks above checkpointing every
+    4th block at micro-batch 2 (one more forward of the output layer costs less)."""
+    rows = plan(
+        resolve_model("qwen2.5-1.5b"),
+        gpu_spec("a100-40gb"),
+        Workload(seq_len=2048, global_batch=64, world_size=1),
+    )
+    best = rows[0]
+    assert best.fits and best.config.loss is Loss.CHUNKED and best.config.ac_every == 0
+    by_label = {r.config.label(): r for r in rows}
+    assert by_label["single ac:off"].micro_batch_size < best.micro_batch_size
+    assert by_label["single ac:every-4"].tokens_per_second < best.tokens_per_second

@@ -18,7 +18,7 @@ from autotune.search.controller import (
     Controller,
     Event,
 )
-from autotune.search.ladder import CONFIRM_TOP, MAX_REPEATS, REPEATS
+from autotune.search.ladder import CONFIRM_TOP, MAX_REPEATS, REPEATS, TIE_MARGIN
 from autotune.space import Workload
 
 SCENARIOS = [
@@ -92,7 +92,7 @@ def test_with_an_exact_estimator_the_search_ends_at_its_best_in_few_probes(
     assert summary.best.value is not None
     assert summary.best.value >= 0.98 * oracle
     print(f"{summary.probes} probes")
-    assert summary.probes <= 22  # half the 44 configurations of an 8-GPU space
+    assert summary.probes <= len(rows) // 2  # half the configurations of the space
     assert summary.stop_reason.startswith("search done")
     # Micro-batch x ranks x accumulation = global batch, exactly.
     best = summary.best
@@ -106,16 +106,21 @@ def test_no_configuration_is_probed_twice_and_a_rerun_resumes(tmp_path: Path) ->
     keys = [(*m.key, m.repeat) for m in done.measurements]
     assert len(keys) == len(set(keys))
     # Re-measured points: a few near-ties with the best, each measured REPEATS times, and the
-    # best two up to MAX_REPEATS times when they stayed tied (the tie-break).
+    # best two up to MAX_REPEATS times when they stayed tied (the tie-break; which two are the
+    # best may change as repeats come in, so a third near-tie can get its own).
     repeated = {m.key for m in done.measurements if m.repeat}
     assert len(repeated) <= CONFIRM_TOP
     assert done.best is not None and done.best.value is not None
-    counts = []
+    means = {}
     for key in repeated:
+        values = [m.value for m in done.measurements if m.key == key]
         runs = sorted(m.repeat for m in done.measurements if m.key == key)
         assert runs == list(range(len(runs))) and REPEATS <= len(runs) <= MAX_REPEATS
-        counts.append(len(runs))
-    assert sum(n > REPEATS for n in counts) <= 2
+        if len(runs) > REPEATS:
+            means[key] = sum(values) / len(values)
+    assert len(means) <= CONFIRM_TOP
+    # Only near-ties get the tie-break's repeats: within twice its margin of the best mean.
+    assert not means or min(means.values()) >= (1 - 2 * TIE_MARGIN) * max(means.values())
     again, _, _ = _controller(tmp_path, SCENARIOS[0], noise=0.02)
     resumed = again.run()
     assert resumed.probes == 0  # everything it needs is in the study already
