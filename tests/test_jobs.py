@@ -42,9 +42,7 @@ def test_the_job_file_merges_the_command_line_under_each_workload(tmp_path: Path
     assert second.options["seq_len"] == 4096 and second.options["engine"] == "fsdp"
     assert second.options["gpus"] == 4 and second.options["budget"] == "30m"
     assert second.options["loss"] == "chunked"
-    assert second.label() == (
-        "qwen2.5-1.5b engine fsdp global-batch 64 loss chunked seq-len 4096"
-    )
+    assert second.label() == ("qwen2.5-1.5b engine fsdp global-batch 64 loss chunked seq-len 4096")
 
 
 def test_a_workloads_own_storage_is_masked_in_its_label_and_options(tmp_path: Path) -> None:
