@@ -528,8 +528,11 @@ def prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     _check_ranks(chosen, per_node, here)
-    if isinstance(chosen, ReplayDevice):  # a grid answers only the losses it recorded
+    # A user's script checkpoints as its framework does; a grid answers only what it recorded.
+    op_checkpointing = job is None
+    if isinstance(chosen, ReplayDevice):
         chosen_losses = tuple(x for x in chosen_losses if x in chosen.grid.losses) or (Loss.FULL,)
+        op_checkpointing = any(p.spec.config.ac_ops for p in chosen.grid.probes)
     if job is not None and job.framework is Framework.ACCELERATE and on_cpu and per_node > 1:
         raise ConfigError(
             "--framework accelerate starts several ranks on GPUs only (on the CPU accelerate "
@@ -579,6 +582,7 @@ def prepare(
         device="cpu" if on_cpu else "cuda",
         gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
         losses=chosen_losses,
+        op_checkpointing=op_checkpointing,
     )
     _check_something_fits(rows, spec, world, capacity, on_cpu=on_cpu)
     from autotune.study.store import TrialStore
@@ -1046,6 +1050,11 @@ def probe(
         model = model or _script_model(job)
         check_engines(job, [(config or TrainConfig()).engine])
         _losses(job, ((config or TrainConfig()).loss,))
+        if (config or TrainConfig()).ac_ops:
+            raise ConfigError(
+                "--ac ops is autotune's stand-in's checkpointing; your script checkpoints as its "
+                "framework does: use --ac off, every or every-N with --script"
+            )
         if (nodes or 1) > 1 or hosts:
             raise ConfigError("--script runs on one node: leave out --nodes and --hosts")
     if model is None:

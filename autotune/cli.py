@@ -30,7 +30,7 @@ from autotune.config import (
     Offload,
     Precision,
     TrainConfig,
-    parse_ac,
+    parse_ac_ops,
 )
 from autotune.script import Framework, ScriptJob
 from autotune.study.fingerprint import DEFAULT_STORAGE
@@ -256,7 +256,13 @@ def probe(
     zero_stage: Annotated[int, typer.Option(help="ZeRO stage (fsdp: 2 or 3).")] = 0,
     precision: Annotated[Precision, typer.Option()] = Precision.BF16_MIXED,
     offload: Annotated[Offload, typer.Option(help="Model states kept on the CPU.")] = Offload.NONE,
-    ac: Annotated[str, typer.Option(help="Activation checkpointing: off, every, every-N.")] = "off",
+    ac: Annotated[
+        str,
+        typer.Option(
+            help="Activation checkpointing: off, every, every-N (whole blocks), ops (op-level "
+            "in every block: matmul outputs kept, the rest recomputed), every-N+ops."
+        ),
+    ] = "off",
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
     loss: Annotated[
         Loss, typer.Option(help="full: the model's own; chunked: the logits a chunk at a time.")
@@ -297,12 +303,14 @@ def probe(
     from autotune.report.live import print_setup_done
     from autotune.report.tables import probe_report
 
+    ac_every, ac_ops = parse_ac_ops(ac)
     config = TrainConfig(
         engine=engine,
         zero_stage=zero_stage,
         precision=precision,
         offload=offload,
-        ac_every=parse_ac(ac),
+        ac_every=ac_every,
+        ac_ops=ac_ops,
         attention=attention,
         loss=loss,
     )

@@ -89,6 +89,22 @@ logits of a 152k vocabulary (Qwen2.5) in fp32 are 0.6 GiB, against 9.3 GiB for a
 8 sequences of 2048 tokens at once; the output layer's matmul of 1024 rows keeps the GPU busy."""
 
 
+SELECTIVE_SAVED_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+"""The aten operators whose outputs op-level selective checkpointing (``ac_ops``) keeps: the
+matmuls and the attention kernels, the compute-bound ops; everything else a block computes is
+recomputed in the backward. torchtitan's op-level policy, less its every-other-matmul
+refinement. The probe and the FSDP2 export apply it; the estimator counts its outputs."""
+
+
 # NOTE: which zero stages each engine understands. For FSDP2, stage 3 is FULL_SHARD
 # (``reshard_after_forward=True``) and stage 2 is SHARD_GRAD_OP (parameters stay gathered
 # between forward and backward); FSDP2 has no optimizer-only sharding (stage 1).
@@ -152,6 +168,10 @@ class TrainConfig:
     """Numeric format of parameters, compute and optimizer state."""
     ac_every: int = 0
     """Activation checkpointing: 0 off, 1 every decoder block, k every k-th block."""
+    ac_ops: bool = False
+    """Op-level selective checkpointing of the blocks not checkpointed whole: each keeps its
+    matmul and attention outputs and recomputes the rest (norms, rotary embeddings,
+    activation functions, casts) in the backward."""
     offload: Offload = Offload.NONE
     """Model states kept in host memory."""
     attention: Attention = Attention.SDPA
@@ -175,6 +195,10 @@ class TrainConfig:
                 except ValueError:
                     choices = ", ".join(k.value for k in kind)
                     raise ConfigError(f"unknown {name} {value!r}: use one of {choices}") from None
+        if not isinstance(self.ac_ops, bool):
+            if self.ac_ops not in (0, 1):
+                raise ConfigError(f"invalid ac-ops {self.ac_ops!r}: use true or false")
+            object.__setattr__(self, "ac_ops", bool(self.ac_ops))
         for name in ("zero_stage", "ac_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -202,6 +226,11 @@ class TrainConfig:
         if self.ac_every < 0:
             raise ConfigError(
                 f"activation checkpointing every {self.ac_every} blocks: use off, every, or N >= 1"
+            )
+        if self.ac_ops and self.ac_every == 1:
+            raise ConfigError(
+                "every block is checkpointed whole, so op-level checkpointing has none left: "
+                "use --ac every, or --ac ops (every-N+ops for both)"
             )
         if self.offload is not Offload.NONE:
             if self.engine in (Engine.SINGLE, Engine.DDP):
@@ -248,7 +277,7 @@ class TrainConfig:
             parts.append(f"z{self.zero_stage}")
         if self.offload is not Offload.NONE:
             parts.append(f"off:{self.offload.value}")
-        parts.append(f"ac:{ac_to_text(self.ac_every)}")
+        parts.append(f"ac:{ac_to_text(self.ac_every, self.ac_ops)}")
         if self.precision is not Precision.BF16_MIXED:
             parts.append(self.precision.value)
         if self.attention is not Attention.SDPA:
@@ -297,6 +326,18 @@ def parse_losses(value: str | Iterable[Loss | str] | None) -> tuple[Loss, ...] |
 _AC_PATTERN = re.compile(r"^(?:every-?)?(\d+)$")
 
 
+def parse_ac_ops(text: str) -> tuple[int, bool]:
+    """Parse ``--ac``: :func:`parse_ac`'s forms, ``ops`` (op-level selective checkpointing of
+    every block) or ``every-N+ops`` (every N-th block whole, the others op-level), into
+    (:attr:`TrainConfig.ac_every`, :attr:`TrainConfig.ac_ops`)."""
+    value = text.strip().lower()
+    if value in ("ops", "selective", "off+ops"):
+        return 0, True
+    if value.endswith("+ops"):
+        return parse_ac(value.removesuffix("+ops")), True
+    return parse_ac(value), False
+
+
 def parse_ac(text: str) -> int:
     """Parse ``off``, ``every``, ``every-2`` or ``2`` into :attr:`TrainConfig.ac_every`."""
     value = text.strip().lower()
@@ -308,10 +349,14 @@ def parse_ac(text: str) -> int:
     if match and int(match.group(1)) >= 1:
         return int(match.group(1))
     raise ConfigError(
-        f"invalid activation checkpointing {text!r}: use off, every, or every-N (every N-th block)"
+        f"invalid activation checkpointing {text!r}: use off, every, every-N (every N-th "
+        "block), ops (op-level in every block) or every-N+ops"
     )
 
 
-def ac_to_text(ac_every: int) -> str:
-    """Inverse of :func:`parse_ac`."""
-    return {0: "off", 1: "every"}.get(ac_every, f"every-{ac_every}")
+def ac_to_text(ac_every: int, ac_ops: bool = False) -> str:
+    """Inverse of :func:`parse_ac` (and with ``ac_ops``, of :func:`parse_ac_ops`)."""
+    blocks = {0: "off", 1: "every"}.get(ac_every, f"every-{ac_every}")
+    if not ac_ops:
+        return blocks
+    return "ops" if ac_every == 0 else f"{blocks}+ops"

@@ -21,6 +21,7 @@ from typing import Any
 
 from autotune.config import (
     LOSS_CHUNK_TOKENS,
+    SELECTIVE_SAVED_OPS,
     ConfigError,
     Engine,
     Loss,
@@ -193,6 +194,21 @@ def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
     (empty when the format says it all). ``autotune export`` prints them beside the file, and
     the formats that take comments carry them too."""
     notes = []
+    config = launch.config
+    if config.ac_ops and Format(fmt) is not Format.FSDP:  # the FSDP2 snippet applies it
+        whole = (
+            f"; it checkpoints every {config.ac_every}-th block whole too, in place of the "
+            "format's checkpointing"
+            if config.ac_every
+            else ""
+        )
+        notes.append(
+            f"--format {Format(fmt).value} has no setting for the op-level selective "
+            "checkpointing autotune measured (each block keeps its matmul and attention "
+            "outputs and recomputes the rest): before the model is wrapped, call "
+            "autotune.probe.modeling.apply_activation_checkpointing(model, "
+            f"{config.ac_every}, ops=True){whole}"
+        )
     if launch.config.loss is Loss.CHUNKED:
         notes.append(
             f"--format {Format(fmt).value} has no setting for the chunked loss autotune "
@@ -268,12 +284,16 @@ def _loss_note(loss: Loss) -> str:
     return f"chunked cross-entropy, {LOSS_CHUNK_TOKENS} tokens a chunk, recomputed in the backward"
 
 
-def _checkpointing_note(ac_every: int) -> str:
+def _checkpointing_note(ac_every: int, ac_ops: bool = False) -> str:
+    ops = "op-level selective (matmul and attention outputs kept, the rest recomputed)"
     if ac_every == 0:
-        return "none"
+        return f"{ops} in every decoder block" if ac_ops else "none"
     if ac_every == 1:
         return "every decoder block (non-reentrant)"
-    return f"decoder blocks 0, {ac_every}, {2 * ac_every}, ... (every {ac_every}-th, non-reentrant)"
+    whole = (
+        f"decoder blocks 0, {ac_every}, {2 * ac_every}, ... (every {ac_every}-th, non-reentrant)"
+    )
+    return f"{whole}, {ops} in the others" if ac_ops else whole
 
 
 # ---- accelerate ------------------------------------------------------------------------------
@@ -464,7 +484,7 @@ def _torchrun(launch: Launch) -> str:
         "zero stage": str(config.zero_stage),
         "precision": config.precision.value,
         "offload": config.offload.value,
-        "activation checkpointing": _checkpointing_note(config.ac_every),
+        "activation checkpointing": _checkpointing_note(config.ac_every, config.ac_ops),
         "attention": config.attention.value,
         "loss": _loss_note(config.loss),
         "micro-batch per rank": str(launch.micro_batch_size),
@@ -509,10 +529,13 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 MICRO_BATCH_SIZE = {micro_batch}
 GRAD_ACCUM = {grad_accum}
 CHECKPOINT_EVERY = {ac_every}  # checkpoint decoder blocks 0, k, 2k, ...; 0: none
+CHECKPOINT_OPS = {ac_ops}  # the other blocks: keep matmul and attention outputs, recompute the rest
+SAVED_OPS = {saved_ops}
 RESHARD_AFTER_FORWARD = {reshard}  # ZeRO stage {stage}
 PURE_BF16 = {pure_bf16}  # the weights themselves in bf16 (else fp32 master weights)
 
@@ -530,15 +553,27 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     raise ValueError(f"cannot find the decoder blocks of {{type(model).__name__}}")
 
 
+def _selective_policy(ctx, op, *args, **kwargs):
+    name = getattr(op, "__name__", "").split(".")[0]
+    if name in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
 def apply_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """Checkpoint, then shard each decoder block and the root with fully_shard."""
     blocks = decoder_blocks(model)
-    if CHECKPOINT_EVERY:
-        for index, block in enumerate(blocks):
-            if index % CHECKPOINT_EVERY == 0:
-                blocks[index] = checkpoint_wrapper(
-                    block, checkpoint_impl=CheckpointImpl.NO_REENTRANT
-                )
+    for index, block in enumerate(blocks):
+        if CHECKPOINT_EVERY and index % CHECKPOINT_EVERY == 0:
+            blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        elif CHECKPOINT_OPS:
+            blocks[index] = checkpoint_wrapper(
+                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=_selective_context
+            )
     if PURE_BF16:
         model.to(torch.bfloat16)
     mp_policy = MixedPrecisionPolicy({mp_args})
@@ -567,6 +602,8 @@ def _fsdp(launch: Launch) -> str:
         micro_batch=launch.micro_batch_size,
         grad_accum=launch.grad_accum,
         ac_every=config.ac_every,
+        ac_ops=config.ac_ops,
+        saved_ops="{" + ", ".join(repr(op) for op in SELECTIVE_SAVED_OPS) + "}",
         reshard=config.zero_stage == 3,
         stage=config.zero_stage,
         pure_bf16=config.precision is Precision.BF16,

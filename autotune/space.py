@@ -2,14 +2,16 @@
 
 The ladder (docs/architecture.md) climbs from the cheapest configuration to the costliest in
 memory savings: no sharding, then the chunked loss (the logits never whole, for one more
-forward of the output layer), then activation checkpointing coarse to fine, each with the
-chunked loss after it, then heavier sharding, then CPU offload. :func:`ladder_key` orders
+forward of the output layer), then op-level selective checkpointing (matmul outputs kept, the
+cheap ops recomputed), then block checkpointing coarse to fine, each with the chunked loss
+after it, then heavier sharding, then CPU offload. :func:`ladder_key` orders
 configurations that way; the planner, the search and the exports all enumerate the same
 :func:`configurations`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -119,6 +121,7 @@ def configurations(
     attention: Attention = Attention.SDPA,
     offload: bool = True,
     losses: Iterable[Loss] = tuple(Loss),
+    op_checkpointing: bool = True,
 ) -> list[TrainConfig]:
     """Every valid configuration for ``world_size`` GPUs, sorted in ladder order.
 
@@ -133,6 +136,9 @@ def configurations(
             as on a CPU emulating a device).
         losses: The losses to try (``--loss``; the model's own only for a user's script,
             which computes its loss itself).
+        op_checkpointing: Include op-level selective checkpointing (``ac:ops``), a rung
+            between none and every 4th block (not for a user's script, which checkpoints as
+            its framework does).
 
     Returns:
         Configurations, cheapest rung first.
@@ -145,22 +151,25 @@ def configurations(
     for engine, stage, where in _sharding(world_size):
         if engine not in allowed or (where is not Offload.NONE and not offload):
             continue
-        for ac in ac_options(num_layers):
-            for loss in chosen_losses:
-                try:
-                    found.append(
-                        TrainConfig(
-                            engine=engine,
-                            zero_stage=stage,
-                            precision=precision,
-                            ac_every=ac,
-                            offload=where,
-                            attention=attention,
-                            loss=loss,
-                        )
+        checkpointing = [(ac, False) for ac in ac_options(num_layers)]
+        if op_checkpointing:
+            checkpointing.insert(1, (0, True))
+        for (ac, ops), loss in itertools.product(checkpointing, chosen_losses):
+            try:
+                found.append(
+                    TrainConfig(
+                        engine=engine,
+                        zero_stage=stage,
+                        precision=precision,
+                        ac_every=ac,
+                        ac_ops=ops,
+                        offload=where,
+                        attention=attention,
+                        loss=loss,
                     )
-                except ConfigError:
-                    continue  # e.g. fp16 with FSDP2, pure bf16 with DeepSpeed
+                )
+            except ConfigError:
+                continue  # e.g. fp16 with FSDP2, pure bf16 with DeepSpeed
     if not found and engines is not None:
         usable = {
             e.value for e, _, where in _sharding(world_size) if offload or where is Offload.NONE
@@ -179,10 +188,12 @@ _OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.PARAMS: 2}
 
 
 def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int]:
-    """Sort key of the ladder: offload, then sharding, then checkpointing (coarse first), the
-    chunked loss right after the same configuration with the model's own (it costs one more
-    forward of the output layer, less than any checkpointing)."""
-    ac_rank = 0 if config.ac_every == 0 else 1 + 4 // config.ac_every
+    """Sort key of the ladder: offload, then sharding, then checkpointing (coarse first, with
+    op-level checkpointing between none and every 4th block: it recomputes only the cheap
+    ops), the chunked loss right after the same configuration with the model's own (it costs
+    one more forward of the output layer, less than any checkpointing)."""
+    blocks = 0 if config.ac_every == 0 else 1 + 4 // config.ac_every
+    ac_rank = 2 * blocks + int(config.ac_ops)
     return (
         _OFFLOAD_RANK[config.offload],
         config.zero_stage,

@@ -175,6 +175,9 @@ def main() -> None:
     parser.add_argument(
         "--loss", default="full", help="the losses to record: full (default), chunked or both"
     )
+    parser.add_argument(
+        "--ac-ops", action="store_true", help="record op-level selective checkpointing too"
+    )
     parser.add_argument("--timeout", default="15m", help="per probe")
     parser.add_argument("--stop-after", default=None, help="start nothing predicted to end later")
     parser.add_argument("--complete", action="store_true", help="also points the rules decide")
@@ -200,6 +203,7 @@ def record(args: argparse.Namespace) -> None:
         engines=engines,
         offload=on_gpu,  # an emulated device has no host to offload to
         losses=parse_losses(args.loss) or (),
+        op_checkpointing=args.ac_ops,
     )
     sizes = micro_batch_options(workload)
     stop_after = parse_duration(args.stop_after) if args.stop_after else None

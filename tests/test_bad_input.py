@@ -68,6 +68,8 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     # Configurations.
     (("probe", "--engine", "fsdp", "--zero-stage", "1"), "use --engine deepspeed"),
     (("probe", "--ac", "sometimes"), "invalid activation checkpointing 'sometimes'"),
+    (("probe", "--ac", "every+ops"), "op-level checkpointing has none left: use --ac every"),
+    (("probe", "--ac", "ops+ops"), "invalid activation checkpointing 'ops'"),
     (("probe", "--engine", "ddp", "--offload", "optimizer"), "--engine deepspeed or fsdp"),
     (("probe", "--engine", "quantum"), "quantum"),
     (("plan", "--gpu", "h100", "--engine", "megatron"), "unknown engine"),
@@ -130,6 +132,10 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (
         ("run", *CPU, "--script", "train.py", "--framework", "hf", "--loss", "chunked"),
         "--loss chunked is a loss of autotune's stand-in; your script computes its own",
+    ),
+    (
+        ("probe", *CPU, "--script", "train.py", "--framework", "hf", "--ac", "ops"),
+        "--ac ops is autotune's stand-in's checkpointing",
     ),
     (("run", *CPU, "--", "--lr", "1"), "arguments after -- without --script"),
     (("run", *CPU[2:], "--script", "train.py", "--framework", "hf"), "give --model with --script"),

@@ -14,11 +14,14 @@ from autotune.config import (
     Attention,
     ConfigError,
     Engine,
+    Loss,
     Offload,
     Precision,
     TrainConfig,
     ac_to_text,
     parse_ac,
+    parse_ac_ops,
+    parse_losses,
 )
 
 # The supported combinations, written out independently of the validation code.
@@ -202,6 +205,8 @@ def test_frozen() -> None:
 
 VALID_CONFIGS = [
     TrainConfig(),
+    TrainConfig(ac_ops=True, loss=Loss.CHUNKED),
+    TrainConfig(engine=Engine.FSDP, zero_stage=3, ac_every=4, ac_ops=True),
     TrainConfig(engine=Engine.DDP, precision=Precision.FP32, attention=Attention.EAGER),
     TrainConfig(engine=Engine.FSDP, zero_stage=2, precision=Precision.BF16, ac_every=2),
     TrainConfig(engine=Engine.FSDP, zero_stage=3, offload=Offload.PARAMS, ac_every=1),
@@ -221,7 +226,7 @@ def test_dict_round_trip(config: TrainConfig) -> None:
     """to_dict gives plain JSON values; from_dict(json(to_dict)) gives the same config."""
     data = config.to_dict()
     assert set(data) == {f.name for f in dataclasses.fields(TrainConfig)}
-    assert all(type(v) in (str, int) for v in data.values()), data
+    assert all(type(v) in (str, int, bool) for v in data.values()), data
     assert TrainConfig.from_dict(json.loads(json.dumps(data))) == config
 
 
@@ -233,6 +238,7 @@ def test_to_dict_values() -> None:
         "zero_stage": 2,
         "precision": "bf16-mixed",
         "ac_every": 0,
+        "ac_ops": False,
         "offload": "optimizer",
         "attention": "sdpa",
         "loss": "full",
@@ -305,3 +311,35 @@ def test_ac_text_round_trip(ac_every: int) -> None:
     """ac_to_text is the inverse of parse_ac."""
     assert parse_ac(ac_to_text(ac_every)) == ac_every
     assert ac_to_text(ac_every) == {0: "off", 1: "every"}.get(ac_every, f"every-{ac_every}")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("ops", (0, True)), ("selective", (0, True)), ("every-2+ops", (2, True)),
+     ("off", (0, False)), ("every", (1, False)), ("4+ops", (4, True))],
+)  # fmt: skip
+def test_parse_ac_ops(text: str, expected: tuple[int, bool]) -> None:
+    """``--ac`` takes op-level checkpointing alone or beside every N-th block whole, and the
+    label says it back as it is written."""
+    assert parse_ac_ops(text) == expected
+    every, ops = expected
+    assert parse_ac_ops(ac_to_text(every, ops)) == expected
+    assert TrainConfig(ac_every=every, ac_ops=ops).label() == f"single ac:{ac_to_text(every, ops)}"
+
+
+def test_op_level_checkpointing_needs_a_block_left_to_cover() -> None:
+    with pytest.raises(ConfigError, match="op-level checkpointing has none left"):
+        TrainConfig(ac_every=1, ac_ops=True)
+    with pytest.raises(ConfigError, match="every-N"):
+        parse_ac_ops("every+ops+ops")
+    with pytest.raises(ConfigError, match="use true or false"):
+        TrainConfig(ac_ops="maybe")  # type: ignore[arg-type]
+
+
+def test_losses_are_parsed_from_text_or_lists() -> None:
+    assert parse_losses(None) is None
+    assert parse_losses("chunked, full,chunked") == (Loss.CHUNKED, Loss.FULL)
+    assert parse_losses(["full"]) == (Loss.FULL,)
+    with pytest.raises(ConfigError, match="use full or chunked, comma-separated"):
+        parse_losses("fused")
+    assert TrainConfig(loss="chunked").label() == "single ac:off loss:chunked"

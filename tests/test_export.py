@@ -389,7 +389,11 @@ def test_torchrun_parses_the_line(nodes: int) -> None:
 
 @pytest.mark.parametrize(
     "config",
-    [*FSDP_CONFIGS, TrainConfig(engine=Engine.FSDP, zero_stage=3, loss=Loss.CHUNKED)],
+    [
+        *FSDP_CONFIGS,
+        TrainConfig(engine=Engine.FSDP, zero_stage=3, loss=Loss.CHUNKED),
+        TrainConfig(engine=Engine.FSDP, zero_stage=3, ac_every=2, ac_ops=True),
+    ],
     ids=lambda c: c.label(),
 )
 def test_fsdp_snippet_shards_and_trains_a_tiny_model(config: TrainConfig, tmp_path: Path) -> None:
@@ -440,7 +444,9 @@ def test_fsdp_snippet_shards_and_trains_a_tiny_model(config: TrainConfig, tmp_pa
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["sharded"] is True
     layers = len(seen["checkpointed"])
-    expected = [bool(config.ac_every) and i % config.ac_every == 0 for i in range(layers)]
+    expected = [
+        (bool(config.ac_every) and i % config.ac_every == 0) or config.ac_ops for i in range(layers)
+    ]
     assert seen["checkpointed"] == expected
     assert seen["dtype"] == (
         "torch.bfloat16" if config.precision is Precision.BF16 else "torch.float32"
@@ -471,6 +477,44 @@ def test_every_format_says_how_to_get_the_chunked_loss(fmt: Format) -> None:
     if fmt in (Format.ACCELERATE, Format.TORCHRUN, Format.FSDP):
         assert CHUNKED_ADVICE in text
     assert knob_notes(launch(dataclasses.replace(config, loss=Loss.FULL)), fmt) == []
+
+
+@pytest.mark.parametrize("fmt", [f for f in Format if f not in (Format.COMMAND, Format.FSDP)])
+def test_every_format_but_fsdp_says_how_to_get_op_level_checkpointing(fmt: Format) -> None:
+    """The FSDP2 snippet applies op-level checkpointing itself; every other format says it has
+    no setting for it, and how to apply it; with every N-th block whole too, that the call
+    does both."""
+    engine = {Format.DEEPSPEED: Engine.DEEPSPEED}.get(fmt, Engine.DDP)
+    stage = 2 if engine is Engine.DEEPSPEED else 0
+    config = TrainConfig(engine=engine, zero_stage=stage, ac_ops=True)
+    [note] = knob_notes(launch(config), fmt)
+    assert "no setting for the op-level selective checkpointing" in note
+    assert "apply_activation_checkpointing(model, 0, ops=True)" in note
+    [both] = knob_notes(launch(dataclasses.replace(config, ac_every=4)), fmt)
+    assert "apply_activation_checkpointing(model, 4, ops=True)" in both and "whole too" in both
+    fsdp = TrainConfig(engine=Engine.FSDP, zero_stage=3, ac_ops=True)
+    assert knob_notes(launch(fsdp), Format.FSDP) == []
+
+
+def test_the_advice_for_op_level_checkpointing_wraps_every_block() -> None:
+    """The call every export gives, on a Hugging Face model: every block checkpointed with the
+    selective policy, and a step's gradients as without it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from autotune.probe.modeling import apply_activation_checkpointing, decoder_blocks, hf_config
+
+    ids = torch.randint(0, TINY.vocab_size, (2, 32))
+    grads = []
+    for ops in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_config(TINY))
+        assert apply_activation_checkpointing(model, 0, ops=ops) == (TINY.num_layers if ops else 0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+        assert all(type(b).__name__ == "CheckpointWrapper" for b in decoder_blocks(model)) is ops
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_the_advice_for_the_chunked_loss_computes_the_models_loss() -> None:

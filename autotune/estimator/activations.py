@@ -58,6 +58,9 @@ class ActivationProfile:
     """What one decoder block saves for its backward."""
     layer_input_per_token: float
     """What a checkpointed block keeps instead: its input (the residual stream)."""
+    layer_selective_per_token: float
+    """What a block under op-level selective checkpointing keeps instead: its input and the
+    outputs of its matmuls and attention kernel."""
     layer_backward_per_token: float
     """Working set of one block's backward on top of what it saved: gradients of its
     activations (measured; docs/estimator.md)."""
@@ -140,6 +143,17 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         mlp = 4 * act * i  # gate, up, silu(gate), and their product (down_proj's input)
 
     layer_saved = 2 * norm + linear_inputs + attention + mlp
+    # Op-level selective checkpointing keeps the block's input and every output of the ops it
+    # saves (autotune.probe.modeling._SAVED_OPS): the q, k, v, o projections, the MLP's
+    # matmuls (gate, up, down; GPT-2: c_fc, c_proj) and the attention kernel's output and
+    # fp32 log-sum-exp. Eager attention's score matmuls are saved too.
+    projections = 3 * d + d + i + d if gpt2 else q + 2 * kv + d + 2 * i + d
+    matmul_outputs = act * projections
+    if config.attention is Attention.SDPA:
+        kernel_outputs = act * q + 4 * heads
+    else:
+        kernel_outputs = act * (heads * seq_len + q)  # the scores and the weighted values
+    selective = residual * d + matmul_outputs + kernel_outputs
     # The final norm, the lm_head's input, the fp32 log-probabilities and two int64 copies of
     # the labels (inputs and shifted targets).
     head_input = 2 * d if regime is Regime.AUTOCAST else act * d
@@ -167,6 +181,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         regime=regime,
         layer_saved_per_token=layer_saved,
         layer_input_per_token=residual * d,
+        layer_selective_per_token=selective,
         layer_backward_per_token=9 * d + 2 * i,
         head_saved_per_token=head_saved,
         head_forward_per_token=head_forward,

@@ -283,14 +283,21 @@ def estimate_memory(
     layers = model.num_layers
     ac = config.ac_every
     saved = prof.layer_saved_per_token * tokens
+
+    def recomputed(j: int) -> bool:
+        """Whether block ``j`` runs its forward again in the backward (whole or op-level)."""
+        return _checkpointed(j, ac) or config.ac_ops
+
+    # What each block keeps to its backward: its input when checkpointed whole, its input and
+    # matmul outputs under op-level checkpointing, else everything it saved.
+    rest = prof.layer_selective_per_token * tokens if config.ac_ops else saved
     kept = [
-        prof.layer_input_per_token * tokens if _checkpointed(j, ac) else saved
-        for j in range(layers)
+        prof.layer_input_per_token * tokens if _checkpointed(j, ac) else rest for j in range(layers)
     ]
     # Weights held from a block's forward to its backward: autocast's bf16 copy (not for a
     # checkpointed block, whose recomputation casts again) and FSDP2 ZeRO-2's unsharded block.
     held = [
-        states.held_per_layer + (0 if _checkpointed(j, ac) else prof.layer_weight_copy_bytes)
+        states.held_per_layer + (0 if recomputed(j) else prof.layer_weight_copy_bytes)
         for j in range(layers)
     ]
     base = {
@@ -316,7 +323,7 @@ def estimate_memory(
     all_kept, all_held = kept_before[-1], held_before[-1]
     # Forward: the last checkpointed block runs with all its activations (autocast's cache keeps
     # every cast weight until the forward returns).
-    last_ck = max((j for j in range(layers) if _checkpointed(j, ac)), default=None)
+    last_ck = max((j for j in range(layers) if recomputed(j)), default=None)
     if last_ck is not None:
         point(
             "forward",
@@ -325,7 +332,7 @@ def estimate_memory(
             + prof.layer_weight_copy_bytes * (last_ck + 1)
             + states.working_weights,
         )
-    copies_in_cache = prof.layer_weight_copy_bytes * layers if ac else all_held
+    copies_in_cache = prof.layer_weight_copy_bytes * layers if ac or config.ac_ops else all_held
     point(
         "loss",
         activations=all_kept + head_saved + prof.head_forward_per_token * chunk,
@@ -350,8 +357,8 @@ def estimate_memory(
     walked = sorted(set(range(min(period, layers))) | set(range(max(0, layers - period), layers)))
     for j in reversed(walked):
         grads = states.gradients_head + (layers - 1 - j) * states.gradients_per_layer
-        own = saved if _checkpointed(j, ac) else kept[j]
-        recast = prof.layer_weight_copy_bytes if _checkpointed(j, ac) else 0.0
+        own = saved if recomputed(j) else kept[j]
+        recast = prof.layer_weight_copy_bytes if recomputed(j) else 0.0
         point(
             "backward",
             activations=kept_before[j] + own + prof.layer_backward_per_token * tokens,
@@ -395,6 +402,8 @@ def _slope(model: ModelSpec, config: TrainConfig, seq_len: int, prof: Activation
         sum(
             prof.layer_input_per_token
             if _checkpointed(j, config.ac_every)
+            else prof.layer_selective_per_token
+            if config.ac_ops
             else prof.layer_saved_per_token
             for j in range(layers)
         )

@@ -5,10 +5,11 @@ reaches the global batch exactly, and keeps the fastest size that fits the GPU's
 size's prediction stays on the row for the search). Configurations that fit at no size are
 listed after, with how much they miss by at micro-batch 1.
 
-The chunked loss is kept only where it pays: a configuration with it is dropped when the same
-configuration with the model's own loss fits as large a micro-batch (it would only be slower,
-by one more forward of the output layer), so it appears on the rows where the logits are what
-stops a larger micro-batch or any fit at all.
+The knobs that trade time for memory without changing what is trained are kept only where
+they pay: a configuration with the chunked loss or op-level checkpointing is dropped when the
+same configuration without it fits as large a micro-batch (it would only be slower: one more
+forward of the output layer, or the cheap ops of each block run again), so they appear on the
+rows where what they save stops a larger micro-batch or any fit at all.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def plan(
     host_cores: int | None = None,
     device: str = "cuda",
     losses: Iterable[Loss] = tuple(Loss),
+    op_checkpointing: bool = True,
 ) -> list[PlanRow]:
     """Every configuration of the space, fastest fitting first, then the nearest misses.
 
@@ -201,6 +203,7 @@ def plan(
         device: ``cuda``, or ``cpu`` when the CPU emulates the device (no pinned memory;
             the device's tensors are host memory).
         losses: The losses to try; a chunked one only where it pays (module docstring).
+        op_checkpointing: Include op-level selective checkpointing, where it pays.
 
     Returns:
         One row per configuration.
@@ -218,6 +221,7 @@ def plan(
         attention=attention,
         offload=offload,
         losses=losses,
+        op_checkpointing=op_checkpointing,
     ):
 
         def peak(mbs: int, config: TrainConfig = config) -> MemoryEstimate:
@@ -277,18 +281,23 @@ def plan(
 
 
 def _paying(rows: list[PlanRow], capacity: int) -> list[PlanRow]:
-    """``rows`` without the chunked-loss rows whose twin with the model's own loss fits as large
-    a micro-batch (0 where nothing fits)."""
+    """``rows`` without those whose knobs that trade time for memory (the chunked loss,
+    op-level checkpointing) buy no larger micro-batch: a row is dropped when the same
+    configuration without one of them fits as large a micro-batch (0 where nothing fits)."""
 
     def largest(row: PlanRow) -> int:
         return max((m for m, peak in row.peaks.items() if peak <= capacity), default=0)
 
-    full = {row.config: largest(row) for row in rows if row.config.loss is Loss.FULL}
+    fits = {row.config: largest(row) for row in rows}
     kept = []
     for row in rows:
-        if row.config.loss is not Loss.FULL:
-            twin = full.get(dataclasses.replace(row.config, loss=Loss.FULL))
-            if twin is not None and twin >= largest(row):
-                continue
+        config = row.config
+        twins = []
+        if config.loss is not Loss.FULL:
+            twins.append(dataclasses.replace(config, loss=Loss.FULL))
+        if config.ac_ops:
+            twins.append(dataclasses.replace(config, ac_ops=False))
+        if any(twin in fits and fits[twin] >= fits[config] for twin in twins):
+            continue
         kept.append(row)
     return kept

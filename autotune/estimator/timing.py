@@ -512,8 +512,11 @@ def _compute(
     h_fv, h_fd, h_tv, h_td = _HEAD_TRAFFIC
     head_f = n * (h_fv * shape.vocab + h_fd * d)
     head_t = n * (h_tv * shape.vocab + h_td * d)
+    # Op-level selective checkpointing runs the memory-bound rest of each block it covers
+    # again in the backward (its matmuls and attention are kept, not recomputed).
+    selective = (1.0 - fraction) if config.ac_ops else 0.0
     t_f += (block_f + head_f) / hbm
-    t_b += (block_t - block_f + fraction * block_f + head_t - head_f) / hbm
+    t_b += (block_t - block_f + (fraction + selective) * block_f + head_t - head_f) / hbm
     chunked = config.loss is Loss.CHUNKED
     if chunked:
         # The backward makes each chunk's logits again: the output layer's forward matmul and
@@ -529,7 +532,8 @@ def _compute(
     per_layer = _DISPATCHES_PER_LAYER[regime]
     if config.attention is Attention.EAGER:
         per_layer += _EAGER_EXTRA_DISPATCHES
-    recomputed = (1.0 - _FORWARD_SHARE + fraction * _FORWARD_SHARE) * per_layer
+    # Recomputation dispatches every forward operator again (a selectively kept one too).
+    recomputed = (1.0 - _FORWARD_SHARE + (fraction + selective) * _FORWARD_SHARE) * per_layer
     host_f = (_FORWARD_SHARE * per_layer * layers + 0.5 * _HEAD_DISPATCHES) * _DISPATCH_S
     host_b = (recomputed * layers + 0.5 * _HEAD_DISPATCHES) * _DISPATCH_S
     if chunked:

@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.tensor import DTensor
 
-from autotune.config import Attention, TrainConfig
+from autotune.config import SELECTIVE_SAVED_OPS, Attention, TrainConfig
 from autotune.models import ModelSpec
 from autotune.probe.loss import apply_loss
 
@@ -66,7 +66,7 @@ def build_model(
     model.train()
     apply_loss(model, config)
     if checkpointing:
-        apply_activation_checkpointing(model, config.ac_every)
+        apply_activation_checkpointing(model, config.ac_every, config.ac_ops)
     return model
 
 
@@ -90,20 +90,47 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     )
 
 
-def apply_activation_checkpointing(model: nn.Module, every: int) -> int:
-    """Wrap every ``every``-th decoder block (1: all of them) in non-reentrant checkpointing.
+def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+    from torch.utils.checkpoint import CheckpointPolicy
 
-    Only each block's input is kept through the forward; its activations are recomputed in
-    the backward. Returns how many blocks were wrapped.
+    name = getattr(op, "__name__", "").split(".")[0]
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if name in SELECTIVE_SAVED_OPS
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+def _selective_context() -> tuple[object, object]:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, every: int, ops: bool = False) -> int:
+    """Wrap every ``every``-th decoder block (1: all of them) in non-reentrant checkpointing,
+    and with ``ops`` every other block in op-level selective checkpointing.
+
+    Only a checkpointed block's input is kept through the forward; its activations are
+    recomputed in the backward. A selectively checkpointed block keeps its input and the
+    outputs of its matmuls and attention kernel (``SELECTIVE_SAVED_OPS``) and recomputes the
+    rest.
+    Returns how many blocks were wrapped.
     """
-    if every <= 0:
+    if every <= 0 and not ops:
         return 0
     blocks = decoder_blocks(model)
     wrapped = 0
     for index, block in enumerate(blocks):
-        if index % every == 0:
+        if every > 0 and index % every == 0:
             blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            wrapped += 1
+        elif ops:
+            blocks[index] = checkpoint_wrapper(
+                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=_selective_context
+            )
+        else:
+            continue
+        wrapped += 1
     return wrapped
 
 

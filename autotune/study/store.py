@@ -87,6 +87,7 @@ def _distributions() -> dict[str, BaseDistribution]:
         "zero_stage": IntDistribution(0, 3),
         "precision": CategoricalDistribution([p.value for p in Precision]),
         "ac_every": IntDistribution(0, 64),
+        "ac_ops": CategoricalDistribution([False, True]),
         "offload": CategoricalDistribution([o.value for o in Offload]),
         "attention": CategoricalDistribution([a.value for a in Attention]),
         "loss": CategoricalDistribution([x.value for x in Loss]),

@@ -137,7 +137,7 @@ def test_the_chunked_loss_is_planned_only_where_it_pays(
     more forward of the output layer) and never heavier from two chunks on."""
     spec, gpu = resolve_model(model), gpu_spec("h100-80gb")
     work = Workload(seq_len=seq_len, global_batch=global_batch, world_size=gpus)
-    rows = plan(spec, gpu, work)
+    rows = plan(spec, gpu, work, op_checkpointing=False)  # each chunked row's twin is there
     full = {r.config: r for r in rows if r.config.loss is Loss.FULL}
     chunked = [r for r in rows if r.config.loss is Loss.CHUNKED]
     assert chunked, "the logits of a 152k or 32k vocabulary stop some micro-batch"
@@ -152,7 +152,7 @@ def test_the_chunked_loss_is_planned_only_where_it_pays(
             assert row.speeds[mbs] < twin.speeds[mbs]
             if mbs * seq_len >= 2 * LOSS_CHUNK_TOKENS:
                 assert row.peaks[mbs] <= twin.peaks[mbs]
-    only_full = plan(spec, gpu, work, losses=(Loss.FULL,))
+    only_full = plan(spec, gpu, work, losses=(Loss.FULL,), op_checkpointing=False)
     assert len(only_full) == len(full)
 
 
@@ -170,3 +170,49 @@ def test_the_chunked_loss_replaces_checkpointing_where_the_logits_stop_the_batch
     by_label = {r.config.label(): r for r in rows}
     assert by_label["single ac:off"].micro_batch_size < best.micro_batch_size
     assert by_label["single ac:every-4"].tokens_per_second < best.tokens_per_second
+
+
+def test_op_level_checkpointing_is_a_rung_between_none_and_every_fourth_block() -> None:
+    """On the ladder ac:ops comes after no checkpointing and before every 4th block, in each
+    sharding; a user's script's space (``op_checkpointing=False``) has none of it."""
+    space = configurations(world_size=8, num_layers=32, losses=(Loss.FULL,))
+    for index, config in enumerate(space):
+        if config.ac_ops:
+            assert config.ac_every == 0
+            off = space.index(dataclasses.replace(config, ac_ops=False))
+            every4 = space.index(dataclasses.replace(config, ac_ops=False, ac_every=4))
+            assert off < index < every4
+    plain = configurations(world_size=8, num_layers=32, op_checkpointing=False)
+    assert plain and not any(c.ac_ops for c in plain)
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu", "gpus", "seq_len", "global_batch"),
+    [("llama-7b", "h100-80gb", 8, 4096, 512), ("qwen2.5-1.5b", "a100-40gb", 1, 2048, 64)],
+)
+def test_op_level_checkpointing_is_planned_only_where_it_pays(
+    model: str, gpu: str, gpus: int, seq_len: int, global_batch: int
+) -> None:
+    """An ac:ops row fits a larger micro-batch than the same configuration without it, and is
+    slower than it at the same size and faster than checkpointing every block whole."""
+    rows = plan(
+        resolve_model(model),
+        gpu_spec(gpu),
+        Workload(seq_len=seq_len, global_batch=global_batch, world_size=gpus),
+        losses=(Loss.FULL,),  # each ac:ops row's twin is there
+    )
+    by_config = {r.config: r for r in rows}
+    selective = [r for r in rows if r.config.ac_ops]
+    assert selective
+
+    def largest(row: PlanRow) -> int:
+        return max((m for m, p in row.peaks.items() if p <= row.capacity_bytes), default=0)
+
+    for row in selective:
+        twin = by_config.get(dataclasses.replace(row.config, ac_ops=False))
+        if twin is not None:
+            assert largest(row) > largest(twin)
+            assert all(row.speeds[m] < twin.speeds[m] for m in row.speeds)
+        whole = by_config.get(dataclasses.replace(row.config, ac_ops=False, ac_every=1))
+        if whole is not None:
+            assert all(row.speeds[m] > whole.speeds[m] for m in row.speeds)

@@ -44,6 +44,7 @@ from typer.testing import CliRunner
 
 from autotune.api import prepare
 from autotune.cli import app
+from autotune.config import ac_to_text
 from autotune.estimator.plan import PlanRow
 from autotune.hardware import cpu_device_spec
 from autotune.search.ladder import PRIOR_ERROR
@@ -171,9 +172,11 @@ def measure_peaks(
             "--precision",
             config["precision"],
             "--ac",
-            str(config["ac_every"]),
+            ac_to_text(config["ac_every"], config["ac_ops"]),
             "--attention",
             config["attention"],
+            "--loss",
+            config["loss"],
             "--micro-batch",
             ",".join(map(str, sizes)),
             "--warmup-steps",

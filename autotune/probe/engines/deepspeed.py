@@ -100,7 +100,7 @@ def build_deepspeed(ctx: EngineContext) -> Trainee:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = build_model(ctx.model, ctx.config, meta=False, checkpointing=False)
         _initialize_partitioned(model)
-        apply_activation_checkpointing(model, ctx.config.ac_every)
+        apply_activation_checkpointing(model, ctx.config.ac_every, ctx.config.ac_ops)
     else:
         model = build_model(ctx.model, ctx.config)
         materialize(model, ctx.device, seed=ctx.seed)
