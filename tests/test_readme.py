@@ -17,7 +17,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 NUMBER = re.compile(r"\d[\d,]*(\.\d+)?")
-LABEL = re.compile(r"\b(single|ddp|fsdp|deepspeed)( z#)?( off:\w+)?( ac:(off|every)(-#)?)?")
+LABEL = re.compile(
+    r"\b(single|ddp|fsdp|deepspeed)( z#)?( off:\w+)?( ac:(off|every|ops)(-#)?(\+ops)?)?"
+    r"( loss:\w+)?"
+)
 
 
 def _transcript() -> list[str]:

@@ -32,7 +32,7 @@ MODEL, SEQ, GBS = "mistral-7b", 2048, 16
 WORKLOAD = ["--model", MODEL, "--seq-len", str(SEQ), "--global-batch", str(GBS)]
 SIMULATED = ["--simulate", "h100-80gb", "--host-memory", "125GiB"]
 FULL = (Loss.FULL,)
-"""The losses a grid records by default (``--loss full``)."""
+"""The losses a grid records by default (``--loss full``, without ``--ac-ops``)."""
 
 
 def record(out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -62,7 +62,13 @@ def answers(device: ReplayDevice, folder: Path) -> dict[str, list[tuple[int, str
     sizes = tuple(micro_batch_options(Workload(seq_len=SEQ, global_batch=GBS, world_size=1)))
     found = {}
     for index, config in enumerate(
-        configurations(world_size=1, num_layers=spec.num_layers, offload=True, losses=FULL)
+        configurations(
+            world_size=1,
+            num_layers=spec.num_layers,
+            offload=True,
+            losses=FULL,
+            op_checkpointing=False,
+        )
     ):
         probe = ProbeSpec(
             model=MODEL, config=config, micro_batch_sizes=sizes, seq_len=SEQ, device="cuda"
@@ -93,7 +99,11 @@ def test_the_points_skipped_replay_as_the_complete_grid_measured_them(
 ) -> None:
     ruled, complete = grids
     space = configurations(
-        world_size=1, num_layers=resolve_model(MODEL).num_layers, offload=True, losses=FULL
+        world_size=1,
+        num_layers=resolve_model(MODEL).num_layers,
+        offload=True,
+        losses=FULL,
+        op_checkpointing=False,
     )
     facts = node(ruled)
     assert facts["state"] == "complete" and node(complete)["state"] == "complete"
@@ -220,7 +230,11 @@ def test_states_that_do_not_fit_are_probed_once(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stdout + done.stderr
     space = configurations(
-        world_size=1, num_layers=resolve_model("tiny").num_layers, offload=False, losses=FULL
+        world_size=1,
+        num_layers=resolve_model("tiny").num_layers,
+        offload=False,
+        losses=FULL,
+        op_checkpointing=False,
     )
     assert len(space) >= 2
     ruled = node(folders["ruled"])

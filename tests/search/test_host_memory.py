@@ -152,12 +152,16 @@ def test_a_bad_host_memory_is_one_line_and_exit_2(value: str, tmp_path: Path) ->
 
 
 H100_SHAPED = (
-    ErrorTerm(time=(0.95, 1.05), memory=(0.95, 1.05), host=(0.95, 1.05)),
+    ErrorTerm(time=(0.95, 1.05), memory=(0.95, 1.05)),
+    # Host memory holds the offloaded states and the ranks' processes, not activations (they
+    # live on the GPU): configurations that differ only in checkpointing or the loss share it.
+    ErrorTerm(by=("engine", "zero_stage", "offload", "precision"), host=(0.95, 1.05)),
     ErrorTerm(by=("engine",), time=(0.8, 1.2), only="no-offload"),
     ErrorTerm(by=("engine", "offload"), time=(1.0, 2.0), only="offload"),
 )
 """Errors shaped like the first GPU run's: shared per engine × offload, offload 1-2x slower
-than predicted, the others ±20 %, each configuration ±5 % on top."""
+than predicted, the others ±20 %, each configuration ±5 % on top (host memory ±5 % per
+sharding and offload)."""
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
