@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import importlib.util
 import os
 import re
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.config import (
+    DEFAULT_LOSSES,
     DEVICES,
     Attention,
     ConfigError,
@@ -311,7 +313,7 @@ def plan(
             it pays.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
-    chosen_losses = parse_losses(losses) or tuple(Loss)
+    chosen_losses = parse_losses(losses) or DEFAULT_LOSSES
     target, here = _gpu(gpu)
     detected = detect_gpus() if gpu is not None else None
     local = gpu is None or (
@@ -492,7 +494,8 @@ def prepare(
     Opens (or creates) the study, so a bad storage URL fails here.
     """
     job = _script_job(script, framework, script_args, batch_flag, simulate=simulate, device=device)
-    chosen_losses = _losses(job, parse_losses(losses))
+    requested = parse_losses(losses)
+    _losses(job, requested, "simulated")  # a script's own loss, before anything is opened
     if job is not None:
         model = model or _script_model(job)
         engines = _job_engines(job, engines)
@@ -528,6 +531,7 @@ def prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     _check_ranks(chosen, per_node, here)
+    chosen_losses = _losses(job, requested, "cpu" if on_cpu else chosen.kind)
     # A user's script checkpoints as its framework does; a grid answers only what it recorded.
     op_checkpointing = job is None
     if isinstance(chosen, ReplayDevice):
@@ -658,11 +662,31 @@ def _script_model(job: ScriptJob) -> str:
     )
 
 
-def _losses(job: ScriptJob | None, losses: tuple[Loss, ...] | None) -> tuple[Loss, ...]:
-    """The losses a run tries: those asked (all by default); a user's script computes its own
-    loss, so only the model's own is tried with one."""
+def _losses(
+    job: ScriptJob | None, losses: tuple[Loss, ...] | None, device: str = "cuda"
+) -> tuple[Loss, ...]:
+    """The losses a run on ``device`` (a device kind: ``cuda``, ``cpu``, ``simulated``,
+    ``replay``) tries: those asked, by default the model's own and the chunked one, and the
+    fused one on GPUs where ``liger-kernel`` is installed; a user's script computes its own
+    loss, so only the model's own is tried with one.
+
+    Raises:
+        ConfigError: The fused loss where it cannot run (the CPU, or no ``liger-kernel``).
+    """
     if job is None:
-        return losses or tuple(Loss)
+        liger = importlib.util.find_spec("liger_kernel") is not None
+        if losses is None:
+            return DEFAULT_LOSSES + ((Loss.FUSED,) if device == "cuda" and liger else ())
+        if Loss.FUSED in losses and device == "cpu":
+            raise ConfigError(
+                "--loss fused runs Liger-Kernel's Triton kernels on a CUDA GPU: use --loss "
+                "chunked on the CPU (the same memory, one more forward of the output layer)"
+            )
+        if Loss.FUSED in losses and device == "cuda" and not liger:
+            raise ConfigError(
+                "--loss fused needs Liger-Kernel: pip install liger-kernel, or use --loss chunked"
+            )
+        return losses
     if losses is not None and set(losses) != {Loss.FULL}:
         raise ConfigError(
             "--loss chunked is a loss of autotune's stand-in; your script computes its own: "
@@ -1089,6 +1113,8 @@ def probe(
         here = detected.count if detected and device == "cuda" else 1
     else:
         chosen, here = device, 1
+    if job is None:
+        _losses(None, (config.loss,), chosen.kind)  # the fused loss where it can run
     single = config.engine is Engine.SINGLE and count == 1
     spec = ProbeSpec(
         model=model,

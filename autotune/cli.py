@@ -192,7 +192,8 @@ LossOption = Annotated[
     typer.Option(
         "--loss",
         help="Losses to try, comma-separated: full (the model's own), chunked (the logits a "
-        "chunk at a time). Default: both, chunked where it pays.",
+        "chunk at a time), fused (Liger-Kernel, on GPUs). Default: full and chunked (chunked "
+        "where it pays), and fused on GPUs with liger-kernel installed.",
     ),
 ]
 SeqLenOption = Annotated[
@@ -265,7 +266,11 @@ def probe(
     ] = "off",
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
     loss: Annotated[
-        Loss, typer.Option(help="full: the model's own; chunked: the logits a chunk at a time.")
+        Loss,
+        typer.Option(
+            help="full: the model's own; chunked: the logits a chunk at a time; fused: "
+            "Liger-Kernel's fused linear cross-entropy (a CUDA GPU)."
+        ),
     ] = Loss.FULL,
     micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
     seq_len: SeqLenOption = None,

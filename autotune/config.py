@@ -81,7 +81,15 @@ class Loss(enum.StrEnum):
     """Cross-entropy over :data:`LOSS_CHUNK_TOKENS` tokens at a time, each chunk's logits
     recomputed in the backward: no more than one chunk's logits ever exist, for one more
     forward of the output layer."""
+    FUSED = "fused"
+    """Liger-Kernel's fused linear cross-entropy (a CUDA GPU and ``liger-kernel``): chunk by
+    chunk, the output layer, the loss and both gradients in the forward, in Triton kernels;
+    no logits kept, nothing recomputed."""
 
+
+DEFAULT_LOSSES = (Loss.FULL, Loss.CHUNKED)
+"""The losses a plan tries unless told (``--loss``); a run on GPUs with ``liger-kernel``
+installed tries the fused one too."""
 
 LOSS_CHUNK_TOKENS = 1024
 """Tokens per chunk of the chunked loss: the probe's chunk and the estimator's. A chunk's
@@ -255,6 +263,11 @@ class TrainConfig:
                         "DeepSpeed parameter offload needs ZeRO stage 3: use --zero-stage 3 "
                         "or --offload optimizer"
                     )
+        if self.loss is Loss.FUSED and self.engine is Engine.DEEPSPEED and self.zero_stage == 3:
+            raise ConfigError(
+                "the fused loss reads the output layer's weight outside the layer, where ZeRO-3 "
+                "holds only a partition of it: use --loss chunked with ZeRO-3, or --zero-stage 2"
+            )
         if self.engine is Engine.DEEPSPEED and self.precision is Precision.BF16:
             raise ConfigError(
                 "DeepSpeed keeps fp32 master weights: use --precision bf16-mixed with deepspeed"
@@ -308,7 +321,7 @@ def parse_losses(value: str | Iterable[Loss | str] | None) -> tuple[Loss, ...] |
     """The losses to try, from ``full,chunked`` (the CLI, a job file) or a list; None: all.
 
     Raises:
-        ConfigError: ``unknown loss 'fused': use full or chunked, comma-separated``.
+        ConfigError: ``unknown loss 'liger': use full or chunked or fused, comma-separated``.
     """
     if value is None:
         return None

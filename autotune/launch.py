@@ -189,6 +189,22 @@ _CHUNKED_LOSS = (
 )
 
 
+LIGER_FUSED_LOSS_ONLY = {
+    "fused_linear_cross_entropy": True,
+    "cross_entropy": False,
+    "rope": False,
+    "rms_norm": False,
+    "swiglu": False,
+}
+"""Liger-Kernel's patches that give the fused loss and nothing else (autotune measured the
+loss alone: the norms, rotary embeddings and MLP stay the model's own)."""
+_FUSED_LOSS = (
+    "liger_kernel.transformers._apply_liger_kernel_to_instance(model=model, "
+    + ", ".join(f"{k}={v}" for k, v in LIGER_FUSED_LOSS_ONLY.items())
+    + ")"
+)
+
+
 def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
     """What ``fmt`` cannot carry of ``launch``'s configuration, each with what to do instead
     (empty when the format says it all). ``autotune export`` prints them beside the file, and
@@ -213,6 +229,12 @@ def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
         notes.append(
             f"--format {Format(fmt).value} has no setting for the chunked loss autotune "
             f"measured ({LOSS_CHUNK_TOKENS} tokens a chunk): {_CHUNKED_LOSS}"
+        )
+    if launch.config.loss is Loss.FUSED and Format(fmt) is not Format.HF:
+        notes.append(
+            f"--format {Format(fmt).value} has no setting for Liger-Kernel's fused linear "
+            f"cross-entropy: before the model is wrapped, {_FUSED_LOSS} (what the Trainer does "
+            "with --format hf's liger_kernel_config)"
         )
     return notes
 
@@ -281,6 +303,8 @@ def deepspeed_for(launch: Launch, *, cpu: bool = False) -> dict[str, Any]:
 def _loss_note(loss: Loss) -> str:
     if loss is Loss.FULL:
         return "the model's own (the whole micro-batch's logits at once)"
+    if loss is Loss.FUSED:
+        return "Liger-Kernel's fused linear cross-entropy (gradients in the forward)"
     return f"chunked cross-entropy, {LOSS_CHUNK_TOKENS} tokens a chunk, recomputed in the backward"
 
 
@@ -420,6 +444,9 @@ def hf_fields(launch: Launch, *, cpu: bool = False) -> dict[str, Any]:
         "bf16": config.precision in (Precision.BF16_MIXED, Precision.BF16),
         "fp16": config.precision is Precision.FP16_MIXED,
     }
+    if config.loss is Loss.FUSED:  # the Trainer applies Liger's patches it is given
+        fields["use_liger_kernel"] = True
+        fields["liger_kernel_config"] = dict(LIGER_FUSED_LOSS_ONLY)
     # FSDP checkpoints every block through its own wrapper (as the probe does); any other
     # pattern through the model's checkpointing.
     fsdp_checkpointing = config.engine is Engine.FSDP and config.ac_every == 1

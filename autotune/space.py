@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from autotune.config import (
+    DEFAULT_LOSSES,
     Attention,
     ConfigError,
     Engine,
@@ -120,7 +121,7 @@ def configurations(
     precision: Precision = Precision.BF16_MIXED,
     attention: Attention = Attention.SDPA,
     offload: bool = True,
-    losses: Iterable[Loss] = tuple(Loss),
+    losses: Iterable[Loss] = DEFAULT_LOSSES,
     op_checkpointing: bool = True,
 ) -> list[TrainConfig]:
     """Every valid configuration for ``world_size`` GPUs, sorted in ladder order.

@@ -340,6 +340,9 @@ def test_losses_are_parsed_from_text_or_lists() -> None:
     assert parse_losses(None) is None
     assert parse_losses("chunked, full,chunked") == (Loss.CHUNKED, Loss.FULL)
     assert parse_losses(["full"]) == (Loss.FULL,)
-    with pytest.raises(ConfigError, match="use full or chunked, comma-separated"):
-        parse_losses("fused")
+    with pytest.raises(ConfigError, match="use full or chunked or fused, comma-separated"):
+        parse_losses("liger")
+    assert parse_losses("fused") == (Loss.FUSED,)
+    with pytest.raises(ConfigError, match="use --loss chunked with ZeRO-3"):
+        TrainConfig(engine="deepspeed", zero_stage=3, loss="fused")
     assert TrainConfig(loss="chunked").label() == "single ac:off loss:chunked"

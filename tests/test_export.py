@@ -727,3 +727,43 @@ def test_a_chunked_best_is_exported_with_its_note(tmp_path: Path) -> None:
     data = json.loads(autotune("export", "--format", "hf", *common, "--json", cwd=tmp_path).stdout)
     assert data["config"]["loss"] == "chunked"
     assert len(data["notes"]) == 1 and CHUNKED_ADVICE in data["notes"][0]
+
+
+def test_the_fused_loss_is_the_trainers_liger_setting_and_a_note_elsewhere(tmp_path: Path) -> None:
+    """--format hf turns on Liger-Kernel with only its fused linear cross-entropy (what was
+    measured), and TrainingArguments takes the fields; the other formats say they have no
+    setting for it and give the call the Trainer makes."""
+    config = TrainConfig(engine=Engine.DDP, loss=Loss.FUSED)
+    fields = hf_fields(launch(config))
+    assert fields["use_liger_kernel"] is True
+    assert fields["liger_kernel_config"] == {
+        "fused_linear_cross_entropy": True,
+        "cross_entropy": False,
+        "rope": False,
+        "rms_norm": False,
+        "swiglu": False,
+    }
+    # In a fresh process (TrainingArguments sets accelerate's environment variables);
+    # use_cpu and no bf16: this machine has no GPU, the exported Liger fields are unchanged.
+    (tmp_path / "fields.json").write_text(json.dumps({**fields, "bf16": False}))
+    out = run_python(
+        """
+        import json
+        from transformers import TrainingArguments
+
+        fields = json.load(open("fields.json"))
+        args = TrainingArguments(output_dir="out", use_cpu=True, report_to=[], **fields)
+        print(json.dumps([args.use_liger_kernel, args.liger_kernel_config]))
+        """,
+        tmp_path,
+    )
+    used, liger = json.loads(out.strip().splitlines()[-1])
+    assert used is True and liger == fields["liger_kernel_config"]
+    assert knob_notes(launch(config), Format.HF) == []
+    for fmt in (Format.ACCELERATE, Format.TORCHRUN):
+        [note] = knob_notes(launch(config), fmt)
+        assert (
+            "_apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=True" in note
+        )
+        assert "rms_norm=False" in note
+    assert "Liger-Kernel's fused linear cross-entropy" in render(launch(config), Format.TORCHRUN)

@@ -23,6 +23,7 @@ Three dtype regimes change the bytes:
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from autotune.config import LOSS_CHUNK_TOKENS, Attention, Engine, Loss, Precision, TrainConfig
@@ -81,6 +82,22 @@ class ActivationProfile:
     head_backward_bytes: int = 0
     """Chunked loss: the output layer's weight gradient of a chunk, in flight in the
     backward while that chunk's transients are alive."""
+    head_chunks_of_vocab: int | None = None
+    """Fused loss: the chunk is the batch's tokens over this many, rounded up to a power of
+    two (Liger-Kernel sizes its logits chunk to about tokens × hidden values)."""
+    head_loss_bytes: int = 0
+    """Fused loss: the output layer's weight gradient, made in the forward and kept to the
+    backward."""
+
+    def loss_chunk(self, tokens: float) -> float:
+        """Tokens the loss takes at a time out of a micro-batch of ``tokens``."""
+        if self.head_chunks_of_vocab is not None:
+            chunk = 1 << max(0, math.ceil(tokens / self.head_chunks_of_vocab) - 1).bit_length()
+            return float(min(tokens, chunk))
+        if self.head_chunk_tokens is None:
+            return tokens
+        return float(min(tokens, self.head_chunk_tokens))
+
     layer_weight_copy_bytes: int
     """Autocast's bf16 copy of one block's weights, held from its forward to its backward."""
     head_weight_copy_bytes: int
@@ -174,6 +191,20 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         chunk = LOSS_CHUNK_TOKENS
         head_backward_all = residual * d
         head_weight_grad = act * V * d
+    chunks_of_vocab, loss_bytes = None, 0
+    if config.loss is Loss.FUSED:
+        # Liger-Kernel's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy
+        # .py, 0.8.5): in the forward, chunk by chunk, the logits in the input's dtype (the
+        # matmul's under autocast), the loss and both gradients; it keeps the gradient of the
+        # hidden states (their dtype) and of the weight (the weight's dtype: fp32 masters
+        # under autocast) for the backward, and an fp32 loss a token. The chunk is
+        # next_power_of_2(ceil(tokens / ceil(V / d))) tokens: about tokens x d logits.
+        head_saved = norm + residual * d + 4
+        head_forward = act * V
+        head_backward = 0
+        chunks_of_vocab = -(-V // d)
+        weight = 4 if regime is not Regime.LOW else 2
+        loss_bytes = weight * V * d
 
     matmul_per_layer = model.num_block_params // model.num_layers
     copies = regime is Regime.AUTOCAST
@@ -189,6 +220,8 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         head_chunk_tokens=chunk,
         head_backward_all_per_token=head_backward_all,
         head_backward_bytes=head_weight_grad,
+        head_chunks_of_vocab=chunks_of_vocab,
+        head_loss_bytes=loss_bytes,
         layer_weight_copy_bytes=2 * matmul_per_layer if copies else 0,
         head_weight_copy_bytes=2 * V * d if copies else 0,
     )

@@ -316,7 +316,7 @@ def estimate_memory(
     head_copy = prof.head_weight_copy_bytes
     head_saved = prof.head_saved_per_token * tokens
     # The loss's transients count the tokens it takes at a time (all, or one chunk's).
-    chunk = tokens if prof.head_chunk_tokens is None else min(tokens, prof.head_chunk_tokens)
+    chunk = prof.loss_chunk(tokens)
     # Prefix sums: kept_before[j] is what blocks 0..j-1 hold (O(L) for the whole walk).
     kept_before = list(itertools.accumulate(kept, initial=0.0))
     held_before = list(itertools.accumulate(held, initial=0.0))
@@ -336,6 +336,7 @@ def estimate_memory(
     point(
         "loss",
         activations=all_kept + head_saved + prof.head_forward_per_token * chunk,
+        gradients=prof.head_loss_bytes,
         buffers=max(copies_in_cache, all_held) + head_copy + states.working_weights,
     )
     point(
@@ -345,7 +346,7 @@ def estimate_memory(
         + prof.head_backward_per_token * chunk
         + prof.head_backward_all_per_token * tokens,
         # A chunk's weight gradient is in flight once an earlier chunk left its own.
-        gradients=prof.head_backward_bytes if tokens > chunk else 0.0,
+        gradients=prof.head_loss_bytes + (prof.head_backward_bytes if tokens > chunk else 0.0),
         buffers=all_held + head_copy + states.working_weights,
     )
     # Backward of block j starts with the blocks above done (gradients kept, activations
@@ -410,7 +411,9 @@ def _slope(model: ModelSpec, config: TrainConfig, seq_len: int, prof: Activation
         + prof.head_saved_per_token
         + (
             max(prof.head_forward_per_token, prof.head_backward_per_token)
-            if prof.head_chunk_tokens is None
+            if prof.head_chunk_tokens is None and prof.head_chunks_of_vocab is None
+            else prof.head_forward_per_token / prof.head_chunks_of_vocab
+            if prof.head_chunks_of_vocab is not None
             else 0.0  # one chunk's, whatever the batch
         )
     )

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.config import Attention, Engine, Loss, Precision, TrainConfig
+from autotune.config import DEFAULT_LOSSES, Attention, Engine, Loss, Precision, TrainConfig
 from autotune.estimator.host import HOST_RESERVE_BYTES, HostEstimate, estimate_host
 from autotune.estimator.memory import MemoryEstimate, estimate_memory
 from autotune.estimator.timing import StepTime, predict_step_time
@@ -179,7 +179,7 @@ def plan(
     host_reserve: int = HOST_RESERVE_BYTES,
     host_cores: int | None = None,
     device: str = "cuda",
-    losses: Iterable[Loss] = tuple(Loss),
+    losses: Iterable[Loss] = DEFAULT_LOSSES,
     op_checkpointing: bool = True,
 ) -> list[PlanRow]:
     """Every configuration of the space, fastest fitting first, then the nearest misses.
@@ -293,7 +293,7 @@ def _paying(rows: list[PlanRow], capacity: int) -> list[PlanRow]:
     for row in rows:
         config = row.config
         twins = []
-        if config.loss is not Loss.FULL:
+        if config.loss is Loss.CHUNKED:  # the fused loss is no pure trade: it is kept
             twins.append(dataclasses.replace(config, loss=Loss.FULL))
         if config.ac_ops:
             twins.append(dataclasses.replace(config, ac_ops=False))

@@ -512,6 +512,17 @@ def _compute(
     h_fv, h_fd, h_tv, h_td = _HEAD_TRAFFIC
     head_f = n * (h_fv * shape.vocab + h_fd * d)
     head_t = n * (h_tv * shape.vocab + h_td * d)
+    if config.loss is Loss.FUSED:
+        # Liger's kernel reads each chunk's logits and writes their gradient in place, and the
+        # two gradient matmuls read it again, all in the forward (assumed from its source, not
+        # measured); the backward only hands the gradients on. The output layer's two
+        # backward matmuls move into the forward.
+        logits_bytes = 4.0 if fp32 else 2.0
+        head_f = n * (3.0 * logits_bytes * shape.vocab + h_fd * d)
+        head_t = head_f + n * (h_td - h_fd) * d
+        moved = 4.0 * d * shape.vocab * n
+        t_f += moved / (mm_eff * peak)
+        t_b -= min(t_b, moved / (mm_eff * peak))
     # Op-level selective checkpointing runs the memory-bound rest of each block it covers
     # again in the backward (its matmuls and attention are kept, not recomputed).
     selective = (1.0 - fraction) if config.ac_ops else 0.0

@@ -1,4 +1,5 @@
-"""The probe's loss: the model's own, or the chunked cross-entropy of ``--loss chunked``.
+"""The probe's loss: the model's own, the chunked cross-entropy of ``--loss chunked``, or
+Liger-Kernel's fused linear cross-entropy (``--loss fused``, on a CUDA GPU).
 
 A causal LM's loss needs the logits of every token: batch × sequence × vocabulary values, made
 in the compute dtype, upcast to fp32 and kept (as log-probabilities) for the backward. With a
@@ -27,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autotune.config import LOSS_CHUNK_TOKENS, Loss, TrainConfig
 
-__all__ = ["IGNORE_INDEX", "apply_loss", "chunked_cross_entropy"]
+__all__ = ["IGNORE_INDEX", "apply_loss", "chunked_cross_entropy", "fused_cross_entropy"]
 
 IGNORE_INDEX = -100
 """A label that counts in no loss (transformers' and torch's convention)."""
@@ -67,13 +68,26 @@ def chunked_cross_entropy(
     return total / counted.clamp(min=1)
 
 
+def fused_cross_entropy(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """:func:`chunked_cross_entropy`'s loss through Liger-Kernel's fused linear cross-entropy
+    (its Triton kernels: a CUDA GPU and ``liger-kernel``), which computes both gradients in
+    the forward, chunk by chunk, and keeps no logits."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+    return fused(head.weight, hidden.reshape(-1, hidden.size(-1)), targets)
+
+
 def apply_loss(model: nn.Module, config: TrainConfig) -> None:
     """Make ``model(input_ids=..., labels=...).loss`` the loss ``config`` names.
 
-    The full loss is the model's own forward. The chunked one replaces this instance's forward
-    (not its class's) with the base model, then :func:`chunked_cross_entropy` through the
-    model's output layer: the engines' wrappers and hooks (DDP, FSDP2, DeepSpeed) call the
-    instance's forward, so they see the same module.
+    The full loss is the model's own forward. The chunked and fused ones replace this
+    instance's forward (not its class's) with the base model, then :func:`chunked_cross_entropy`
+    or :func:`fused_cross_entropy` through the model's output layer: the engines' wrappers and
+    hooks (DDP, FSDP2, DeepSpeed) call the instance's forward, so they see the same module.
     """
     if config.loss is Loss.FULL:
         return
@@ -81,10 +95,14 @@ def apply_loss(model: nn.Module, config: TrainConfig) -> None:
 
     base: nn.Module = model.base_model  # type: ignore[assignment]
     head: nn.Module = model.get_output_embeddings()  # type: ignore[operator]
+    fused = config.loss is Loss.FUSED
 
     def forward(input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
         hidden = base(input_ids=input_ids, **kwargs).last_hidden_state
-        loss = chunked_cross_entropy(head, hidden, labels, LOSS_CHUNK_TOKENS)
+        if fused:
+            loss = fused_cross_entropy(head, hidden, labels)
+        else:
+            loss = chunked_cross_entropy(head, hidden, labels, LOSS_CHUNK_TOKENS)
         return CausalLMOutputWithPast(loss=loss)
 
     model.forward = forward

@@ -9,6 +9,7 @@ sizes and the probe's own memory counter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -192,3 +193,80 @@ def test_gpt2_saving_matches_the_trace(mbs: int) -> None:
     print(f"gpt2 mbs {mbs}: saving traced {traced:,} B, predicted {predicted:,} B")
     assert traced > 0
     assert predicted == pytest.approx(traced, rel=0.01)
+
+
+# ---- the fused loss (Liger-Kernel, GPUs only): what can be checked without a GPU --------------
+
+
+def _liger_chunk(tokens: int, vocab: int, hidden: int) -> int:
+    """Liger-Kernel 0.8.5's chunk, as its source comments state it: inc_factor = ceil(V / H),
+    chunk = next_power_of_2(ceil(BT / inc_factor)), at most BT."""
+    inc = -(-vocab // hidden)
+    per = -(-tokens // inc)
+    return min(tokens, 1 << (per - 1).bit_length())
+
+
+@pytest.mark.parametrize(
+    ("model", "mbs", "seq"), [("llama-7b", 4, 4096), ("qwen2.5-1.5b", 4, 2048), ("gpt2", 3, 1024)]
+)
+def test_fused_loss_memory_follows_ligers_layout(model: str, mbs: int, seq: int) -> None:
+    """The fused loss's terms against Liger's own layout, written out here: its chunk (the
+    example in its source: 4 x 4096 tokens of a 32,000 vocabulary and hidden 4096 take chunks of
+    2048), the weight gradient made in the forward (fp32 masters under autocast, 16-bit
+    weights otherwise) counted from the loss on, and a peak below the model's own loss."""
+    from autotune.estimator.activations import activation_profile
+
+    assert _liger_chunk(4 * 4096, 32000, 4096) == 2048
+    spec = resolve_model(model)
+    tokens = mbs * seq
+    for knobs, weight_bytes in (({}, 4), ({"engine": "fsdp", "zero_stage": 3}, 2)):
+        config = TrainConfig(loss=Loss.FUSED, **knobs)
+        profile = activation_profile(spec, config, seq)
+        chunk = _liger_chunk(tokens, spec.vocab_size, spec.hidden_size)
+        assert profile.loss_chunk(tokens) == chunk
+        assert profile.head_loss_bytes == weight_bytes * spec.vocab_size * spec.hidden_size
+        world = 8 if knobs else 1
+        fused, full = (
+            estimate_memory(
+                spec,
+                TrainConfig(loss=loss, **knobs),
+                micro_batch_size=mbs,
+                seq_len=seq,
+                world_size=world,
+                cuda_allocator=False,
+            )
+            for loss in (Loss.FUSED, Loss.FULL)
+        )
+        assert fused.peak_bytes < full.peak_bytes
+        loss_point = fused.breakdown["gradients"] if fused.phase == "loss" else None
+        assert loss_point is None or loss_point >= profile.head_loss_bytes
+
+
+def test_a_plan_with_the_fused_loss_keeps_it_and_a_simulated_run_measures_it(
+    tmp_path: Path,
+) -> None:
+    """``plan --loss full,fused`` for a GPU elsewhere: fused rows beside the model's own, kept
+    even where the model's own fits as large a micro-batch (it is predicted faster, not only
+    lighter); a simulated run with it ends with a fused configuration measured."""
+    from autotune import api
+
+    planned = api.plan("qwen2.5-1.5b", gpu="h100-80gb", gpus=1, losses="full,fused")
+    losses = {row.config.loss for row in planned.rows}
+    assert losses == {Loss.FULL, Loss.FUSED}
+    configs = {row.config for row in planned.rows}
+    for config in configs:
+        zero3 = config.engine is Engine.DEEPSPEED and config.zero_stage == 3  # not with fused
+        if config.loss is Loss.FULL and not config.ac_ops and not zero3:
+            assert dataclasses.replace(config, loss=Loss.FUSED) in configs, config.label()
+    default = api.plan("qwen2.5-1.5b", gpu="h100-80gb", gpus=1)
+    assert Loss.FUSED not in {row.config.loss for row in default.rows}  # only when asked
+    summary = api.tune(
+        "qwen2.5-1.5b",
+        simulate="h100-80gb",
+        gpus=1,
+        budget="1h",
+        losses="fused",
+        storage=f"sqlite:///{tmp_path}/t.db",
+        trials_dir=tmp_path / "trials",
+    )
+    assert summary.best is not None and summary.best.config.loss is Loss.FUSED
