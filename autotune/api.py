@@ -289,6 +289,7 @@ def plan(
     host_memory: str | int | None = None,
     host_cores: int | None = None,
     losses: str | Iterable[Loss | str] | None = None,
+    op_checkpointing: bool = True,
 ) -> Plan:
     """Predict peak memory and throughput of every configuration (no GPU needed).
 
@@ -311,6 +312,7 @@ def plan(
             else 16 per GPU.
         losses: The losses to try (``"full,chunked"``); default both, the chunked one where
             it pays.
+        op_checkpointing: Try op-level selective checkpointing (``ac:ops``) where it pays.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     chosen_losses = parse_losses(losses) or DEFAULT_LOSSES
@@ -337,6 +339,7 @@ def plan(
         host_memory_bytes=host.memory_bytes,
         host_cores=host.cores,
         losses=chosen_losses,
+        op_checkpointing=op_checkpointing,
     )
     return Plan(
         model=spec,
@@ -488,6 +491,7 @@ def prepare(
     script_args: Sequence[str] = (),
     batch_flag: str | None = None,
     losses: str | Iterable[Loss | str] | None = None,
+    op_checkpointing: bool = True,
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
@@ -533,10 +537,12 @@ def prepare(
     _check_ranks(chosen, per_node, here)
     chosen_losses = _losses(job, requested, "cpu" if on_cpu else chosen.kind)
     # A user's script checkpoints as its framework does; a grid answers only what it recorded.
-    op_checkpointing = job is None
+    op_checkpointing = op_checkpointing and job is None
     if isinstance(chosen, ReplayDevice):
         chosen_losses = tuple(x for x in chosen_losses if x in chosen.grid.losses) or (Loss.FULL,)
-        op_checkpointing = any(p.spec.config.ac_ops for p in chosen.grid.probes)
+        op_checkpointing = op_checkpointing and any(
+            p.spec.config.ac_ops for p in chosen.grid.probes
+        )
     if job is not None and job.framework is Framework.ACCELERATE and on_cpu and per_node > 1:
         raise ConfigError(
             "--framework accelerate starts several ranks on GPUs only (on the CPU accelerate "
@@ -908,6 +914,8 @@ def tune_jobs(
             options["engines"] = [Engine(name) for name in options.pop("engine").split(",")]
         if "loss" in options:
             options["losses"] = options.pop("loss")
+        if "ac_ops" in options:
+            options["op_checkpointing"] = options.pop("ac_ops")
         if "args" in options:
             options["script_args"] = options.pop("args")
         storage = options.get("storage", DEFAULT_STORAGE)

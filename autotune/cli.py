@@ -196,6 +196,13 @@ LossOption = Annotated[
         "where it pays), and fused on GPUs with liger-kernel installed.",
     ),
 ]
+AcOpsOption = Annotated[
+    bool,
+    typer.Option(
+        "--ac-ops/--no-ac-ops",
+        help="Try op-level selective checkpointing (ac:ops) where it fits a larger micro-batch.",
+    ),
+]
 SeqLenOption = Annotated[
     int | None,
     typer.Option(help="Tokens per sequence (default: 2048, or the model's positions if fewer)."),
@@ -407,6 +414,7 @@ def plan(
     ] = None,
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
     loss: LossOption = None,
+    ac_ops: AcOpsOption = True,
     headroom: HeadroomOption = "0%",
     reserve: Annotated[
         str | None,
@@ -441,6 +449,7 @@ def plan(
         host_cores=host_cores,
         reserve=api.DEVICE_RESERVE_BYTES if reserve is None else reserve,
         losses=loss,
+        op_checkpointing=ac_ops,
     )
     if json_output:
         _print_json(found.to_dict())
@@ -474,6 +483,7 @@ def run(
     ] = None,
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
     loss: LossOption = None,
+    ac_ops: AcOpsOption = True,
     simulate: Annotated[
         str | None, typer.Option(help="Probe a simulated GPU (the estimator), e.g. h100-80gb.")
     ] = None,
@@ -537,6 +547,7 @@ def run(
         "precision": precision,
         "attention": attention,
         "loss": loss,
+        "ac_ops": None if ac_ops else False,  # a job file's workload may set it
         "simulate": simulate,
         "device": device,
         "device_memory": device_memory,
@@ -559,6 +570,7 @@ def run(
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
     options["engines"] = _parse_engines(options.pop("engine"))
     options["losses"] = options.pop("loss")
+    options["op_checkpointing"] = options.pop("ac_ops") is not False
     if script is not None or framework is not None or script_args or batch_flag is not None:
         options.update(
             script=script,

@@ -67,6 +67,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "precision": (str,),
     "attention": (str,),
     "loss": (str, list),
+    "ac_ops": (bool,),
     "headroom": (str, int, float),
     "host_memory": (str, int),  # numbers are refused with a word: sizes take a unit
     "host_cores": (int,),

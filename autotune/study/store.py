@@ -414,7 +414,17 @@ class TrialStore:
     def _claim(
         self, config: TrainConfig, micro_batch_sizes: list[int], repeat: int
     ) -> list[Trial] | None:
-        trials = [self.ask(config, m, repeat=repeat) for m in micro_batch_sizes]
+        trials: list[Trial] = []
+        try:
+            for m in micro_batch_sizes:
+                trials.append(self.ask(config, m, repeat=repeat))
+        except STORAGE_ERRORS:
+            # A claim its database cut short (a full disk): take back the trials it wrote,
+            # where the database still takes that much, so none is left running.
+            with contextlib.suppress(*STORAGE_ERRORS):
+                self.storage.scoped_session.remove()
+                self._withdraw(trials, "its claim could not be written whole")
+            raise
         mine = {t._trial_id for t in trials}
         keys = {_key(config.to_dict(), int(t.params["micro_batch_size"]), repeat) for t in trials}
         taken = any(

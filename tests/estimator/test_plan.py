@@ -216,3 +216,16 @@ def test_op_level_checkpointing_is_planned_only_where_it_pays(
         whole = by_config.get(dataclasses.replace(row.config, ac_ops=False, ac_every=1))
         if whole is not None:
             assert all(row.speeds[m] > whole.speeds[m] for m in row.speeds)
+
+
+def test_plan_leaves_out_op_level_checkpointing_when_told() -> None:
+    """``plan --no-ac-ops``: no ac:ops row; by default the qwen2.5-1.5b plan on an A100 40GB
+    has some (they fit micro-batches the same rung without them cannot)."""
+    from autotune import api
+
+    with_ops = api.plan("qwen2.5-1.5b", gpu="a100-40gb", gpus=1, global_batch=64)
+    without = api.plan(
+        "qwen2.5-1.5b", gpu="a100-40gb", gpus=1, global_batch=64, op_checkpointing=False
+    )
+    assert any(r.config.ac_ops for r in with_ops.rows)
+    assert not any(r.config.ac_ops for r in without.rows)

@@ -71,6 +71,12 @@ class Workload:
     def args(self) -> list[str]:
         return ["--model", self.model, "--seq-len", str(self.seq_len), "--gpus", "1"]
 
+    @property
+    def space(self) -> list[str]:
+        """The ladder's two rungs these tests reason about, ac:off and ac:every: without the
+        chunked loss and op-level checkpointing (``plan`` and ``run`` options)."""
+        return ["--loss", "full", "--no-ac-ops"]
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -112,6 +118,7 @@ def plan_rows(workload: Workload, cap: int, folder: Path) -> list[dict[str, Any]
         cli(
             "plan",
             *workload.args(),
+            *workload.space,
             "--global-batch",
             str(workload.global_batch),
             "--gpu",
@@ -139,6 +146,8 @@ def tuner_rows(workload: Workload, cap: int, folder: Path) -> list[PlanRow]:
         device_memory=cap,
         storage=f"sqlite:///{folder}/estimates.db",
         trials_dir=folder / "trials",
+        losses="full",
+        op_checkpointing=False,
     )
     return tuning.rows
 
@@ -215,6 +224,7 @@ def tuner_command(setup: Setup, root: Path, *extra: str) -> list[str]:
         "from autotune.cli import main; main()",
         "run",
         *workload.args(),
+        *workload.space,
         "--global-batch",
         str(workload.global_batch),
         "--device",
@@ -517,8 +527,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
         "zero_stage": 0,
         "precision": "bf16-mixed",
         "ac_every": 1,
+        "ac_ops": False,
         "offload": "none",
         "attention": "sdpa",
+        "loss": "full",
     }
     peaks = measure_peaks(workload, config, [target, above], folder / "probes")
     # The estimator's peak and speed at each size do not depend on the cap.

@@ -160,8 +160,8 @@ def test_a_full_disk_stops_the_run_with_its_trials_intact_and_the_next_run_goes_
     tmp_path: Path,
 ) -> None:
     """The database fills its file system in the middle of a run: the run stops with one
-    reason and exit 1, the trials recorded before are whole, and once there is room the next
-    run finishes the search without a trial left running."""
+    reason and exit 1, the trials recorded before are whole, a claim cut short is taken back,
+    and once there is room the next run finishes the search without a trial left running."""
     with _tmpfs(tmp_path / "small", "160k") as folder:
         db = folder / "t.db"
         args = (*RUN, "--storage", f"sqlite:///{db}", "--trials-dir", str(tmp_path / "trials"))
@@ -175,7 +175,9 @@ def test_a_full_disk_stops_the_run_with_its_trials_intact_and_the_next_run_goes_
         again = autotune(*args, "--json", cwd=tmp_path)
         assert again.returncode == 0, again.stderr
         after = _states(db)
-        assert after["COMPLETE"] > kept["COMPLETE"] and set(after) <= {"COMPLETE", "FAIL"}
+        # PRUNED: a claim the full disk cut short, taken back (withdrawn, counted nowhere).
+        assert after["COMPLETE"] > kept["COMPLETE"]
+        assert set(after) <= {"COMPLETE", "FAIL", "PRUNED"}
 
 
 def test_two_tuners_on_one_sqlite_file_share_the_study_safely(tmp_path: Path) -> None:
