@@ -491,7 +491,7 @@ def prepare(
     script_args: Sequence[str] = (),
     batch_flag: str | None = None,
     losses: str | Iterable[Loss | str] | None = None,
-    op_checkpointing: bool = True,
+    op_checkpointing: bool = False,
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
@@ -668,13 +668,20 @@ def _script_model(job: ScriptJob) -> str:
     )
 
 
+SEARCHED_LOSSES = (Loss.FULL,)
+"""The losses ``run`` searches unless told (``--loss full,chunked``): the model's own. The
+chunked and fused losses and op-level checkpointing (``--ac-ops``) are planned by default
+and searched when named, until the search can revive a knob the planner left out where the
+configuration without it runs out of memory for real (docs/search.md: with them in its space
+by default it fell short of its goal under per-configuration errors)."""
+
+
 def _losses(
     job: ScriptJob | None, losses: tuple[Loss, ...] | None, device: str = "cuda"
 ) -> tuple[Loss, ...]:
     """The losses a run on ``device`` (a device kind: ``cuda``, ``cpu``, ``simulated``,
-    ``replay``) tries: those asked, by default the model's own and the chunked one, and the
-    fused one on GPUs where ``liger-kernel`` is installed; a user's script computes its own
-    loss, so only the model's own is tried with one.
+    ``replay``) tries: those asked, by default the model's own (``SEARCHED_LOSSES``); a user's
+    script computes its own loss, so only the model's own is tried with one.
 
     Raises:
         ConfigError: The fused loss where it cannot run (the CPU, or no ``liger-kernel``).
@@ -682,7 +689,7 @@ def _losses(
     if job is None:
         liger = importlib.util.find_spec("liger_kernel") is not None
         if losses is None:
-            return DEFAULT_LOSSES + ((Loss.FUSED,) if device == "cuda" and liger else ())
+            return SEARCHED_LOSSES
         if Loss.FUSED in losses and device == "cpu":
             raise ConfigError(
                 "--loss fused runs Liger-Kernel's Triton kernels on a CUDA GPU: use --loss "

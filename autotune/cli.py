@@ -193,7 +193,7 @@ LossOption = Annotated[
         "--loss",
         help="Losses to try, comma-separated: full (the model's own), chunked (the logits a "
         "chunk at a time), fused (Liger-Kernel, on GPUs). Default: full and chunked (chunked "
-        "where it pays), and fused on GPUs with liger-kernel installed.",
+        "where it pays).",
     ),
 ]
 AcOpsOption = Annotated[
@@ -482,8 +482,22 @@ def run(
         Precision | None, typer.Option(help="Default: bf16-mixed, fp16-mixed without bf16.")
     ] = None,
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
-    loss: LossOption = None,
-    ac_ops: AcOpsOption = True,
+    loss: Annotated[
+        str | None,
+        typer.Option(
+            "--loss",
+            help="Losses to search, comma-separated: full (the model's own, the default), "
+            "chunked (the logits a chunk at a time, where it pays), fused (Liger-Kernel, GPUs).",
+        ),
+    ] = None,
+    ac_ops: Annotated[
+        bool,
+        typer.Option(
+            "--ac-ops/--no-ac-ops",
+            help="Search op-level selective checkpointing (ac:ops) too, where it fits a larger "
+            "micro-batch.",
+        ),
+    ] = False,
     simulate: Annotated[
         str | None, typer.Option(help="Probe a simulated GPU (the estimator), e.g. h100-80gb.")
     ] = None,
@@ -547,7 +561,7 @@ def run(
         "precision": precision,
         "attention": attention,
         "loss": loss,
-        "ac_ops": None if ac_ops else False,  # a job file's workload may set it
+        "ac_ops": True if ac_ops else None,  # a job file's workload may set it
         "simulate": simulate,
         "device": device,
         "device_memory": device_memory,
@@ -570,7 +584,7 @@ def run(
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
     options["engines"] = _parse_engines(options.pop("engine"))
     options["losses"] = options.pop("loss")
-    options["op_checkpointing"] = options.pop("ac_ops") is not False
+    options["op_checkpointing"] = options.pop("ac_ops") is True
     if script is not None or framework is not None or script_args or batch_flag is not None:
         options.update(
             script=script,

@@ -88,8 +88,8 @@ class Loss(enum.StrEnum):
 
 
 DEFAULT_LOSSES = (Loss.FULL, Loss.CHUNKED)
-"""The losses a plan tries unless told (``--loss``); a run on GPUs with ``liger-kernel``
-installed tries the fused one too."""
+"""The losses a plan tries unless told (``--loss``); ``run`` searches the model's own unless
+told (``autotune.api.SEARCHED_LOSSES``)."""
 
 LOSS_CHUNK_TOKENS = 1024
 """Tokens per chunk of the chunked loss: the probe's chunk and the estimator's. A chunk's

@@ -73,7 +73,7 @@ from typing import Any
 
 import optuna
 
-from autotune.api import Tuning, prepare
+from autotune.api import SEARCHED_LOSSES, Tuning, prepare
 from autotune.config import Engine, TrainConfig
 from autotune.devices import ErrorTerm, ReplayDevice, SimulatedDevice
 from autotune.estimator.host import estimate_host, usable_host_bytes
@@ -274,10 +274,14 @@ class _Prober:
 
 
 def _space(s: Scenario) -> list[TrainConfig]:
+    """The space ``run`` searches by default (the model's own loss, no op-level
+    checkpointing: the knobs beyond the ladder are searched when named)."""
     return configurations(
         world_size=s.workload.world_size,
         num_layers=resolve_model(s.model_name).num_layers,
         offload=s.probe_device == "cuda",  # an emulated device has no host to offload to
+        losses=SEARCHED_LOSSES,
+        op_checkpointing=False,
     )
 
 

@@ -51,8 +51,39 @@ from autotune.units import format_bytes
 __all__ = ["ErrorTerm", "SimulatedDevice"]
 
 
-FEATURES = ("engine", "zero_stage", "precision", "ac_every", "offload", "attention")
+FEATURES = (
+    "engine",
+    "zero_stage",
+    "precision",
+    "ac_every",
+    "ac_ops",
+    "offload",
+    "attention",
+    "loss",
+)
 """The configuration fields an error term may be shared by (``config``: each its own)."""
+KNOBS: dict[str, Any] = {"ac_ops": False, "loss": "full"}
+"""The fields beyond the ladder, at their off values."""
+KNOB_ERROR = ((0.98, 1.02), (1.0, 1.03))
+"""(peak memory, step time) ranges of a knob's own error on top of its twin's. Memory: the
+knob terms matched the byte-exact trace within 1.2 % and the probe's counter within 1.4 %
+(docs/estimator.md). Time: a knob adds work to its twin's step (the chunked loss's recomputed
+output layer, op-level checkpointing's recomputed memory-bound ops: 1-15 % of a step), so its
+step is its twin's and that work, up to 3 % of the step more than predicted; never less than
+its twin's, which no knob can make faster."""
+
+
+def _fields(config: TrainConfig, *, knobs: bool = False) -> dict[str, Any]:
+    """A configuration's fields as the simulator keys its draws. Without ``knobs``, those of
+    its twin with the knobs beyond the ladder off: a configuration with the chunked loss or
+    op-level checkpointing draws what its twin draws (the same kernels run, the knob changes
+    the head or what is kept: ``KNOB_ERROR`` adds its own error), and one without them draws
+    what it drew before they existed. With ``knobs``, its own (a probe's timing noise)."""
+    return {
+        name: value
+        for name, value in config.to_dict().items()
+        if name not in KNOBS or (knobs and value != KNOBS[name])
+    }
 
 
 def _draw(*key: object) -> random.Random:
@@ -71,7 +102,7 @@ class ErrorTerm:
     (a kernel or allocator cliff, so throughput need not grow with the micro-batch).
     ``only`` limits the term to configurations with (``offload``) or without
     (``no-offload``) offload. The host factor ignores checkpointing (the offloaded states do
-    not depend on it)."""
+    not depend on it, nor on op-level checkpointing and the loss)."""
 
     by: tuple[str, ...] = ("config",)
     time: tuple[float, float] = (1.0, 1.0)
@@ -101,9 +132,10 @@ class ErrorTerm:
         return cls(**fields)
 
     def _group(self, config: TrainConfig, *, host: bool = False) -> list[Any]:
-        fields = config.to_dict()
-        if host:
-            fields.pop("ac_every", None)
+        fields = _fields(config)
+        if host:  # the offloaded states and the processes: not the activations, nor the loss
+            for name in ("ac_every", *KNOBS):
+                fields.pop(name, None)
         if "config" in self.by:
             return sorted(fields.items())
         return [fields[name] for name in self.by if name in fields]
@@ -176,7 +208,7 @@ class SimulatedDevice(AnsweredDevice):
         return usable_bytes(self.gpu, reserve=self.reserve)
 
     def _jitter(self, spec: ProbeSpec, mbs: int) -> float:
-        point = [self.seed, spec.model, spec.config.to_dict(), mbs, spec.seq_len]
+        point = [self.seed, spec.model, _fields(spec.config, knobs=True), mbs, spec.seq_len]
         # A probe with another seed (a re-measurement) draws its own noise.
         rng = _draw(*point, spec.seed) if spec.seed else _draw(*point)
         return max(0.5, rng.gauss(1.0, self.noise)) if self.noise else 1.0
@@ -188,6 +220,10 @@ class SimulatedDevice(AnsweredDevice):
         for index, term in enumerate(self.errors):
             m, t = term.factors(self.seed, index, model, config, micro_batch_size)
             memory, time = memory * m, time * t
+        if any(getattr(config, name) != off for name, off in KNOBS.items()):
+            rng = _draw("knob", self.seed, model, sorted(_fields(config, knobs=True).items()))
+            memory *= rng.uniform(*KNOB_ERROR[0])
+            time *= rng.uniform(*KNOB_ERROR[1])
         return memory, time
 
     def host_factor(self, model: str, config: TrainConfig) -> float:
