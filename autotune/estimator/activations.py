@@ -161,7 +161,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
 
     layer_saved = 2 * norm + linear_inputs + attention + mlp
     # Op-level selective checkpointing keeps the block's input and every output of the ops it
-    # saves (autotune.probe.modeling._SAVED_OPS): the q, k, v, o projections, the MLP's
+    # saves (autotune.config.SELECTIVE_SAVED_OPS): the q, k, v, o projections, the MLP's
     # matmuls (gate, up, down; GPT-2: c_fc, c_proj) and the attention kernel's output and
     # fp32 log-sum-exp. Eager attention's score matmuls are saved too.
     projections = 3 * d + d + i + d if gpt2 else q + 2 * kv + d + 2 * i + d

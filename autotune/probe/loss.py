@@ -34,6 +34,11 @@ IGNORE_INDEX = -100
 """A label that counts in no loss (transformers' and torch's convention)."""
 
 
+def _next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's target, flat: the next token's label, none (ignored) after the last."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+
+
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -56,7 +61,7 @@ def chunked_cross_entropy(
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, not {chunk_tokens}")
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    targets = _next_tokens(labels)
     flat = hidden.reshape(-1, hidden.size(-1))
     counted = (targets != IGNORE_INDEX).sum()
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -76,9 +81,8 @@ def fused_cross_entropy(
     the forward, chunk by chunk, and keeps no logits."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
-    return fused(head.weight, hidden.reshape(-1, hidden.size(-1)), targets)
+    return fused(head.weight, hidden.reshape(-1, hidden.size(-1)), _next_tokens(labels))
 
 
 def apply_loss(model: nn.Module, config: TrainConfig) -> None:
