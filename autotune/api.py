@@ -28,17 +28,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.config import (
-    DEFAULT_LOSSES,
     DEVICES,
+    LADDER_ONLY,
+    PLANNED_KNOBS,
     Attention,
     ConfigError,
     Engine,
+    Knobs,
     Loss,
     NothingFits,
+    Optimizer,
     Precision,
     TrainConfig,
     parse_choice,
     parse_losses,
+    parse_optimizers,
 )
 from autotune.devices import Device, LocalDevice, ReplayDevice, SimulatedDevice
 from autotune.devices.base import SetupResult, SetupStep
@@ -290,6 +294,7 @@ def plan(
     host_cores: int | None = None,
     losses: str | Iterable[Loss | str] | None = None,
     op_checkpointing: bool = True,
+    optimizers: str | Iterable[Optimizer | str] | None = None,
 ) -> Plan:
     """Predict peak memory and throughput of every configuration (no GPU needed).
 
@@ -313,9 +318,15 @@ def plan(
         losses: The losses to try (``"full,chunked"``); default both, the chunked one where
             it pays.
         op_checkpointing: Try op-level selective checkpointing (``ac:ops``) where it pays.
+        optimizers: The optimizers to try (``"adamw,adamw-8bit"``); default both, 8-bit
+            AdamW where it pays.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
-    chosen_losses = parse_losses(losses) or DEFAULT_LOSSES
+    knobs = Knobs(
+        losses=parse_losses(losses) or PLANNED_KNOBS.losses,
+        op_checkpointing=op_checkpointing,
+        optimizers=parse_optimizers(optimizers) or PLANNED_KNOBS.optimizers,
+    )
     target, here = _gpu(gpu)
     detected = detect_gpus() if gpu is not None else None
     local = gpu is None or (
@@ -338,8 +349,7 @@ def plan(
         headroom=_fraction(headroom, "headroom"),
         host_memory_bytes=host.memory_bytes,
         host_cores=host.cores,
-        losses=chosen_losses,
-        op_checkpointing=op_checkpointing,
+        knobs=knobs,
     )
     return Plan(
         model=spec,
@@ -492,14 +502,15 @@ def prepare(
     batch_flag: str | None = None,
     losses: str | Iterable[Loss | str] | None = None,
     op_checkpointing: bool = False,
+    optimizers: str | Iterable[Optimizer | str] | None = None,
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
     Opens (or creates) the study, so a bad storage URL fails here.
     """
     job = _script_job(script, framework, script_args, batch_flag, simulate=simulate, device=device)
-    requested = parse_losses(losses)
-    _losses(job, requested, "simulated")  # a script's own loss, before anything is opened
+    asked = (parse_losses(losses), op_checkpointing, parse_optimizers(optimizers))
+    _knobs(job, *asked, "simulated")  # a script's own loss and optimizer, before anything opens
     if job is not None:
         model = model or _script_model(job)
         engines = _job_engines(job, engines)
@@ -535,13 +546,14 @@ def prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     _check_ranks(chosen, per_node, here)
-    chosen_losses = _losses(job, requested, "cpu" if on_cpu else chosen.kind)
-    # A user's script checkpoints as its framework does; a grid answers only what it recorded.
-    op_checkpointing = op_checkpointing and job is None
-    if isinstance(chosen, ReplayDevice):
-        chosen_losses = tuple(x for x in chosen_losses if x in chosen.grid.losses) or (Loss.FULL,)
-        op_checkpointing = op_checkpointing and any(
-            p.spec.config.ac_ops for p in chosen.grid.probes
+    knobs = _knobs(job, *asked, "cpu" if on_cpu else chosen.kind)
+    if isinstance(chosen, ReplayDevice):  # a grid answers only what it recorded
+        recorded = chosen.grid.knobs
+        knobs = Knobs(
+            losses=tuple(x for x in knobs.losses if x in recorded.losses) or (Loss.FULL,),
+            op_checkpointing=knobs.op_checkpointing and recorded.op_checkpointing,
+            optimizers=tuple(x for x in knobs.optimizers if x in recorded.optimizers)
+            or (Optimizer.ADAMW,),
         )
     if job is not None and job.framework is Framework.ACCELERATE and on_cpu and per_node > 1:
         raise ConfigError(
@@ -591,8 +603,7 @@ def prepare(
         host_cores=_cores_for(chosen, cores),
         device="cpu" if on_cpu else "cuda",
         gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
-        losses=chosen_losses,
-        op_checkpointing=op_checkpointing,
+        knobs=knobs,
     )
     _check_something_fits(rows, spec, world, capacity, on_cpu=on_cpu)
     from autotune.study.store import TrialStore
@@ -668,44 +679,65 @@ def _script_model(job: ScriptJob) -> str:
     )
 
 
-SEARCHED_LOSSES = (Loss.FULL,)
-"""The losses ``run`` searches unless told (``--loss full,chunked``): the model's own. The
-chunked and fused losses and op-level checkpointing (``--ac-ops``) are planned by default
-and searched when named, until the search can revive a knob the planner left out where the
-configuration without it runs out of memory for real (docs/search.md: with them in its space
-by default it fell short of its goal under per-configuration errors)."""
+SEARCHED_KNOBS = LADDER_ONLY
+"""The knobs ``run`` searches unless told: the ladder's alone. The chunked and fused losses
+(``--loss full,chunked``), op-level checkpointing (``--ac-ops``) and 8-bit AdamW
+(``--optimizer adamw,adamw-8bit``) are planned by default and searched when named, until the
+search can revive a knob the planner left out where the configuration without it runs out of
+memory for real (docs/search.md: with them in its space by default it fell short of its goal
+under per-configuration errors)."""
 
 
-def _losses(
-    job: ScriptJob | None, losses: tuple[Loss, ...] | None, device: str = "cuda"
-) -> tuple[Loss, ...]:
-    """The losses a run on ``device`` (a device kind: ``cuda``, ``cpu``, ``simulated``,
-    ``replay``) tries: those asked, by default the model's own (``SEARCHED_LOSSES``); a user's
-    script computes its own loss, so only the model's own is tried with one.
+def _knobs(
+    job: ScriptJob | None,
+    losses: tuple[Loss, ...] | None,
+    op_checkpointing: bool,
+    optimizers: tuple[Optimizer, ...] | None,
+    device: str = "cuda",
+) -> Knobs:
+    """The knobs a run on ``device`` (a device kind: ``cuda``, ``cpu``, ``simulated``,
+    ``replay``) tries: those asked, by default :data:`SEARCHED_KNOBS`. A user's script
+    computes its own loss, checkpoints as its framework does and builds its own optimizer, so
+    it is tried on the ladder alone.
 
     Raises:
-        ConfigError: The fused loss where it cannot run (the CPU, or no ``liger-kernel``).
+        ConfigError: A knob that cannot run there: the fused loss off a CUDA GPU or without
+            ``liger-kernel``, 8-bit AdamW without ``torchao``, any knob with a script.
     """
-    if job is None:
-        liger = importlib.util.find_spec("liger_kernel") is not None
-        if losses is None:
-            return SEARCHED_LOSSES
-        if Loss.FUSED in losses and device == "cpu":
+    if job is not None:
+        if losses is not None and set(losses) != {Loss.FULL}:
             raise ConfigError(
-                "--loss fused runs Liger-Kernel's Triton kernels on a CUDA GPU: use --loss "
-                "chunked on the CPU (the same memory, one more forward of the output layer)"
+                "--loss chunked is a loss of autotune's stand-in; your script computes its "
+                "own: leave out --loss with --script"
             )
-        if Loss.FUSED in losses and device == "cuda" and not liger:
+        if optimizers is not None and set(optimizers) != {Optimizer.ADAMW}:
             raise ConfigError(
-                "--loss fused needs Liger-Kernel: pip install liger-kernel, or use --loss chunked"
+                "--optimizer adamw-8bit is an optimizer of autotune's stand-in; your script "
+                "builds its own: leave out --optimizer with --script (a Trainer takes "
+                'optim="adamw_torch_8bit")'
             )
-        return losses
-    if losses is not None and set(losses) != {Loss.FULL}:
+        return LADDER_ONLY
+    losses = losses or SEARCHED_KNOBS.losses
+    optimizers = optimizers or SEARCHED_KNOBS.optimizers
+    if Loss.FUSED in losses and device == "cpu":
         raise ConfigError(
-            "--loss chunked is a loss of autotune's stand-in; your script computes its own: "
-            "leave out --loss with --script"
+            "--loss fused runs Liger-Kernel's Triton kernels on a CUDA GPU: use --loss "
+            "chunked on the CPU (the same memory, one more forward of the output layer)"
         )
-    return (Loss.FULL,)
+    probing = device in ("cuda", "cpu")
+    if Loss.FUSED in losses and device == "cuda" and not _installed("liger_kernel"):
+        raise ConfigError(
+            "--loss fused needs Liger-Kernel: pip install liger-kernel, or use --loss chunked"
+        )
+    if Optimizer.ADAMW_8BIT in optimizers and probing and not _installed("torchao"):
+        raise ConfigError(
+            "--optimizer adamw-8bit needs torchao: pip install torchao, or use --optimizer adamw"
+        )
+    return Knobs(losses=losses, op_checkpointing=op_checkpointing, optimizers=optimizers)
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def _job_engines(job: ScriptJob, engines: Iterable[Engine] | None) -> list[Engine]:
@@ -923,6 +955,8 @@ def tune_jobs(
             options["losses"] = options.pop("loss")
         if "ac_ops" in options:
             options["op_checkpointing"] = options.pop("ac_ops")
+        if "optimizer" in options:
+            options["optimizers"] = options.pop("optimizer")
         if "args" in options:
             options["script_args"] = options.pop("args")
         storage = options.get("storage", DEFAULT_STORAGE)
@@ -1088,8 +1122,9 @@ def probe(
     if job is not None:
         model = model or _script_model(job)
         check_engines(job, [(config or TrainConfig()).engine])
-        _losses(job, ((config or TrainConfig()).loss,))
-        if (config or TrainConfig()).ac_ops:
+        asked = config or TrainConfig()
+        _knobs(job, (asked.loss,), False, (asked.optimizer,))
+        if asked.ac_ops:
             raise ConfigError(
                 "--ac ops is autotune's stand-in's checkpointing; your script checkpoints as its "
                 "framework does: use --ac off, every or every-N with --script"
@@ -1129,7 +1164,7 @@ def probe(
     else:
         chosen, here = device, 1
     if job is None:
-        _losses(None, (config.loss,), chosen.kind)  # the fused loss where it can run
+        _knobs(None, (config.loss,), False, (config.optimizer,), chosen.kind)  # where it runs
     single = config.engine is Engine.SINGLE and count == 1
     spec = ProbeSpec(
         model=model,

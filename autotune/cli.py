@@ -28,6 +28,7 @@ from autotune.config import (
     Loss,
     NothingFits,
     Offload,
+    Optimizer,
     Precision,
     TrainConfig,
     parse_ac_ops,
@@ -196,6 +197,15 @@ LossOption = Annotated[
         "where it pays).",
     ),
 ]
+OptimizerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--optimizer",
+        help="Optimizers to try, comma-separated: adamw (torch's fused AdamW), adamw-8bit "
+        "(torchao's 8-bit moments; not with DeepSpeed or offload). Default: both (8-bit where "
+        "it pays).",
+    ),
+]
 AcOpsOption = Annotated[
     bool,
     typer.Option(
@@ -279,6 +289,12 @@ def probe(
             "Liger-Kernel's fused linear cross-entropy (a CUDA GPU)."
         ),
     ] = Loss.FULL,
+    optimizer: Annotated[
+        Optimizer,
+        typer.Option(
+            help="adamw: torch's fused AdamW; adamw-8bit: torchao's AdamW8bit (8-bit moments)."
+        ),
+    ] = Optimizer.ADAMW,
     micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
     seq_len: SeqLenOption = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
@@ -325,6 +341,7 @@ def probe(
         ac_ops=ac_ops,
         attention=attention,
         loss=loss,
+        optimizer=optimizer,
     )
     sizes = _parse_sizes(micro_batch)
     running = contextlib.ExitStack()
@@ -415,6 +432,7 @@ def plan(
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
     loss: LossOption = None,
     ac_ops: AcOpsOption = True,
+    optimizer: OptimizerOption = None,
     headroom: HeadroomOption = "0%",
     reserve: Annotated[
         str | None,
@@ -450,6 +468,7 @@ def plan(
         reserve=api.DEVICE_RESERVE_BYTES if reserve is None else reserve,
         losses=loss,
         op_checkpointing=ac_ops,
+        optimizers=optimizer,
     )
     if json_output:
         _print_json(found.to_dict())
@@ -498,6 +517,14 @@ def run(
             "micro-batch.",
         ),
     ] = False,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(
+            "--optimizer",
+            help="Optimizers to search, comma-separated: adamw (torch's fused AdamW, the "
+            "default), adamw-8bit (torchao's 8-bit moments, where it pays).",
+        ),
+    ] = None,
     simulate: Annotated[
         str | None, typer.Option(help="Probe a simulated GPU (the estimator), e.g. h100-80gb.")
     ] = None,
@@ -562,6 +589,7 @@ def run(
         "attention": attention,
         "loss": loss,
         "ac_ops": True if ac_ops else None,  # a job file's workload may set it
+        "optimizer": optimizer,
         "simulate": simulate,
         "device": device,
         "device_memory": device_memory,
@@ -585,6 +613,7 @@ def run(
     options["engines"] = _parse_engines(options.pop("engine"))
     options["losses"] = options.pop("loss")
     options["op_checkpointing"] = options.pop("ac_ops") is True
+    options["optimizers"] = options.pop("optimizer")
     if script is not None or framework is not None or script_args or batch_flag is not None:
         options.update(
             script=script,

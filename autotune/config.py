@@ -87,9 +87,34 @@ class Loss(enum.StrEnum):
     no logits kept, nothing recomputed."""
 
 
+class Optimizer(enum.StrEnum):
+    """The optimizer and the bytes of its state."""
+
+    ADAMW = "adamw"
+    """torch's fused AdamW: two moments in the master weights' dtype (fp32, or bf16 in pure
+    bf16), one kernel per parameter group (Hugging Face's ``adamw_torch_fused``)."""
+    ADAMW_8BIT = "adamw-8bit"
+    """torchao's ``AdamW8bit``: both moments as 8-bit codes with an fp32 scale per
+    :data:`OPTIMIZER_8BIT_BLOCK` values (block-wise quantization, Dettmers et al. 2022), about
+    a quarter of fp32 moments; the weights and their update stay in full precision. Tensors
+    under 4,096 values keep plain moments. Needs ``torchao``; not with DeepSpeed nor offload."""
+
+
+DEFAULT_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.ADAMW_8BIT)
+"""The optimizers a plan tries unless told (``--optimizer``); ``run`` searches fused AdamW
+unless told (``autotune.api.SEARCHED_KNOBS``)."""
+
+OPTIMIZER_8BIT_BLOCK = 256
+"""Values per fp32 scale of the 8-bit moments (torchao's and bitsandbytes' default block)."""
+OPTIMIZER_8BIT_MIN_VALUES = 4096
+"""Tensors (a rank's shard, under FSDP2) of fewer values keep plain moments in 8-bit AdamW, as
+do those whose size is not a whole number of blocks (torchao ``optim/adam.py``, after
+bitsandbytes)."""
+
+
 DEFAULT_LOSSES = (Loss.FULL, Loss.CHUNKED)
 """The losses a plan tries unless told (``--loss``); ``run`` searches the model's own unless
-told (``autotune.api.SEARCHED_LOSSES``)."""
+told (``autotune.api.SEARCHED_KNOBS``)."""
 
 LOSS_CHUNK_TOKENS = 1024
 """Tokens per chunk of the chunked loss: the probe's chunk and the estimator's. A chunk's
@@ -186,6 +211,8 @@ class TrainConfig:
     """Attention kernel."""
     loss: Loss = Loss.FULL
     """How the cross-entropy meets the logits."""
+    optimizer: Optimizer = Optimizer.ADAMW
+    """The optimizer, which sets the bytes of its state."""
 
     def __post_init__(self) -> None:
         # Accept plain strings from JSON, the CLI or an Optuna trial.
@@ -195,6 +222,7 @@ class TrainConfig:
             ("offload", Offload),
             ("attention", Attention),
             ("loss", Loss),
+            ("optimizer", Optimizer),
         ):
             value = getattr(self, name)
             if not isinstance(value, kind):
@@ -268,6 +296,18 @@ class TrainConfig:
                 "the fused loss reads the output layer's weight outside the layer, where ZeRO-3 "
                 "holds only a partition of it: use --loss chunked with ZeRO-3, or --zero-stage 2"
             )
+        if self.optimizer is Optimizer.ADAMW_8BIT:
+            if self.engine is Engine.DEEPSPEED:
+                raise ConfigError(
+                    "DeepSpeed's ZeRO steps its own optimizer over flat fp32 partitions: use "
+                    "--optimizer adamw-8bit with --engine fsdp, ddp or single, or --optimizer "
+                    "adamw with deepspeed"
+                )
+            if self.offload is not Offload.NONE:
+                raise ConfigError(
+                    "8-bit AdamW keeps its moments on the device, where offload would move "
+                    "them to the host: use --optimizer adamw with offload, or no offload"
+                )
         if self.engine is Engine.DEEPSPEED and self.precision is Precision.BF16:
             raise ConfigError(
                 "DeepSpeed keeps fp32 master weights: use --precision bf16-mixed with deepspeed"
@@ -297,6 +337,8 @@ class TrainConfig:
             parts.append(self.attention.value)
         if self.loss is not Loss.FULL:
             parts.append(f"loss:{self.loss.value}")
+        if self.optimizer is not Optimizer.ADAMW:
+            parts.append(f"optim:{self.optimizer.value}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -321,22 +363,75 @@ def parse_losses(value: str | Iterable[Loss | str] | None) -> tuple[Loss, ...] |
     """The losses to try, from ``full,chunked`` (the CLI, a job file) or a list; None: all.
 
     Raises:
-        ConfigError: ``unknown loss 'liger': use full or chunked or fused, comma-separated``.
+        ConfigError: ``unknown loss in 'liger': use full or chunked or fused, comma-separated``.
     """
+    return _parse_list(Loss, value, "loss")
+
+
+def parse_optimizers(
+    value: str | Iterable[Optimizer | str] | None,
+) -> tuple[Optimizer, ...] | None:
+    """The optimizers to try, from ``adamw,adamw-8bit`` (the CLI, a job file) or a list; None:
+    the default.
+
+    Raises:
+        ConfigError: ``unknown optimizer in 'adam8': use adamw or adamw-8bit, comma-separated``.
+    """
+    return _parse_list(Optimizer, value, "optimizer")
+
+
+def _parse_list(
+    kind: type[_Choice], value: str | Iterable[Any] | None, what: str
+) -> tuple[_Choice, ...] | None:
     if value is None:
         return None
     names = value.split(",") if isinstance(value, str) else list(value)
+    choices = " or ".join(str(x.value) for x in kind)
     try:
-        chosen = tuple(dict.fromkeys(Loss(str(name).strip()) for name in names))
+        chosen = tuple(dict.fromkeys(kind(str(name).strip()) for name in names))
     except ValueError:
-        choices = " or ".join(x.value for x in Loss)
-        raise ConfigError(f"unknown loss in {value!r}: use {choices}, comma-separated") from None
+        raise ConfigError(f"unknown {what} in {value!r}: use {choices}, comma-separated") from None
     if not chosen:
-        raise ConfigError(f"no loss named: use {' or '.join(x.value for x in Loss)}")
+        raise ConfigError(f"no {what} named: use {choices}")
     return chosen
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Knobs:
+    """The knobs beyond the ladder a search space tries (``--loss``, ``--ac-ops``,
+    ``--optimizer``): every rung of the ladder with every combination of them that is valid
+    (the planner keeps a combination only where it pays)."""
+
+    losses: tuple[Loss, ...] = DEFAULT_LOSSES
+    op_checkpointing: bool = True
+    """Op-level selective checkpointing (``ac:ops``) as a rung between none and every 4th
+    block."""
+    optimizers: tuple[Optimizer, ...] = DEFAULT_OPTIMIZERS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "losses", tuple(dict.fromkeys(map(Loss, self.losses))))
+        object.__setattr__(
+            self, "optimizers", tuple(dict.fromkeys(map(Optimizer, self.optimizers)))
+        )
+        if not self.losses:
+            raise ConfigError(f"no loss to try: use --loss {' or '.join(x.value for x in Loss)}")
+        if not self.optimizers:
+            choices = " or ".join(x.value for x in Optimizer)
+            raise ConfigError(f"no optimizer to try: use --optimizer {choices}")
+
+
+LADDER_ONLY = Knobs(losses=(Loss.FULL,), op_checkpointing=False, optimizers=(Optimizer.ADAMW,))
+"""The ladder's rungs alone: the model's own loss, block checkpointing, fused AdamW."""
+
+PLANNED_KNOBS = Knobs()
+"""What ``plan`` tries unless told: every loss that runs everywhere, op-level checkpointing
+and both optimizers, each kept where it pays."""
+
+
 _AC_PATTERN = re.compile(r"^(?:every-?)?(\d+)$")
+
+
+(r"^(?:every-?)?(\d+)$")
 
 
 def parse_ac_ops(text: str) -> tuple[int, bool]:

@@ -40,6 +40,7 @@ from autotune.config import (
     Precision,
     parse_choice,
     parse_losses,
+    parse_optimizers,
 )
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
@@ -68,6 +69,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "attention": (str,),
     "loss": (str, list),
     "ac_ops": (bool,),
+    "optimizer": (str, list),
     "headroom": (str, int, float),
     "host_memory": (str, int),  # numbers are refused with a word: sizes take a unit
     "host_cores": (int,),
@@ -261,6 +263,8 @@ def _checked(key: str, value: Any, at: str) -> Any:
             value = ",".join(str(name).strip() for name in names)
         if key == "loss":
             value = ",".join(x.value for x in parse_losses(value) or ())
+        if key == "optimizer":
+            value = ",".join(x.value for x in parse_optimizers(value) or ())
         if key == "hosts" and isinstance(value, list):
             value = ",".join(str(host).strip() for host in value)
         if key == "script":

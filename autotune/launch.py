@@ -21,11 +21,13 @@ from typing import Any
 
 from autotune.config import (
     LOSS_CHUNK_TOKENS,
+    OPTIMIZER_8BIT_BLOCK,
     SELECTIVE_SAVED_OPS,
     ConfigError,
     Engine,
     Loss,
     Offload,
+    Optimizer,
     Precision,
     TrainConfig,
 )
@@ -205,6 +207,12 @@ _FUSED_LOSS = (
 )
 
 
+_EIGHT_BIT = (
+    "torchao's 8-bit AdamW: optimizer = torchao.optim.AdamW8bit(model.parameters(), lr=..., "
+    f"block_size={OPTIMIZER_8BIT_BLOCK}) in place of torch.optim.AdamW"
+)
+
+
 def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
     """What ``fmt`` cannot carry of ``launch``'s configuration, each with what to do instead
     (empty when the format says it all). ``autotune export`` prints them beside the file, and
@@ -229,6 +237,11 @@ def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
         notes.append(
             f"--format {Format(fmt).value} has no setting for the chunked loss autotune "
             f"measured ({LOSS_CHUNK_TOKENS} tokens a chunk): {_CHUNKED_LOSS}"
+        )
+    if config.optimizer is Optimizer.ADAMW_8BIT and Format(fmt) not in (Format.HF, Format.FSDP):
+        notes.append(
+            f"--format {Format(fmt).value} has no setting for the optimizer: autotune measured "
+            f'{_EIGHT_BIT} (a Trainer: optim="adamw_torch_8bit")'
         )
     if launch.config.loss is Loss.FUSED and Format(fmt) is not Format.HF:
         notes.append(
@@ -306,6 +319,12 @@ def _loss_note(loss: Loss) -> str:
     if loss is Loss.FUSED:
         return "Liger-Kernel's fused linear cross-entropy (gradients in the forward)"
     return f"chunked cross-entropy, {LOSS_CHUNK_TOKENS} tokens a chunk, recomputed in the backward"
+
+
+def _optimizer_note(optimizer: Optimizer) -> str:
+    if optimizer is Optimizer.ADAMW_8BIT:
+        return "torchao's AdamW8bit (8-bit moments, a scale per 256 values)"
+    return "torch's fused AdamW"
 
 
 def _checkpointing_note(ac_every: int, ac_ops: bool = False) -> str:
@@ -434,6 +453,12 @@ def checkpointing_field(transformers: str | None) -> str:
     return "activation_checkpointing" if new else "gradient_checkpointing"
 
 
+HF_OPTIMIZERS = {Optimizer.ADAMW: "adamw_torch_fused", Optimizer.ADAMW_8BIT: "adamw_torch_8bit"}
+"""``TrainingArguments.optim`` of each optimizer (``adamw_torch_8bit`` is torchao's
+AdamW8bit, block 256). Fused AdamW is the Trainer's default (torch 2.8 and later), so the
+export leaves ``optim`` out for it: a study of a user's Trainer script keeps the script's."""
+
+
 def hf_fields(launch: Launch, *, cpu: bool = False) -> dict[str, Any]:
     """The keyword arguments of ``transformers.TrainingArguments`` for ``launch`` (``cpu``:
     as a CPU probe runs it, DeepSpeed with torch's AdamW)."""
@@ -444,6 +469,8 @@ def hf_fields(launch: Launch, *, cpu: bool = False) -> dict[str, Any]:
         "bf16": config.precision in (Precision.BF16_MIXED, Precision.BF16),
         "fp16": config.precision is Precision.FP16_MIXED,
     }
+    if config.optimizer is not Optimizer.ADAMW:  # fused AdamW: the Trainer's default
+        fields["optim"] = HF_OPTIMIZERS[config.optimizer]
     if config.loss is Loss.FUSED:  # the Trainer applies Liger's patches it is given
         fields["use_liger_kernel"] = True
         fields["liger_kernel_config"] = dict(LIGER_FUSED_LOSS_ONLY)
@@ -514,6 +541,7 @@ def _torchrun(launch: Launch) -> str:
         "activation checkpointing": _checkpointing_note(config.ac_every, config.ac_ops),
         "attention": config.attention.value,
         "loss": _loss_note(config.loss),
+        "optimizer": _optimizer_note(config.optimizer),
         "micro-batch per rank": str(launch.micro_batch_size),
         "accumulation steps": str(launch.grad_accum),
     }
@@ -539,8 +567,9 @@ def _torchrun(launch: Launch) -> str:
 
 _FSDP_SNIPPET = '''"""FSDP2 as autotune measured it: {summary}.
 
-On every rank, after torch.distributed.init_process_group and before the optimizer is built:
+On every rank, after torch.distributed.init_process_group:
     model = apply_fsdp(model)
+    optimizer = build_optimizer(model, lr)
 then train with {micro_batch} sequences per rank per micro-step and {grad_accum} micro-steps per
 optimizer step (model.set_requires_gradient_sync(False) on all micro-steps but the last).{loss}
 """
@@ -565,6 +594,7 @@ CHECKPOINT_OPS = {ac_ops}  # the other blocks: keep matmul and attention outputs
 SAVED_OPS = {saved_ops}
 RESHARD_AFTER_FORWARD = {reshard}  # ZeRO stage {stage}
 PURE_BF16 = {pure_bf16}  # the weights themselves in bf16 (else fp32 master weights)
+OPTIMIZER = "{optimizer}"  # "adamw": torch's fused AdamW; "adamw-8bit": torchao's AdamW8bit
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -616,6 +646,15 @@ def apply_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     # start: never re-sharded after the forward.
     fully_shard(model, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
     return model
+
+
+def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer autotune measured, over the sharded parameters."""
+    if OPTIMIZER == "adamw-8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(model.parameters(), lr=lr, block_size={block})
+    return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 '''
 
 
@@ -634,6 +673,8 @@ def _fsdp(launch: Launch) -> str:
         reshard=config.zero_stage == 3,
         stage=config.zero_stage,
         pure_bf16=config.precision is Precision.BF16,
+        optimizer=config.optimizer.value,
+        block=OPTIMIZER_8BIT_BLOCK,
         # Gradients reduced in fp32, as the probe does.
         mp_args="param_dtype=torch.bfloat16, reduce_dtype=torch.float32" if mixed else "",
         offload=(

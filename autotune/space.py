@@ -17,12 +17,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from autotune.config import (
-    DEFAULT_LOSSES,
+    PLANNED_KNOBS,
     Attention,
     ConfigError,
     Engine,
+    Knobs,
     Loss,
     Offload,
+    Optimizer,
     Precision,
     TrainConfig,
 )
@@ -121,8 +123,7 @@ def configurations(
     precision: Precision = Precision.BF16_MIXED,
     attention: Attention = Attention.SDPA,
     offload: bool = True,
-    losses: Iterable[Loss] = DEFAULT_LOSSES,
-    op_checkpointing: bool = True,
+    knobs: Knobs = PLANNED_KNOBS,
 ) -> list[TrainConfig]:
     """Every valid configuration for ``world_size`` GPUs, sorted in ladder order.
 
@@ -135,27 +136,24 @@ def configurations(
         attention: The attention kernel.
         offload: Include the CPU-offload rungs (not where there is no host to offload to,
             as on a CPU emulating a device).
-        losses: The losses to try (``--loss``; the model's own only for a user's script,
-            which computes its loss itself).
-        op_checkpointing: Include op-level selective checkpointing (``ac:ops``), a rung
-            between none and every 4th block (not for a user's script, which checkpoints as
-            its framework does).
+        knobs: The knobs beyond the ladder to try (:data:`autotune.config.LADDER_ONLY` for a
+            user's script, which computes its loss, checkpoints and builds its optimizer
+            itself).
 
     Returns:
         Configurations, cheapest rung first.
     """
     allowed = set(engines) if engines is not None else set(Engine)
-    chosen_losses = list(dict.fromkeys(losses))
-    if not chosen_losses:
-        raise ConfigError(f"no loss to try: use --loss {' or '.join(x.value for x in Loss)}")
     found: list[TrainConfig] = []
     for engine, stage, where in _sharding(world_size):
         if engine not in allowed or (where is not Offload.NONE and not offload):
             continue
         checkpointing = [(ac, False) for ac in ac_options(num_layers)]
-        if op_checkpointing:
+        if knobs.op_checkpointing:
             checkpointing.insert(1, (0, True))
-        for (ac, ops), loss in itertools.product(checkpointing, chosen_losses):
+        for (ac, ops), loss, optimizer in itertools.product(
+            checkpointing, knobs.losses, knobs.optimizers
+        ):
             try:
                 found.append(
                     TrainConfig(
@@ -167,6 +165,7 @@ def configurations(
                         offload=where,
                         attention=attention,
                         loss=loss,
+                        optimizer=optimizer,
                     )
                 )
             except ConfigError:
@@ -188,11 +187,13 @@ def configurations(
 _OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.PARAMS: 2}
 
 
-def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int]:
+def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int, int]:
     """Sort key of the ladder: offload, then sharding, then checkpointing (coarse first, with
     op-level checkpointing between none and every 4th block: it recomputes only the cheap
     ops), the chunked loss right after the same configuration with the model's own (it costs
-    one more forward of the output layer, less than any checkpointing)."""
+    one more forward of the output layer, less than any checkpointing), 8-bit AdamW right
+    after the same configuration with fused AdamW (it changes the moments' precision, and
+    its step is no faster)."""
     blocks = 0 if config.ac_every == 0 else 1 + 4 // config.ac_every
     ac_rank = 2 * blocks + int(config.ac_ops)
     return (
@@ -200,5 +201,6 @@ def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int]:
         config.zero_stage,
         ac_rank,
         int(config.loss is not Loss.FULL),
+        int(config.optimizer is not Optimizer.ADAMW),
         int(config.engine is Engine.DEEPSPEED),
     )

@@ -46,7 +46,14 @@ from pathlib import Path
 from typing import Any
 
 from autotune import api
-from autotune.config import ConfigError, Engine, TrainConfig, parse_losses
+from autotune.config import (
+    ConfigError,
+    Engine,
+    Knobs,
+    TrainConfig,
+    parse_losses,
+    parse_optimizers,
+)
 from autotune.devices import Device, LocalDevice, SimulatedDevice
 from autotune.devices.replay import REPLAYED, Grid, GridKey, without_checkpointing
 from autotune.hardware import cpu_device_spec, detect_gpus, host_memory_bytes
@@ -178,6 +185,11 @@ def main() -> None:
     parser.add_argument(
         "--ac-ops", action="store_true", help="record op-level selective checkpointing too"
     )
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="the optimizers to record: adamw (default), adamw-8bit or both",
+    )
     parser.add_argument("--timeout", default="15m", help="per probe")
     parser.add_argument("--stop-after", default=None, help="start nothing predicted to end later")
     parser.add_argument("--complete", action="store_true", help="also points the rules decide")
@@ -202,8 +214,11 @@ def record(args: argparse.Namespace) -> None:
         num_layers=model.num_layers,
         engines=engines,
         offload=on_gpu,  # an emulated device has no host to offload to
-        losses=parse_losses(args.loss) or (),
-        op_checkpointing=args.ac_ops,
+        knobs=Knobs(
+            losses=parse_losses(args.loss) or (),
+            op_checkpointing=args.ac_ops,
+            optimizers=parse_optimizers(args.optimizer) or (),
+        ),
     )
     sizes = micro_batch_options(workload)
     stop_after = parse_duration(args.stop_after) if args.stop_after else None

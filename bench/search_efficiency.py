@@ -73,7 +73,7 @@ from typing import Any
 
 import optuna
 
-from autotune.api import SEARCHED_LOSSES, Tuning, prepare
+from autotune.api import SEARCHED_KNOBS, Tuning, prepare
 from autotune.config import Engine, TrainConfig
 from autotune.devices import ErrorTerm, ReplayDevice, SimulatedDevice
 from autotune.estimator.host import estimate_host, usable_host_bytes
@@ -280,8 +280,7 @@ def _space(s: Scenario) -> list[TrainConfig]:
         world_size=s.workload.world_size,
         num_layers=resolve_model(s.model_name).num_layers,
         offload=s.probe_device == "cuda",  # an emulated device has no host to offload to
-        losses=SEARCHED_LOSSES,
-        op_checkpointing=False,
+        knobs=SEARCHED_KNOBS,
     )
 
 

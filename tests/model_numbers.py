@@ -49,6 +49,11 @@ def spec_numbers(spec: ModelSpec) -> dict[str, object]:
     }
 
 
+def meta_model(spec: ModelSpec) -> torch.nn.Module:
+    """The real model of ``spec``, on the meta device."""
+    return _meta_model(spec)
+
+
 def meta_counts(spec: ModelSpec) -> tuple[int, int, int]:
     """Total, lookup-table and decoder-block parameters of the real model on meta."""
     model = _meta_model(spec)

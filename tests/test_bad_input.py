@@ -110,6 +110,30 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         "ZeRO-3 holds only a partition of it: use --loss chunked with ZeRO-3",
     ),
     (("run", *SIM, "--loss", "full,"), "unknown loss in 'full,'"),
+    (
+        ("plan", "--gpu", "h100", "--optimizer", "adam8"),
+        "unknown optimizer in 'adam8': use adamw or adamw-8bit",
+    ),
+    (("probe", "--optimizer", "adam8"), "adam8"),
+    (
+        ("probe", *CPU, "--engine", "deepspeed", "--optimizer", "adamw-8bit"),
+        "DeepSpeed's ZeRO steps its own optimizer over flat fp32 partitions",
+    ),
+    (
+        (
+            "probe",
+            *CPU,
+            "--engine",
+            "fsdp",
+            "--zero-stage",
+            "3",
+            "--offload",
+            "params",
+            "--optimizer",
+            "adamw-8bit",
+        ),
+        "8-bit AdamW keeps its moments on the device",
+    ),
     (("probe", "--loss", "liger"), "liger"),
     (("run", *CPU, "--gpus", "1", "--engine", "ddp"), "--engine ddp leaves no configuration"),
     (("run", *SIM, "--device", "tpu"), "unknown device 'tpu': use auto, cuda, cpu"),
@@ -151,6 +175,10 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (
         ("run", *CPU, "--script", "train.py", "--framework", "hf", "--loss", "chunked"),
         "--loss chunked is a loss of autotune's stand-in; your script computes its own",
+    ),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "hf", "--optimizer", "adamw-8bit"),
+        "--optimizer adamw-8bit is an optimizer of autotune's stand-in; your script builds",
     ),
     (
         ("probe", *CPU, "--script", "train.py", "--framework", "hf", "--ac", "ops"),

@@ -242,6 +242,7 @@ def test_to_dict_values() -> None:
         "offload": "optimizer",
         "attention": "sdpa",
         "loss": "full",
+        "optimizer": "adamw",
     }
 
 

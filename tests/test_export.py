@@ -17,7 +17,7 @@ import pytest
 from test_cli import autotune
 
 import autotune as library
-from autotune.config import ConfigError, Engine, Loss, Offload, Precision, TrainConfig
+from autotune.config import ConfigError, Engine, Loss, Offload, Optimizer, Precision, TrainConfig
 from autotune.launch import Format, Launch, deepspeed_config, hf_fields, knob_notes, render
 from autotune.models import resolve_model
 from autotune.probe.ops import op_environment
@@ -393,6 +393,7 @@ def test_torchrun_parses_the_line(nodes: int) -> None:
         *FSDP_CONFIGS,
         TrainConfig(engine=Engine.FSDP, zero_stage=3, loss=Loss.CHUNKED),
         TrainConfig(engine=Engine.FSDP, zero_stage=3, ac_every=2, ac_ops=True),
+        TrainConfig(engine=Engine.FSDP, zero_stage=3, optimizer=Optimizer.ADAMW_8BIT),
     ],
     ids=lambda c: c.label(),
 )
@@ -420,7 +421,7 @@ def test_fsdp_snippet_shards_and_trains_a_tiny_model(config: TrainConfig, tmp_pa
         model = fsdp_settings.apply_fsdp(
             AutoModelForCausalLM.from_config(hf_config(resolve_model("tiny")))
         )
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = fsdp_settings.build_optimizer(model, lr=1e-3)
         ids = torch.randint(0, 256, (fsdp_settings.MICRO_BATCH_SIZE, 16))
         losses = []
         for _ in range(2):
@@ -436,6 +437,7 @@ def test_fsdp_snippet_shards_and_trains_a_tiny_model(config: TrainConfig, tmp_pa
             "dtype": str(next(model.parameters()).dtype),
             "device": next(model.parameters()).device.type,
             "losses": losses,
+            "optimizer": type(optimizer).__name__,
         }))
         dist.destroy_process_group()
         """,
@@ -452,6 +454,8 @@ def test_fsdp_snippet_shards_and_trains_a_tiny_model(config: TrainConfig, tmp_pa
         "torch.bfloat16" if config.precision is Precision.BF16 else "torch.float32"
     )
     assert seen["losses"][1] < seen["losses"][0]  # the same batch twice: the step trained
+    eight = config.optimizer is Optimizer.ADAMW_8BIT
+    assert seen["optimizer"] == ("AdamW8bit" if eight else "AdamW")
 
 
 # ---- Knobs a format has no setting for ----------------------------------------------------------
@@ -494,6 +498,55 @@ def test_every_format_but_fsdp_says_how_to_get_op_level_checkpointing(fmt: Forma
     assert "apply_activation_checkpointing(model, 4, ops=True)" in both and "whole too" in both
     fsdp = TrainConfig(engine=Engine.FSDP, zero_stage=3, ac_ops=True)
     assert knob_notes(launch(fsdp), Format.FSDP) == []
+
+
+@pytest.mark.parametrize("fmt", [Format.ACCELERATE, Format.TORCHRUN])
+def test_formats_without_an_optimizer_setting_say_how_to_get_8bit_adamw(fmt: Format) -> None:
+    """accelerate's YAML and torchrun's command have no optimizer: each says which to build
+    (in its comments too); the Trainer's fields and the FSDP2 snippet carry it themselves."""
+    config = TrainConfig(engine=Engine.DDP, optimizer=Optimizer.ADAMW_8BIT)
+    [note] = knob_notes(launch(config), fmt)
+    assert "torchao.optim.AdamW8bit(model.parameters(), lr=..., block_size=256)" in note
+    assert note in render(launch(config), fmt)
+    assert knob_notes(launch(config), Format.HF) == []
+    fsdp = TrainConfig(engine=Engine.FSDP, zero_stage=3, optimizer=Optimizer.ADAMW_8BIT)
+    assert knob_notes(launch(fsdp), Format.FSDP) == []
+    assert knob_notes(launch(dataclasses.replace(config, optimizer=Optimizer.ADAMW)), fmt) == []
+
+
+def test_the_trainer_builds_the_optimizer_the_export_names(tmp_path: Path) -> None:
+    """Hugging Face's Trainer, given the exported fields, builds torchao's AdamW8bit for 8-bit
+    AdamW and, with no ``optim`` field (the Trainer's default), torch's fused AdamW for the
+    other (a fresh process)."""
+    fields = {
+        o.value: hf_fields(_tiny(TrainConfig(engine=Engine.DDP, optimizer=o), grad_accum=1))
+        for o in Optimizer
+    }
+    assert fields["adamw-8bit"]["optim"] == "adamw_torch_8bit" and "optim" not in fields["adamw"]
+    (tmp_path / "fields.json").write_text(json.dumps(fields))
+    out = run_python(
+        """
+        import json
+        from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+        from autotune.models import resolve_model
+        from autotune.probe.modeling import hf_config
+
+        seen = {}
+        for name, fields in json.load(open("fields.json")).items():
+            args = TrainingArguments(output_dir="out", use_cpu=True, report_to=[], **fields)
+            model = AutoModelForCausalLM.from_config(hf_config(resolve_model("tiny")))
+            optimizer = Trainer(model=model, args=args).create_optimizer()
+            group = optimizer.param_groups[0]
+            block = getattr(optimizer, "block_size", None)
+            seen[name] = [type(optimizer).__name__, group.get("fused"), block]
+        print(json.dumps(seen))
+        """,
+        tmp_path,
+    )
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["adamw"][:2] == ["AdamW", True]
+    assert seen["adamw-8bit"] == ["AdamW8bit", None, 256]
 
 
 def test_the_advice_for_op_level_checkpointing_wraps_every_block() -> None:

@@ -30,6 +30,7 @@ workloads:
     global_batch: 64
     engine: [fsdp]
     loss: [chunked]
+    optimizer: adamw,adamw-8bit
 """
 
 
@@ -42,7 +43,11 @@ def test_the_job_file_merges_the_command_line_under_each_workload(tmp_path: Path
     assert second.options["seq_len"] == 4096 and second.options["engine"] == "fsdp"
     assert second.options["gpus"] == 4 and second.options["budget"] == "30m"
     assert second.options["loss"] == "chunked"
-    assert second.label() == ("qwen2.5-1.5b engine fsdp global-batch 64 loss chunked seq-len 4096")
+    assert second.options["optimizer"] == "adamw,adamw-8bit"
+    assert second.label() == (
+        "qwen2.5-1.5b engine fsdp global-batch 64 loss chunked optimizer adamw,adamw-8bit "
+        "seq-len 4096"
+    )
 
 
 def test_a_workloads_own_storage_is_masked_in_its_label_and_options(tmp_path: Path) -> None:
@@ -77,6 +82,7 @@ A = "workloads:\n  - model: a\n"
         (A + "    engine: megatron\n", r":3: workload 1: unknown engine"),
         (A + "    loss: [full, liger]\n", r":3: workload 1: unknown loss in \['full', 'liger'\]"),
         (A + "    ac_ops: sometimes\n", r":3: workload 1: ac_ops must be true/false"),
+        (A + "    optimizer: [adamw, sgd]\n", r":3: workload 1: unknown optimizer in \['adamw'"),
         (A + "    headroom: 150%\n", r":3: workload 1: .*150%"),
         (A + "    global_batch: 0\n", r":3: workload 1: global_batch must be positive"),
         (A + "    gpus: 2\n    gpus: 4\n", r":4: workload 1: gpus is set twice"),

@@ -3,13 +3,14 @@ configs and synthetic batches built from them."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from model_numbers import meta_counts, spec_numbers, transformers_numbers
+from model_numbers import meta_counts, meta_model, spec_numbers, transformers_numbers
 from transformers import AutoModelForCausalLM, Qwen3Config, ViTConfig
 
 from autotune.models import ModelSpec, preset_names, resolve_model
@@ -34,6 +35,8 @@ def test_analytic_counts_match_meta_build(name: str) -> None:
     assert spec.num_params == total
     assert spec.num_embedding_params == embedding
     assert spec.num_block_params == blocks
+    sizes = collections.Counter(p.numel() for p in meta_model(spec).parameters())
+    assert spec.parameter_tensors == tuple(sorted(sizes.items()))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_PRESETS))

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.config import ConfigError, Loss, TrainConfig
+from autotune.config import ConfigError, Knobs, Loss, Optimizer, TrainConfig
 from autotune.devices.base import AnsweredDevice
 from autotune.hardware import GpuSpec, cpu_device_spec
 from autotune.hardware.lookup import driver_spec
@@ -150,11 +150,17 @@ class Grid:
         return [r.probe for r in self.recordings]
 
     @property
-    def losses(self) -> tuple[Loss, ...]:
-        """The losses the grid's configurations were recorded with (a search over the grid
-        tries only those: any other point was not recorded)."""
-        seen = {r.probe.spec.config.loss for r in self.recordings}
-        return tuple(loss for loss in Loss if loss in seen)
+    def knobs(self) -> Knobs:
+        """The knobs beyond the ladder the grid's configurations were recorded with (a search
+        over the grid tries only those: any other point was not recorded)."""
+        configs = [r.probe.spec.config for r in self.recordings]
+        losses = {c.loss for c in configs}
+        optimizers = {c.optimizer for c in configs}
+        return Knobs(
+            losses=tuple(x for x in Loss if x in losses) or (Loss.FULL,),
+            op_checkpointing=any(c.ac_ops for c in configs),
+            optimizers=tuple(x for x in Optimizer if x in optimizers) or (Optimizer.ADAMW,),
+        )
 
     @classmethod
     def from_folder(cls, folder: Path, key: GridKey | None = None) -> Grid:

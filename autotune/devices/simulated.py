@@ -60,25 +60,28 @@ FEATURES = (
     "offload",
     "attention",
     "loss",
+    "optimizer",
 )
 """The configuration fields an error term may be shared by (``config``: each its own)."""
-KNOBS: dict[str, Any] = {"ac_ops": False, "loss": "full"}
+KNOBS: dict[str, Any] = {"ac_ops": False, "loss": "full", "optimizer": "adamw"}
 """The fields beyond the ladder, at their off values."""
 KNOB_ERROR = ((0.98, 1.02), (1.0, 1.03))
 """(peak memory, step time) ranges of a knob's own error on top of its twin's. Memory: the
 knob terms matched the byte-exact trace within 1.2 % and the probe's counter within 1.4 %
 (docs/estimator.md). Time: a knob adds work to its twin's step (the chunked loss's recomputed
-output layer, op-level checkpointing's recomputed memory-bound ops: 1-15 % of a step), so its
+output layer, op-level checkpointing's recomputed memory-bound ops: 1-15 % of a step; 8-bit
+AdamW's quantizing step), so its
 step is its twin's and that work, up to 3 % of the step more than predicted; never less than
 its twin's, which no knob can make faster."""
 
 
 def _fields(config: TrainConfig, *, knobs: bool = False) -> dict[str, Any]:
     """A configuration's fields as the simulator keys its draws. Without ``knobs``, those of
-    its twin with the knobs beyond the ladder off: a configuration with the chunked loss or
-    op-level checkpointing draws what its twin draws (the same kernels run, the knob changes
-    the head or what is kept: ``KNOB_ERROR`` adds its own error), and one without them draws
-    what it drew before they existed. With ``knobs``, its own (a probe's timing noise)."""
+    its twin with the knobs beyond the ladder off: a configuration with the chunked loss,
+    op-level checkpointing or 8-bit AdamW draws what its twin draws (the same kernels run,
+    the knob changes the head, what is kept or the moments' bytes: ``KNOB_ERROR`` adds its
+    own error), and one without them draws what it drew before they existed. With
+    ``knobs``, its own (a probe's timing noise)."""
     return {
         name: value
         for name, value in config.to_dict().items()

@@ -25,7 +25,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.config import Engine, Offload, Precision, TrainConfig
+from autotune.config import (
+    OPTIMIZER_8BIT_BLOCK,
+    OPTIMIZER_8BIT_MIN_VALUES,
+    Engine,
+    Offload,
+    Optimizer,
+    Precision,
+    TrainConfig,
+)
 from autotune.estimator.activations import ActivationProfile, activation_profile
 from autotune.models import ModelSpec
 
@@ -97,6 +105,31 @@ def _fraction(model: ModelSpec) -> tuple[float, float]:
     return per_layer, model.num_params - model.num_block_params
 
 
+def moment_bytes(model: ModelSpec, config: TrainConfig, world_size: int = 1) -> float:
+    """Bytes of Adam's two moments on one rank, each tensor's sharded over ``world_size``
+    ranks (FSDP2; 1 for single and DDP).
+
+    Fused AdamW keeps them in the master weights' dtype. 8-bit AdamW (torchao's AdamW8bit)
+    keeps each tensor's as 1-byte codes with an fp32 scale per block of 256 values and a
+    256-entry fp32 code map (``OptimState8bit``: ``codes``, ``scale``, ``qmap``), except
+    tensors too small to quantize, which keep plain moments (Dettmers et al. 2022, 8-bit
+    Optimizers via Block-wise Quantization; the rule from torchao ``optim/adam.py``).
+    """
+    master = 2.0 if config.precision is Precision.BF16 else 4.0
+    n = float(world_size)
+    if config.optimizer is not Optimizer.ADAMW_8BIT:
+        return 2 * master * model.num_params / n
+    block = OPTIMIZER_8BIT_BLOCK
+    total = 0.0
+    for values, count in model.parameter_tensors:
+        local = values / n
+        if local >= OPTIMIZER_8BIT_MIN_VALUES and local.is_integer() and local % block == 0:
+            total += count * 2 * (local + 4.0 * local / block + 4.0 * 256)
+        else:
+            total += count * 2 * master * local
+    return total
+
+
 def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> StateLayout:
     """Model-state bytes of one rank of ``world_size`` data-parallel ranks.
 
@@ -131,7 +164,7 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
         largest = model.hidden_size * model.intermediate_size
         return StateLayout(
             parameters=master * P,
-            optimizer=2 * master * P,
+            optimizer=moment_bytes(model, config),
             gradients_per_layer=master * per_layer,
             gradients_head=master * root,
             **{
@@ -149,7 +182,7 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
         sharded = 3 * master * P / n
         return StateLayout(
             parameters=0.0 if on_host else master * P / n,
-            optimizer=0.0 if on_host else 2 * master * P / n,
+            optimizer=0.0 if on_host else moment_bytes(model, config, world_size),
             gradients_per_layer=0.0 if on_host else master * per_layer / n,
             gradients_head=0.0 if on_host else master * root / n,
             resident_buffers=0.0,

@@ -5,11 +5,12 @@ reaches the global batch exactly, and keeps the fastest size that fits the GPU's
 size's prediction stays on the row for the search). Configurations that fit at no size are
 listed after, with how much they miss by at micro-batch 1.
 
-The knobs that trade time for memory without changing what is trained are kept only where
-they pay: a configuration with the chunked loss or op-level checkpointing is dropped when the
-same configuration without it fits as large a micro-batch (it would only be slower: one more
-forward of the output layer, or the cheap ops of each block run again), so they appear on the
-rows where what they save stops a larger micro-batch or any fit at all.
+The knobs that trade time (or the moments' precision) for memory are kept only where they
+pay: a configuration with the chunked loss, op-level checkpointing or 8-bit AdamW is dropped
+when the same configuration without it fits as large a micro-batch (it would only be slower:
+one more forward of the output layer, the cheap ops of each block run again, a step that
+quantizes), so they appear on the rows where what they save allows a larger micro-batch or
+any fit at all.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.config import DEFAULT_LOSSES, Attention, Engine, Loss, Precision, TrainConfig
+from autotune.config import (
+    PLANNED_KNOBS,
+    Attention,
+    Engine,
+    Knobs,
+    Loss,
+    Optimizer,
+    Precision,
+    TrainConfig,
+)
 from autotune.estimator.host import HOST_RESERVE_BYTES, HostEstimate, estimate_host
 from autotune.estimator.memory import MemoryEstimate, estimate_memory
 from autotune.estimator.timing import StepTime, predict_step_time
@@ -179,8 +189,7 @@ def plan(
     host_reserve: int = HOST_RESERVE_BYTES,
     host_cores: int | None = None,
     device: str = "cuda",
-    losses: Iterable[Loss] = DEFAULT_LOSSES,
-    op_checkpointing: bool = True,
+    knobs: Knobs = PLANNED_KNOBS,
 ) -> list[PlanRow]:
     """Every configuration of the space, fastest fitting first, then the nearest misses.
 
@@ -202,8 +211,8 @@ def plan(
             per GPU.
         device: ``cuda``, or ``cpu`` when the CPU emulates the device (no pinned memory;
             the device's tensors are host memory).
-        losses: The losses to try; a chunked one only where it pays (module docstring).
-        op_checkpointing: Include op-level selective checkpointing, where it pays.
+        knobs: The knobs beyond the ladder to try, each kept only where it pays (module
+            docstring).
 
     Returns:
         One row per configuration.
@@ -220,8 +229,7 @@ def plan(
         precision=precision or default_precision(gpu),
         attention=attention,
         offload=offload,
-        losses=losses,
-        op_checkpointing=op_checkpointing,
+        knobs=knobs,
     ):
 
         def peak(mbs: int, config: TrainConfig = config) -> MemoryEstimate:
@@ -281,9 +289,10 @@ def plan(
 
 
 def _paying(rows: list[PlanRow], capacity: int) -> list[PlanRow]:
-    """``rows`` without those whose knobs that trade time for memory (the chunked loss,
-    op-level checkpointing) buy no larger micro-batch: a row is dropped when the same
-    configuration without one of them fits as large a micro-batch (0 where nothing fits)."""
+    """``rows`` without those whose knobs that trade time or precision for memory (the chunked
+    loss, op-level checkpointing, 8-bit AdamW) buy no larger micro-batch: a row is dropped
+    when the same configuration without one of them fits as large a micro-batch (0 where
+    nothing fits)."""
 
     def largest(row: PlanRow) -> int:
         return max((m for m, peak in row.peaks.items() if peak <= capacity), default=0)
@@ -297,6 +306,8 @@ def _paying(rows: list[PlanRow], capacity: int) -> list[PlanRow]:
             twins.append(dataclasses.replace(config, loss=Loss.FULL))
         if config.ac_ops:
             twins.append(dataclasses.replace(config, ac_ops=False))
+        if config.optimizer is not Optimizer.ADAMW:
+            twins.append(dataclasses.replace(config, optimizer=Optimizer.ADAMW))
         if any(twin in fits and fits[twin] >= fits[config] for twin in twins):
             continue
         kept.append(row)

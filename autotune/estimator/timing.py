@@ -30,6 +30,7 @@ from autotune.config import (
     Engine,
     Loss,
     Offload,
+    Optimizer,
     Precision,
     TrainConfig,
 )
@@ -204,6 +205,15 @@ _ADAM_HBM_EFFICIENCY = 0.68
 # the single rows, 28 blocks).
 _FSDP_STEP_HOST_PER_LAYER_S = 0.4e-3
 
+# torchao's AdamW8bit calls a torch.compile'd function per parameter tensor, whose host time
+# (guards, the 8-bit state's flatten and unflatten) bounds a step of many tensors while the
+# GPU's kernels wait: 254 us a tensor of 4,096 values on this project's 2-core CPU, where
+# fused AdamW takes 5 (bench/optimizer_step.py; a GPU node's cores are faster, so an upper
+# estimate). Its kernels are assumed to stream the moments no faster than fused AdamW: the
+# codes are a quarter of the bytes, but each value is dequantized and searched for its new
+# code (unmeasured on a GPU).
+_COMPILED_STEP_CALL_S = 250e-6
+
 # DeepSpeed's step per parameter of the partition, beyond Adam's 7 state reads and writes: the
 # 16-bit gradient partition converted to fp32 (2 read, 4 written), the global gradient norm
 # (4 read), the updated fp32 weights copied into the 16-bit ones (4 read, 2 written).
@@ -266,6 +276,8 @@ class _Shape:
     params: int
     block_params: int
     matmul_params: int
+    tensors: int
+    """Parameter tensors (an 8-bit optimizer steps each in a call of its own)."""
     flops_per_token_fixed: float
     """6·N_matmul: model FLOPs per token that do not depend on the sequence length."""
 
@@ -288,6 +300,7 @@ def _shape(model: ModelSpec) -> _Shape:
         params=model.num_params,
         block_params=model.num_block_params,
         matmul_params=model.num_matmul_params,
+        tensors=sum(count for _, count in model.parameter_tensors),
         flops_per_token_fixed=6.0 * model.num_matmul_params,
     )
     if len(_SHAPES) >= 256:
@@ -851,6 +864,8 @@ def predict_step_time(
         sync, accumulate, optimizer_s = _deepspeed(step)
     else:
         sync, accumulate, optimizer_s = _ddp(step)
+    if config.optimizer is Optimizer.ADAMW_8BIT:
+        optimizer_s = max(optimizer_s, shape.tensors * _COMPILED_STEP_CALL_S)
 
     micro_step_s = compute_s + sync.communication + sync.offload
     accumulation_s = compute_s + accumulate.communication + accumulate.offload

@@ -12,6 +12,7 @@ device; torch and transformers are imported only then, inside the functions that
 
 from __future__ import annotations
 
+import collections
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -101,6 +102,9 @@ class Counts:
     """Input token table plus learned position table: lookups, no matmul."""
     blocks: int
     """Parameters inside the decoder blocks (what activation checkpointing recomputes)."""
+    tensors: tuple[tuple[int, int], ...] = ()
+    """(values, how many) of each size of parameter tensor, a tied table once: an 8-bit
+    optimizer quantizes the large tensors and leaves the small ones (norms, biases) whole."""
 
 
 def _field(config: Mapping[str, Any], name: str) -> Any:
@@ -217,7 +221,25 @@ def _llama_counts(config: Mapping[str, Any], shape: Shape) -> Counts:
     embedding = vocab * d
     blocks = shape.num_layers * block
     head = 0 if shape.tie_word_embeddings else vocab * d
-    return Counts(total=embedding + blocks + d + head, embedding=embedding, blocks=blocks)
+    sizes = [d * q_dim, d * kv_dim, d * kv_dim, q_dim * d, d * inter, d * inter, inter * d, d, d]
+    if model_type == "qwen2":
+        sizes += [q_dim, kv_dim, kv_dim]
+    elif model_type == "llama":
+        if _flag("attention_bias", _field(config, "attention_bias")):
+            sizes += [q_dim, kv_dim, kv_dim, d]
+        if _flag("mlp_bias", _field(config, "mlp_bias")):
+            sizes += [inter, inter, d]
+    outside = [embedding, d] + ([head] if head else [])
+    return Counts(
+        total=embedding + blocks + d + head,
+        embedding=embedding,
+        blocks=blocks,
+        tensors=_tally(sizes * shape.num_layers + outside),
+    )
+
+
+def _tally(sizes: list[int]) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted(collections.Counter(sizes).items()))
 
 
 def _gpt2_counts(shape: Shape) -> Counts:
@@ -229,7 +251,14 @@ def _gpt2_counts(shape: Shape) -> Counts:
     embedding = vocab * d + shape.max_position_embeddings * d
     blocks = shape.num_layers * block
     head = 0 if shape.tie_word_embeddings else vocab * d
-    return Counts(total=embedding + blocks + 2 * d + head, embedding=embedding, blocks=blocks)
+    sizes = [d * 3 * d, 3 * d, d * d, d, d * inter, inter, inter * d, d, d, d, d, d]
+    outside = [vocab * d, shape.max_position_embeddings * d, d, d] + ([head] if head else [])
+    return Counts(
+        total=embedding + blocks + 2 * d + head,
+        embedding=embedding,
+        blocks=blocks,
+        tensors=_tally(sizes * shape.num_layers + outside),
+    )
 
 
 def transformers_config(config: Mapping[str, Any]) -> PretrainedConfig:
@@ -295,5 +324,10 @@ def _meta_counts(cfg: PretrainedConfig) -> Counts:
         depth = cfg.num_hidden_layers
         stacks = [m for m in modules if isinstance(m, torch.nn.ModuleList) and len(m) == depth]
         blocks = max((sum(p.numel() for p in s.parameters()) for s in stacks), default=0)
-        _META_COUNTS[key] = Counts(total=total, embedding=sum(tables.values()), blocks=blocks)
+        _META_COUNTS[key] = Counts(
+            total=total,
+            embedding=sum(tables.values()),
+            blocks=blocks,
+            tensors=_tally([p.numel() for p in model.parameters()]),
+        )
     return _META_COUNTS[key]

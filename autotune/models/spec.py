@@ -147,6 +147,11 @@ class ModelSpec:
         return self._counts().total
 
     @property
+    def parameter_tensors(self) -> tuple[tuple[int, int], ...]:
+        """(values, how many) of each size of parameter tensor, a tied table once."""
+        return self._counts().tensors
+
+    @property
     def num_embedding_params(self) -> int:
         """Input token table plus learned position table: lookups that do no matmul."""
         return self._counts().embedding

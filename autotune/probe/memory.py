@@ -10,15 +10,22 @@ from that emulation.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import resource
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Self
 
 import psutil
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_flatten
 
 from autotune.units import format_bytes
@@ -145,6 +152,28 @@ class LiveTensorBytes(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
                 self._track_tensor(leaf)
         return out
+
+
+@contextlib.contextmanager
+def compiled_region(made: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
+    """Run code that calls torch.compile'd functions under the entered counters.
+
+    torch.compile refuses to trace while a user's dispatch mode is on the stack, so the
+    :class:`LiveTensorBytes` counters step aside for the region and afterwards count the
+    tensors ``made`` names (the state the region created: an optimizer's, say). What the
+    compiled code allocates and frees inside the region is not counted; on a GPU, inductor's
+    fused kernels allocate little beside their outputs. Without an entered counter (CUDA,
+    where the allocator counts), the region just runs.
+    """
+    counters = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, LiveTensorBytes)]
+    if not counters:
+        yield
+        return
+    with _disable_current_modes():
+        yield
+    for tensor in made():
+        for counter in counters:
+            counter._track_tensor(tensor)
 
 
 class _ResizeHook:

@@ -52,6 +52,7 @@ from autotune.config import (
     Engine,
     Loss,
     Offload,
+    Optimizer,
     Precision,
     TrainConfig,
 )
@@ -91,6 +92,7 @@ def _distributions() -> dict[str, BaseDistribution]:
         "offload": CategoricalDistribution([o.value for o in Offload]),
         "attention": CategoricalDistribution([a.value for a in Attention]),
         "loss": CategoricalDistribution([x.value for x in Loss]),
+        "optimizer": CategoricalDistribution([x.value for x in Optimizer]),
         "micro_batch_size": IntDistribution(1, 1 << 16),
     }
 

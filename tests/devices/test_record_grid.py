@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.config import Loss
+from autotune.config import LADDER_ONLY
 from autotune.devices import ReplayDevice
 from autotune.models import resolve_model
 from autotune.probe import Outcome, Stage
@@ -31,8 +31,6 @@ SCRIPT = Path(__file__).parents[2] / "bench" / "record_grid.py"
 MODEL, SEQ, GBS = "mistral-7b", 2048, 16
 WORKLOAD = ["--model", MODEL, "--seq-len", str(SEQ), "--global-batch", str(GBS)]
 SIMULATED = ["--simulate", "h100-80gb", "--host-memory", "125GiB"]
-FULL = (Loss.FULL,)
-"""The losses a grid records by default (``--loss full``, without ``--ac-ops``)."""
 
 
 def record(out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -66,8 +64,7 @@ def answers(device: ReplayDevice, folder: Path) -> dict[str, list[tuple[int, str
             world_size=1,
             num_layers=spec.num_layers,
             offload=True,
-            losses=FULL,
-            op_checkpointing=False,
+            knobs=LADDER_ONLY,
         )
     ):
         probe = ProbeSpec(
@@ -102,8 +99,7 @@ def test_the_points_skipped_replay_as_the_complete_grid_measured_them(
         world_size=1,
         num_layers=resolve_model(MODEL).num_layers,
         offload=True,
-        losses=FULL,
-        op_checkpointing=False,
+        knobs=LADDER_ONLY,
     )
     facts = node(ruled)
     assert facts["state"] == "complete" and node(complete)["state"] == "complete"
@@ -233,8 +229,7 @@ def test_states_that_do_not_fit_are_probed_once(tmp_path: Path) -> None:
         world_size=1,
         num_layers=resolve_model("tiny").num_layers,
         offload=False,
-        losses=FULL,
-        op_checkpointing=False,
+        knobs=LADDER_ONLY,
     )
     assert len(space) >= 2
     ruled = node(folders["ruled"])

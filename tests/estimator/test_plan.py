@@ -7,11 +7,24 @@ import time
 
 import pytest
 
-from autotune.config import LOSS_CHUNK_TOKENS, ConfigError, Engine, Loss
+from autotune.config import (
+    LADDER_ONLY,
+    LOSS_CHUNK_TOKENS,
+    ConfigError,
+    Engine,
+    Knobs,
+    Loss,
+    Optimizer,
+)
 from autotune.estimator.plan import PlanRow, plan, usable_bytes
 from autotune.hardware import gpu_spec
 from autotune.models import preset_names, resolve_model
 from autotune.space import Workload, configurations, ladder_key, micro_batch_options
+
+LOSSES_ONLY = dataclasses.replace(LADDER_ONLY, losses=(Loss.FULL, Loss.CHUNKED))
+"""The ladder and the chunked loss: each chunked row's twin is in the plan."""
+OPS_ONLY = dataclasses.replace(LADDER_ONLY, op_checkpointing=True)
+"""The ladder and op-level checkpointing: each ac:ops row's twin is in the plan."""
 
 
 def test_workload_keeps_the_global_batch_exact() -> None:
@@ -118,11 +131,10 @@ def test_the_chunked_loss_follows_its_twin_on_the_ladder() -> None:
             rung = ladder_key(config)[:3]
             assert all(ladder_key(c)[:3] == rung for c in space[twin : index + 1])
     assert all(
-        c.loss is Loss.FULL
-        for c in configurations(world_size=1, num_layers=32, losses=(Loss.FULL,))
+        c.loss is Loss.FULL for c in configurations(world_size=1, num_layers=32, knobs=OPS_ONLY)
     )
     with pytest.raises(ConfigError, match="no loss to try"):
-        configurations(world_size=1, num_layers=32, losses=())
+        Knobs(losses=())
 
 
 @pytest.mark.parametrize(
@@ -137,7 +149,7 @@ def test_the_chunked_loss_is_planned_only_where_it_pays(
     more forward of the output layer) and never heavier from two chunks on."""
     spec, gpu = resolve_model(model), gpu_spec("h100-80gb")
     work = Workload(seq_len=seq_len, global_batch=global_batch, world_size=gpus)
-    rows = plan(spec, gpu, work, op_checkpointing=False)  # each chunked row's twin is there
+    rows = plan(spec, gpu, work, knobs=LOSSES_ONLY)  # each chunked row's twin is there
     full = {r.config: r for r in rows if r.config.loss is Loss.FULL}
     chunked = [r for r in rows if r.config.loss is Loss.CHUNKED]
     assert chunked, "the logits of a 152k or 32k vocabulary stop some micro-batch"
@@ -152,7 +164,7 @@ def test_the_chunked_loss_is_planned_only_where_it_pays(
             assert row.speeds[mbs] < twin.speeds[mbs]
             if mbs * seq_len >= 2 * LOSS_CHUNK_TOKENS:
                 assert row.peaks[mbs] <= twin.peaks[mbs]
-    only_full = plan(spec, gpu, work, losses=(Loss.FULL,), op_checkpointing=False)
+    only_full = plan(spec, gpu, work, knobs=LADDER_ONLY)
     assert len(only_full) == len(full)
 
 
@@ -164,6 +176,7 @@ def test_the_chunked_loss_replaces_checkpointing_where_the_logits_stop_the_batch
         resolve_model("qwen2.5-1.5b"),
         gpu_spec("a100-40gb"),
         Workload(seq_len=2048, global_batch=64, world_size=1),
+        knobs=LOSSES_ONLY,
     )
     best = rows[0]
     assert best.fits and best.config.loss is Loss.CHUNKED and best.config.ac_every == 0
@@ -174,15 +187,15 @@ def test_the_chunked_loss_replaces_checkpointing_where_the_logits_stop_the_batch
 
 def test_op_level_checkpointing_is_a_rung_between_none_and_every_fourth_block() -> None:
     """On the ladder ac:ops comes after no checkpointing and before every 4th block, in each
-    sharding; a user's script's space (``op_checkpointing=False``) has none of it."""
-    space = configurations(world_size=8, num_layers=32, losses=(Loss.FULL,))
+    sharding; a user's script's space (the ladder alone) has none of it."""
+    space = configurations(world_size=8, num_layers=32, knobs=OPS_ONLY)
     for index, config in enumerate(space):
         if config.ac_ops:
             assert config.ac_every == 0
             off = space.index(dataclasses.replace(config, ac_ops=False))
             every4 = space.index(dataclasses.replace(config, ac_ops=False, ac_every=4))
             assert off < index < every4
-    plain = configurations(world_size=8, num_layers=32, op_checkpointing=False)
+    plain = configurations(world_size=8, num_layers=32, knobs=LOSSES_ONLY)
     assert plain and not any(c.ac_ops for c in plain)
 
 
@@ -199,7 +212,7 @@ def test_op_level_checkpointing_is_planned_only_where_it_pays(
         resolve_model(model),
         gpu_spec(gpu),
         Workload(seq_len=seq_len, global_batch=global_batch, world_size=gpus),
-        losses=(Loss.FULL,),  # each ac:ops row's twin is there
+        knobs=OPS_ONLY,  # each ac:ops row's twin is there
     )
     by_config = {r.config: r for r in rows}
     selective = [r for r in rows if r.config.ac_ops]
@@ -229,3 +242,34 @@ def test_plan_leaves_out_op_level_checkpointing_when_told() -> None:
     )
     assert any(r.config.ac_ops for r in with_ops.rows)
     assert not any(r.config.ac_ops for r in without.rows)
+
+
+OPTIMIZERS_ONLY = dataclasses.replace(LADDER_ONLY, optimizers=tuple(Optimizer))
+"""The ladder and 8-bit AdamW: each 8-bit row's twin is in the plan."""
+
+
+def test_8bit_adamw_is_planned_only_where_it_pays() -> None:
+    """llama-7b on one H100: fused AdamW's 16 bytes a parameter fit only with offload, 8-bit
+    AdamW's 10 fit without, and that row is the plan's best. Every 8-bit row fits a larger
+    micro-batch than its twin with fused AdamW, is never faster at the same size, and none
+    pairs with DeepSpeed or offload; the ladder alone has none."""
+    spec, gpu = resolve_model("llama-7b"), gpu_spec("h100-80gb")
+    work = Workload(seq_len=2048, global_batch=64, world_size=1)
+    best = plan(spec, gpu, work)[0]
+    assert best.config.optimizer is Optimizer.ADAMW_8BIT and best.config.engine is Engine.SINGLE
+    rows = plan(spec, gpu, work, knobs=OPTIMIZERS_ONLY)
+    fused = {r.config: r for r in rows if r.config.optimizer is Optimizer.ADAMW}
+    eight = [r for r in rows if r.config.optimizer is Optimizer.ADAMW_8BIT]
+    assert eight and all(r.config.offload.value == "none" for r in eight)
+
+    def largest(row: PlanRow) -> int:
+        return max((m for m, p in row.peaks.items() if p <= row.capacity_bytes), default=0)
+
+    for row in eight:
+        assert row.config.engine is not Engine.DEEPSPEED
+        twin = fused[dataclasses.replace(row.config, optimizer=Optimizer.ADAMW)]
+        assert largest(row) > largest(twin)
+        assert all(row.speeds[m] <= twin.speeds[m] for m in row.speeds)
+    assert not any(
+        r.config.optimizer is Optimizer.ADAMW_8BIT for r in plan(spec, gpu, work, knobs=LADDER_ONLY)
+    )

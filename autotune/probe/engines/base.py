@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from autotune.config import Precision, TrainConfig
+from autotune.config import OPTIMIZER_8BIT_BLOCK, Optimizer, Precision, TrainConfig
 from autotune.models import ModelSpec
+from autotune.probe.memory import compiled_region
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +88,29 @@ def autocast_context(
     return torch.autocast(device_type=device.type, dtype=torch_dtype(config.precision))
 
 
+def build_optimizer(
+    params: Iterable[nn.Parameter], optimizer: Optimizer, lr: float
+) -> torch.optim.Optimizer:
+    """The optimizer a configuration names, over ``params``.
+
+    Fused AdamW is one kernel per parameter group and no temporaries, what launchers use by
+    default (Hugging Face Trainer's ``adamw_torch_fused``), on CUDA and on the CPU alike.
+    torchao's AdamW8bit (Hugging Face's ``adamw_torch_8bit``) steps each tensor in a kernel
+    torch.compile makes at its first step (one per shape: part of the probe's warm-up).
+    """
+    if optimizer is Optimizer.ADAMW_8BIT:
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only kernels, on a CPU
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=lr, block_size=OPTIMIZER_8BIT_BLOCK)
+    return torch.optim.AdamW(params, lr=lr, fused=True)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of an optimizer's state (moments, step counts)."""
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
 class TorchTrainee(Trainee):
     """A torch module with a torch AdamW: the shared body of the single, ddp and fsdp engines."""
 
@@ -101,9 +126,7 @@ class TorchTrainee(Trainee):
         self._device = ctx.device
         self._config = ctx.config
         self._autocast = autocast
-        # fused: one kernel per parameter group and no temporaries; what launchers use by default
-        # (Hugging Face Trainer's "adamw_torch_fused"), on CUDA and on the CPU alike.
-        self.optimizer = torch.optim.AdamW(params, lr=ctx.lr, fused=True)
+        self.optimizer = build_optimizer(params, ctx.config.optimizer, ctx.lr)
         # fp16 needs dynamic loss scaling so small gradients do not flush to zero.
         self.scaler = (
             torch.amp.GradScaler(ctx.device.type)
@@ -131,11 +154,17 @@ class TorchTrainee(Trainee):
             loss.backward()
 
     def optimizer_step(self) -> None:
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        compiled = self._config.optimizer is Optimizer.ADAMW_8BIT  # its kernels: torch.compile
+        with (
+            compiled_region(lambda: optimizer_state(self.optimizer))
+            if compiled
+            else contextlib.nullcontext()
+        ):
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def discard_gradients(self) -> None:
