@@ -322,6 +322,7 @@ def plan(
             AdamW where it pays.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    _check_attention(Attention(attention), "plan", precision)
     knobs = Knobs(
         losses=parse_losses(losses) or PLANNED_KNOBS.losses,
         op_checkpointing=op_checkpointing,
@@ -568,6 +569,7 @@ def prepare(
     capacity = cap if cap is not None else usable_bytes(gpu)
     chosen_precision = parse_choice(Precision, precision, "precision")
     chosen_attention = parse_choice(Attention, attention, "attention") or Attention.SDPA
+    _check_attention(chosen_attention, "cpu" if on_cpu else chosen.kind, chosen_precision)
     software = software_versions()
     detected = detect_gpus() if chosen.kind == "cuda" else None
     if detected is not None and detected.driver:
@@ -734,6 +736,29 @@ def _knobs(
             "--optimizer adamw-8bit needs torchao: pip install torchao, or use --optimizer adamw"
         )
     return Knobs(losses=losses, op_checkpointing=op_checkpointing, optimizers=optimizers)
+
+
+def _check_attention(attention: Attention, device: str, precision: Precision | None = None) -> None:
+    """Refuse flash-attn's kernels where they cannot run: in fp32, off a CUDA GPU, or without
+    the package (a plan or a simulated GPU predicts them on any GPU).
+
+    Raises:
+        ConfigError: ``--attention flash_attention_2 runs flash-attn's CUDA kernels ...``.
+    """
+    if attention is not Attention.FLASH:
+        return
+    if precision is not None:
+        TrainConfig(precision=precision, attention=attention)  # 16-bit compute only
+    if device == "cpu":
+        raise ConfigError(
+            "--attention flash_attention_2 runs flash-attn's CUDA kernels: use --attention "
+            "sdpa on the CPU (torch's own flash kernel for the CPU)"
+        )
+    if device == "cuda" and not _installed("flash_attn"):
+        raise ConfigError(
+            "--attention flash_attention_2 needs flash-attn: pip install flash-attn, or use "
+            "--attention sdpa (torch's flash kernel on Ampere and newer)"
+        )
 
 
 def _installed(module: str) -> bool:
@@ -1165,6 +1190,7 @@ def probe(
         chosen, here = device, 1
     if job is None:
         _knobs(None, (config.loss,), False, (config.optimizer,), chosen.kind)  # where it runs
+        _check_attention(config.attention, chosen.kind)  # the precision: TrainConfig's check
     single = config.engine is Engine.SINGLE and count == 1
     spec = ProbeSpec(
         model=model,

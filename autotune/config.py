@@ -69,6 +69,10 @@ class Attention(enum.StrEnum):
     """``scaled_dot_product_attention``: flash / memory-efficient kernels when available."""
     EAGER = "eager"
     """Plain matmul-softmax-matmul: materializes the seq x seq score matrix."""
+    FLASH = "flash_attention_2"
+    """The ``flash-attn`` package's FlashAttention-2 kernels (Dao 2023): a CUDA GPU of the
+    Ampere generation or newer, 16-bit compute and ``flash-attn`` installed. It keeps what
+    ``sdpa``'s flash kernel keeps (docs/attention.md)."""
 
 
 class Loss(enum.StrEnum):
@@ -131,6 +135,7 @@ SELECTIVE_SAVED_OPS = (
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
+    "_flash_attn_forward",
 )
 """The aten operators whose outputs op-level selective checkpointing (``ac_ops``) keeps: the
 matmuls and the attention kernels, the compute-bound ops; everything else a block computes is
@@ -308,6 +313,11 @@ class TrainConfig:
                     "8-bit AdamW keeps its moments on the device, where offload would move "
                     "them to the host: use --optimizer adamw with offload, or no offload"
                 )
+        if self.attention is Attention.FLASH and self.precision is Precision.FP32:
+            raise ConfigError(
+                "flash attention computes in bf16 or fp16: use --precision bf16-mixed, or "
+                "--attention sdpa in fp32"
+            )
         if self.engine is Engine.DEEPSPEED and self.precision is Precision.BF16:
             raise ConfigError(
                 "DeepSpeed keeps fp32 master weights: use --precision bf16-mixed with deepspeed"

@@ -23,6 +23,7 @@ from autotune.config import (
     LOSS_CHUNK_TOKENS,
     OPTIMIZER_8BIT_BLOCK,
     SELECTIVE_SAVED_OPS,
+    Attention,
     ConfigError,
     Engine,
     Loss,
@@ -232,6 +233,12 @@ def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
             "outputs and recomputes the rest): before the model is wrapped, call "
             "autotune.probe.modeling.apply_activation_checkpointing(model, "
             f"{config.ac_every}, ops=True){whole}"
+        )
+    if config.attention is not Attention.SDPA:  # the model's loading, in every trainer
+        notes.append(
+            f"--format {Format(fmt).value} has no setting for the attention kernel: load the "
+            f'model with attn_implementation="{config.attention.value}" (from_pretrained or '
+            "from_config), as autotune measured it"
         )
     if launch.config.loss is Loss.CHUNKED:
         notes.append(
@@ -571,7 +578,7 @@ On every rank, after torch.distributed.init_process_group:
     model = apply_fsdp(model)
     optimizer = build_optimizer(model, lr)
 then train with {micro_batch} sequences per rank per micro-step and {grad_accum} micro-steps per
-optimizer step (model.set_requires_gradient_sync(False) on all micro-steps but the last).{loss}
+optimizer step (model.set_requires_gradient_sync(False) on all micro-steps but the last).{notes}
 """
 
 import torch
@@ -664,7 +671,7 @@ def _fsdp(launch: Launch) -> str:
     mixed = config.precision is Precision.BF16_MIXED
     return _FSDP_SNIPPET.format(
         summary=launch.summary(),
-        loss="".join(f"\n\nLoss: {note}" for note in knob_notes(launch, Format.FSDP)),
+        notes="".join(f"\n\nNote: {note}" for note in knob_notes(launch, Format.FSDP)),
         micro_batch=launch.micro_batch_size,
         grad_accum=launch.grad_accum,
         ac_every=config.ac_every,

@@ -116,6 +116,18 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     ),
     (("probe", "--optimizer", "adam8"), "adam8"),
     (
+        ("probe", *CPU, "--attention", "flash_attention_2"),
+        "--attention flash_attention_2 runs flash-attn's CUDA kernels: use --attention sdpa",
+    ),
+    (
+        ("run", *CPU, "--attention", "flash_attention_2"),
+        "--attention flash_attention_2 runs flash-attn's CUDA kernels",
+    ),
+    (
+        ("plan", "--gpu", "h100", "--attention", "flash_attention_2", "--precision", "fp32"),
+        "flash attention computes in bf16 or fp16",
+    ),
+    (
         ("probe", *CPU, "--engine", "deepspeed", "--optimizer", "adamw-8bit"),
         "DeepSpeed's ZeRO steps its own optimizer over flat fp32 partitions",
     ),

@@ -17,7 +17,16 @@ import pytest
 from test_cli import autotune
 
 import autotune as library
-from autotune.config import ConfigError, Engine, Loss, Offload, Optimizer, Precision, TrainConfig
+from autotune.config import (
+    Attention,
+    ConfigError,
+    Engine,
+    Loss,
+    Offload,
+    Optimizer,
+    Precision,
+    TrainConfig,
+)
 from autotune.launch import Format, Launch, deepspeed_config, hf_fields, knob_notes, render
 from autotune.models import resolve_model
 from autotune.probe.ops import op_environment
@@ -820,3 +829,22 @@ def test_the_fused_loss_is_the_trainers_liger_setting_and_a_note_elsewhere(tmp_p
         )
         assert "rms_norm=False" in note
     assert "Liger-Kernel's fused linear cross-entropy" in render(launch(config), Format.TORCHRUN)
+
+
+@pytest.mark.parametrize("attention", [Attention.EAGER, Attention.FLASH])
+def test_every_format_says_which_attention_kernel_to_load(attention: Attention) -> None:
+    """The attention kernel is the model's loading, which no trainer format sets: every
+    format says how (in its comments too); sdpa, the default, needs no word."""
+    for fmt in (f for f in Format if f is not Format.COMMAND):
+        engine = {Format.DEEPSPEED: Engine.DEEPSPEED, Format.FSDP: Engine.FSDP}.get(fmt)
+        config = TrainConfig(
+            engine=engine or Engine.DDP,
+            zero_stage={Engine.DEEPSPEED: 2, Engine.FSDP: 3}.get(engine or Engine.DDP, 0),
+            attention=attention,
+        )
+        [note] = knob_notes(launch(config), fmt)
+        assert f'attn_implementation="{attention.value}"' in note
+        if fmt in (Format.ACCELERATE, Format.TORCHRUN, Format.FSDP):
+            assert note in render(launch(config), fmt)
+        sdpa = dataclasses.replace(config, attention=Attention.SDPA)
+        assert knob_notes(launch(sdpa), fmt) == []

@@ -145,8 +145,10 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
     else:
         linear_inputs = 2 * act * d
 
-    if config.attention is Attention.SDPA:
-        # q, k, v after RoPE, the output (also o_proj's input), and the fp32 log-sum-exp.
+    if config.attention is not Attention.EAGER:
+        # q, k, v after RoPE, the output (also o_proj's input), and the fp32 log-sum-exp: what
+        # a flash-type kernel keeps (sdpa's flash, memory-efficient or cuDNN kernel, and
+        # flash-attn's: docs/attention.md).
         attention = act * (2 * q + 2 * kv) + 4 * heads
     else:
         # q, k and v expanded to every query head, the fp32 softmax and its cast copy, and
@@ -166,7 +168,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
     # fp32 log-sum-exp. Eager attention's score matmuls are saved too.
     projections = 3 * d + d + i + d if gpt2 else q + 2 * kv + d + 2 * i + d
     matmul_outputs = act * projections
-    if config.attention is Attention.SDPA:
+    if config.attention is not Attention.EAGER:
         kernel_outputs = act * q + 4 * heads
     else:
         kernel_outputs = act * (heads * seq_len + q)  # the scores and the weighted values

@@ -494,8 +494,9 @@ def _compute(
 
     # Attention: flash kernels (sdpa), or materialized scores (eager).
     score_flops_f = 4.0 * shape.heads * shape.head_dim * seq_len * n * layers  # full T×T
-    if config.attention is Attention.SDPA:
-        # PyTorch's flash kernel needs 16-bit inputs and sm80+; otherwise the memory-efficient one.
+    if config.attention is not Attention.EAGER:
+        # PyTorch's flash kernel needs 16-bit inputs and sm80+; otherwise the memory-efficient
+        # one. flash-attn's FlashAttention-2 is taken at the same efficiency (not measured).
         flash = not fp32 and arch in ("ampere", "ada", "hopper")
         eff = _ATTENTION_EFFICIENCY.get(arch, _ATTENTION_EFFICIENCY_DEFAULT)
         if not flash:

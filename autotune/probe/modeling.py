@@ -71,7 +71,7 @@ def build_model(
 
 
 def _attn_implementation(attention: Attention) -> str:
-    return "sdpa" if attention is Attention.SDPA else "eager"
+    return attention.value  # Hugging Face's names: sdpa, eager, flash_attention_2
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList:

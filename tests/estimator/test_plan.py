@@ -10,6 +10,7 @@ import pytest
 from autotune.config import (
     LADDER_ONLY,
     LOSS_CHUNK_TOKENS,
+    Attention,
     ConfigError,
     Engine,
     Knobs,
@@ -273,3 +274,23 @@ def test_8bit_adamw_is_planned_only_where_it_pays() -> None:
     assert not any(
         r.config.optimizer is Optimizer.ADAMW_8BIT for r in plan(spec, gpu, work, knobs=LADDER_ONLY)
     )
+
+
+def test_flash_attn_is_planned_as_sdpas_flash_kernel() -> None:
+    """flash-attn's FlashAttention-2 keeps what sdpa's flash kernel keeps and runs at its
+    efficiency: the same plan, row by row; eager attention's scores make it heavier."""
+    spec, gpu = resolve_model("qwen2.5-1.5b"), gpu_spec("h100-80gb")
+    work = Workload(seq_len=4096, global_batch=32, world_size=1)
+    sdpa = plan(spec, gpu, work, knobs=LADDER_ONLY)
+    flash = plan(spec, gpu, work, attention=Attention.FLASH, knobs=LADDER_ONLY)
+    eager = {r.config.label(): r for r in plan(spec, gpu, work, attention=Attention.EAGER)}
+    assert [r.config.label() + " flash_attention_2" for r in sdpa] == [
+        r.config.label() for r in flash
+    ]
+    strictly = 0
+    for a, b in zip(sdpa, flash, strict=True):
+        assert a.peaks == b.peaks and a.speeds == b.speeds
+        heavier = eager[a.config.label() + " eager"].peaks
+        assert all(heavier[m] >= a.peaks[m] for m in a.peaks)
+        strictly += sum(heavier[m] > a.peaks[m] for m in a.peaks)
+    assert strictly > len(sdpa)  # where the logits do not set the peak
