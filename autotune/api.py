@@ -606,6 +606,7 @@ def prepare(
         device="cpu" if on_cpu else "cuda",
         gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
         knobs=knobs,
+        planned_out=True,  # the search revives a knob whose twin's prediction fails
     )
     _check_something_fits(rows, spec, world, capacity, on_cpu=on_cpu)
     from autotune.study.store import TrialStore

@@ -107,6 +107,10 @@ class PlanRow:
     """Predicted host memory of a node (offloaded states, each rank's process)."""
     host_capacity_bytes: int | None = None
     """Host memory a node's ranks may take; None when the host is not checked."""
+    twin: TrainConfig | None = None
+    """Set on a row the planner leaves out (``plan(planned_out=True)`` lists it last): the
+    same configuration without one of its knobs, predicted to fit as large a micro-batch.
+    The search tries the row once that twin runs out of memory where it was predicted to fit."""
 
     def peak_at(self, micro_batch_size: int) -> float:
         """Predicted peak bytes at a micro-batch (between listed sizes: linear in it)."""
@@ -190,6 +194,7 @@ def plan(
     host_cores: int | None = None,
     device: str = "cuda",
     knobs: Knobs = PLANNED_KNOBS,
+    planned_out: bool = False,
 ) -> list[PlanRow]:
     """Every configuration of the space, fastest fitting first, then the nearest misses.
 
@@ -213,6 +218,8 @@ def plan(
             the device's tensors are host memory).
         knobs: The knobs beyond the ladder to try, each kept only where it pays (module
             docstring).
+        planned_out: List the rows left out for not paying too, after the others, each with
+            its :attr:`PlanRow.twin` (the search's candidates once a twin's prediction fails).
 
     Returns:
         One row per configuration.
@@ -282,23 +289,29 @@ def plan(
                 host_capacity_bytes=host_capacity,
             )
         )
-    return sorted(
-        _paying(rows, capacity),
-        key=lambda r: (not r.fits, not r.host_fits, -r.tokens_per_second, r.over_bytes),
-    )
+    kept, left_out = _paying(rows, capacity)
+
+    def ranked(chosen: list[PlanRow]) -> list[PlanRow]:
+        return sorted(
+            chosen,
+            key=lambda r: (not r.fits, not r.host_fits, -r.tokens_per_second, r.over_bytes),
+        )
+
+    return ranked(kept) + (ranked(left_out) if planned_out else [])
 
 
-def _paying(rows: list[PlanRow], capacity: int) -> list[PlanRow]:
+def _paying(rows: list[PlanRow], capacity: int) -> tuple[list[PlanRow], list[PlanRow]]:
     """``rows`` without those whose knobs that trade time or precision for memory (the chunked
     loss, op-level checkpointing, 8-bit AdamW) buy no larger micro-batch: a row is dropped
     when the same configuration without one of them fits as large a micro-batch (0 where
-    nothing fits)."""
+    nothing fits). Returns the rows kept and those left out, each of the latter with the
+    twin that made it pointless."""
 
     def largest(row: PlanRow) -> int:
         return max((m for m, peak in row.peaks.items() if peak <= capacity), default=0)
 
     fits = {row.config: largest(row) for row in rows}
-    kept = []
+    kept, left_out = [], []
     for row in rows:
         config = row.config
         twins = []
@@ -308,7 +321,9 @@ def _paying(rows: list[PlanRow], capacity: int) -> list[PlanRow]:
             twins.append(dataclasses.replace(config, ac_ops=False))
         if config.optimizer is not Optimizer.ADAMW:
             twins.append(dataclasses.replace(config, optimizer=Optimizer.ADAMW))
-        if any(twin in fits and fits[twin] >= fits[config] for twin in twins):
+        pointless = [t for t in twins if t in fits and fits[t] >= fits[config]]
+        if pointless:
+            left_out.append(dataclasses.replace(row, twin=pointless[0]))
             continue
         kept.append(row)
-    return kept
+    return kept, left_out

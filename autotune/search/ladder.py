@@ -290,6 +290,8 @@ def propose(
     for row in rows:
         s = seen.get(row.config) or _Seen()
         predicted = predictions(row, objective)
+        if row.twin is not None and not revived(row, seen.get(row.twin)):
+            continue  # left out by the planner, and its twin's prediction still stands
         if s.running or s.failed or not predicted:
             continue  # in flight elsewhere, broken, or out of memory by any margin
         heavy = row.host is not None and row.host.node_bytes >= host_limit
@@ -332,13 +334,27 @@ def propose(
                     micro_batch_sizes=tuple(sorted(probe)),
                     predicted=expected,
                     reason=f"calibrated prediction {objective.text(expected)} at "
-                    f"micro-batch {target} (bound {objective.text(bound)})",
+                    f"micro-batch {target} (bound {objective.text(bound)})"
+                    + (
+                        f"; {row.twin.label()} ran out of memory where predicted to fit"
+                        if row.twin is not None
+                        else ""
+                    ),
                 ),
             )
         )
     if not candidates:
         return _confirm(seen, objective)
     return max(candidates, key=lambda item: item[0])[1]
+
+
+def revived(row: PlanRow, twin: _Seen | None) -> bool:
+    """Whether a row the planner left out (its twin without the knob was predicted to fit as
+    large a micro-batch) is a candidate again: the twin ran out of memory at a size this row
+    is predicted to fit, so the prediction that made the knob pointless was wrong there."""
+    if twin is None:
+        return False
+    return any(m in row.peaks and row.peaks[m] <= row.capacity_bytes for m in twin.oom)
 
 
 def _confirm(seen: dict[TrainConfig, _Seen], objective: Objective) -> Proposal | None:

@@ -186,6 +186,8 @@ def measure_peaks(
             config["attention"],
             "--loss",
             config["loss"],
+            "--optimizer",
+            config["optimizer"],
             "--micro-batch",
             ",".join(map(str, sizes)),
             "--warmup-steps",
@@ -531,6 +533,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
         "offload": "none",
         "attention": "sdpa",
         "loss": "full",
+        "optimizer": "adamw",
     }
     peaks = measure_peaks(workload, config, [target, above], folder / "probes")
     # The estimator's peak and speed at each size do not depend on the cap.
