@@ -321,12 +321,7 @@ def estimate_memory(
         """Whether block ``j`` runs its forward again in the backward (whole or op-level)."""
         return _checkpointed(j, ac) or config.ac_ops
 
-    # What each block keeps to its backward: its input when checkpointed whole, its input and
-    # matmul outputs under op-level checkpointing, else everything it saved.
-    rest = prof.layer_selective_per_token * tokens if config.ac_ops else saved
-    kept = [
-        prof.layer_input_per_token * tokens if _checkpointed(j, ac) else rest for j in range(layers)
-    ]
+    kept = [_kept_per_token(prof, config, j) * tokens for j in range(layers)]
     # Weights held from a block's forward to its backward: autocast's bf16 copy (not for a
     # checkpointed block, whose recomputation casts again) and FSDP2 ZeRO-2's unsharded block.
     held = [
@@ -431,23 +426,27 @@ def estimate_memory(
 
 def _slope(model: ModelSpec, config: TrainConfig, seq_len: int, prof: ActivationProfile) -> float:
     """Bytes per extra sequence at the loss point (where large batches peak)."""
-    layers = model.num_layers
-    per_token = (
-        sum(
-            prof.layer_input_per_token
-            if _checkpointed(j, config.ac_every)
-            else prof.layer_selective_per_token
-            if config.ac_ops
-            else prof.layer_saved_per_token
-            for j in range(layers)
-        )
-        + prof.head_saved_per_token
-        + (
-            max(prof.head_forward_per_token, prof.head_backward_per_token)
-            if prof.head_chunk_tokens is None and prof.head_chunks_of_vocab is None
-            else prof.head_forward_per_token / prof.head_chunks_of_vocab
-            if prof.head_chunks_of_vocab is not None
-            else 0.0  # one chunk's, whatever the batch
-        )
-    )
-    return per_token * seq_len
+    kept = sum(_kept_per_token(prof, config, j) for j in range(model.num_layers))
+    return (kept + prof.head_saved_per_token + _loss_growth(prof)) * seq_len
+
+
+def _kept_per_token(prof: ActivationProfile, config: TrainConfig, layer: int) -> float:
+    """What a block keeps per token from its forward to its backward: its input when
+    checkpointed whole, its input and matmul outputs under op-level checkpointing, else all
+    it saves."""
+    if _checkpointed(layer, config.ac_every):
+        return prof.layer_input_per_token
+    if config.ac_ops:
+        return prof.layer_selective_per_token
+    return prof.layer_saved_per_token
+
+
+def _loss_growth(prof: ActivationProfile) -> float:
+    """Per token, what the loss's working tensors add as the batch grows: all of them for the
+    model's own loss, the fused loss's chunk (which grows with the batch over a share of the
+    vocabulary), nothing for the chunked loss's fixed chunk."""
+    if prof.head_chunks_of_vocab is not None:
+        return prof.head_forward_per_token / prof.head_chunks_of_vocab
+    if prof.head_chunk_tokens is None:
+        return max(prof.head_forward_per_token, prof.head_backward_per_token)
+    return 0.0

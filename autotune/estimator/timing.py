@@ -34,6 +34,7 @@ from autotune.config import (
     Precision,
     TrainConfig,
 )
+from autotune.estimator.activations import Regime, regime_of
 from autotune.hardware.specs import GpuSpec
 from autotune.models import ModelSpec
 
@@ -86,13 +87,13 @@ _SUSTAINED_DEFAULT = 0.83
 # as coefficients of hidden size d and MLP width i: (forward d, forward i, total d, total i),
 # forward + backward in "total".  Counted by a TorchDispatchMode tracer over every operator of
 # LlamaForCausalLM (transformers 5.23, torch 2.13) at several shapes; least-squares fits of
-# 1-layer and 2-layer differences, residual < 0.5%.  Regimes: "autocast" (fp32 weights under
-# bf16/fp16 autocast: single, ddp), "low" (16-bit weights: fsdp mixed precision, deepspeed,
-# pure bf16), "fp32".
-_BLOCK_TRAFFIC: dict[str, tuple[float, float, float, float]] = {
-    "autocast": (179.0, 10.3, 590.0, 28.7),
-    "low": (125.0, 10.2, 411.0, 28.4),
-    "fp32": (161.0, 20.3, 542.0, 56.7),
+# 1-layer and 2-layer differences, residual < 0.5%.  Regimes (activations.regime_of): autocast
+# (fp32 weights under bf16/fp16 autocast: single, ddp), low (16-bit weights: fsdp mixed
+# precision, deepspeed, pure bf16), fp32.
+_BLOCK_TRAFFIC: dict[Regime, tuple[float, float, float, float]] = {
+    Regime.AUTOCAST: (179.0, 10.3, 590.0, 28.7),
+    Regime.LOW: (125.0, 10.2, 411.0, 28.4),
+    Regime.FP32: (161.0, 20.3, 542.0, 56.7),
 }
 # Autocast also casts each block's weights to 16 bits in the forward and accumulates the 16-bit
 # weight gradients into the fp32 ones in the backward: bytes per block parameter (same trace).
@@ -114,7 +115,7 @@ _MATMUL_TRAFFIC = (22.0, 6.0, 2.0, 66.0, 18.0, 6.0)
 # negligible.  The GPU runs asynchronously behind the host, so each pass takes the longer of
 # the two.
 _DISPATCH_S = 12e-6
-_DISPATCHES_PER_LAYER = {"autocast": 243.0, "low": 217.0, "fp32": 217.0}
+_DISPATCHES_PER_LAYER = {Regime.AUTOCAST: 243.0, Regime.LOW: 217.0, Regime.FP32: 217.0}
 _EAGER_EXTRA_DISPATCHES = 30.0
 _HEAD_DISPATCHES = 110.0
 # The chunked loss (--loss chunked) dispatches per chunk, against the model's own loss:
@@ -335,24 +336,6 @@ def _architecture(gpu: GpuSpec) -> str:
     return arch
 
 
-def _compute_dtype(config: TrainConfig) -> str:
-    """The dtype matmuls run in.  fp32 is full fp32: the probes leave ``allow_tf32`` off."""
-    return {
-        Precision.BF16_MIXED: "bf16",
-        Precision.BF16: "bf16",
-        Precision.FP16_MIXED: "fp16",
-        Precision.FP32: "fp32",
-    }[config.precision]
-
-
-def _regime(config: TrainConfig) -> str:
-    """Dtype regime of the activations: autocast over fp32 weights, 16-bit weights, or fp32."""
-    if config.precision is Precision.FP32:
-        return "fp32"
-    mixed = config.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-    return "autocast" if mixed and config.engine in (Engine.SINGLE, Engine.DDP) else "low"
-
-
 @dataclass(frozen=True, slots=True)
 class _Fabric:
     """The links one data-parallel group's collectives run over, per NCCL protocol."""
@@ -467,7 +450,7 @@ def _compute(
     fraction: float,
 ) -> _Compute:
     """Forward and backward seconds of one micro-step of ``tokens`` tokens on one GPU."""
-    regime = _regime(config)
+    regime = regime_of(config)
     fp32 = config.precision is Precision.FP32
     operand = 2.0 if fp32 else 1.0  # matmul operand bytes relative to 16-bit
     mm_eff = _MATMUL_EFFICIENCY.get(gpu.key, _MATMUL_EFFICIENCY_DEFAULT)
@@ -519,7 +502,7 @@ def _compute(
     a_f, b_f, a_t, b_t = _BLOCK_TRAFFIC[regime]
     block_f = layers * n * (a_f * d + b_f * i)
     block_t = layers * n * (a_t * d + b_t * i)
-    if regime == "autocast":
+    if regime is Regime.AUTOCAST:
         w_f, w_t = _AUTOCAST_WEIGHT_TRAFFIC
         block_f += w_f * shape.block_params
         block_t += w_t * shape.block_params
@@ -833,7 +816,7 @@ def predict_step_time(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if config.engine is Engine.SINGLE and world_size != 1:
         raise ValueError(f"engine single runs one process, not world_size {world_size}")
-    dtype = _compute_dtype(config)
+    dtype = config.precision.compute_dtype  # fp32 is full fp32: the probes leave tf32 off
     peak = gpu.peak(dtype)
     if peak is None:
         raise ValueError(
