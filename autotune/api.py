@@ -685,10 +685,10 @@ def _script_model(job: ScriptJob) -> str:
 SEARCHED_KNOBS = LADDER_ONLY
 """The knobs ``run`` searches unless told: the ladder's alone. The chunked and fused losses
 (``--loss full,chunked``), op-level checkpointing (``--ac-ops``) and 8-bit AdamW
-(``--optimizer adamw,adamw-8bit``) are planned by default and searched when named, until the
-search can revive a knob the planner left out where the configuration without it runs out of
-memory for real (docs/search.md: with them in its space by default it fell short of its goal
-under per-configuration errors)."""
+(``--optimizer adamw,adamw-8bit``) are planned by default and searched when named: with them
+in its space the search falls short of its goal on the benchmark's sets, where the best point
+is often a configuration predicted not to fit whose memory the simulated error overstates
+(docs/search.md, "The knobs beyond the ladder")."""
 
 
 def _knobs(

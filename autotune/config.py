@@ -2,9 +2,9 @@
 
 A :class:`TrainConfig` is a point of the search space without its micro-batch size: the
 engine, how model states are sharded and offloaded, the precision, activation checkpointing,
-the attention kernel and how the loss meets the logits. Changing any of these needs a new
-probe process; the micro-batch size does not, so it travels beside the configuration (see
-:class:`autotune.probe.ProbeSpec`).
+the attention kernel, how the loss meets the logits and the optimizer. Changing any of these
+needs a new probe process; the micro-batch size does not, so it travels beside the
+configuration (see :class:`autotune.probe.ProbeSpec`).
 
 Invalid combinations are rejected here, with a message that says what to do instead, so that
 nothing above this layer ever launches a probe that cannot start.
