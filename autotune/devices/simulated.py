@@ -70,9 +70,8 @@ KNOB_ERROR = ((0.98, 1.02), (1.0, 1.03))
 knob terms matched the byte-exact trace within 1.2 % and the probe's counter within 1.4 %
 (docs/estimator.md). Time: a knob adds work to its twin's step (the chunked loss's recomputed
 output layer, op-level checkpointing's recomputed memory-bound ops: 1-15 % of a step; 8-bit
-AdamW's quantizing step), so its
-step is its twin's and that work, up to 3 % of the step more than predicted; never less than
-its twin's, which no knob can make faster."""
+AdamW's quantizing step), so its step is its twin's and that work, up to 3 % of the step more
+than predicted; never less than its twin's, which no knob can make faster."""
 
 
 def _fields(config: TrainConfig, *, knobs: bool = False) -> dict[str, Any]:
