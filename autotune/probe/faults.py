@@ -31,7 +31,8 @@ in probes of that engine) makes that rank fail for real. Right after the build:
 ``segfault``, ``sigkill``, ``hang``, ``error``, ``flood`` (a flood of stdout and stderr,
 then training on) and ``stray`` (a child in a process group of its own, as ninja starts its
 compilers, then a hang). After the last size, before a clean exit: ``garble`` (its report cut in
-half), ``empty`` (emptied), ``noreport`` (deleted)."""
+half), ``empty`` (emptied), ``noreport`` (deleted), ``linger`` (its report finished, it never
+exits: a teardown that hangs)."""
 FAULT_FILE = "test-fault"
 """The request in a probe's folder, written by an armed launcher."""
 

@@ -45,6 +45,7 @@ from autotune.probe.nodes import (
 from autotune.probe.ops import op_environment
 from autotune.probe.outcome import Classification, Outcome, RankExit, Stage, classify_probe
 from autotune.probe.output import OutputKeeper
+from autotune.probe.report import finished
 from autotune.probe.result import ProbeResult, merge_sizes, report_problem
 from autotune.probe.spec import ProbeSpec
 
@@ -52,6 +53,12 @@ FAILURE_GRACE_S = 5.0
 """After one rank fails, how long the others get to write their reports before being killed."""
 TERM_GRACE_S = 3.0
 """Between SIGTERM and SIGKILL when the launcher ends a probe."""
+EXIT_GRACE_S = 10.0
+"""Once every rank's report says it finished, how long the ranks get to exit before the
+launcher stops them; their measurements stand (a teardown that hangs, e.g. a process group
+whose store went with the rank that hosted it, costs this much, not the probe's timeout)."""
+FINISH_POLL_S = 0.5
+"""How often the launcher reads the ranks' reports for their ``finished`` mark."""
 
 
 def free_port() -> int:
@@ -227,6 +234,12 @@ def stop(running: Running, grace_s: float = TERM_GRACE_S) -> None:
     kill_all(strays)
     for proc in running.procs:
         proc.wait()
+
+
+def _all_finished(probe_dir: Path, world_size: int) -> bool:
+    """Whether every rank's report says it finished
+    (:meth:`~autotune.probe.report.RankReport.finish`)."""
+    return all(finished(probe_dir / f"rank{r}.json") for r in range(world_size))
 
 
 def _tail(path: Path, limit: int = 4000) -> str:
@@ -502,12 +515,18 @@ def launch_probe(
                 _start_agents(launches, output, running)
             procs = running.procs
             failed_at: float | None = None
+            finished_at: float | None = None
+            look_at = started
             while None in [p.poll() for p in procs]:  # poll each: a later one may have failed
                 elapsed = time.monotonic() - started
                 if on_poll is not None:
                     on_poll(elapsed)
                 if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
                     failed_at = time.monotonic()
+                if finished_at is None and time.monotonic() >= look_at:
+                    look_at = time.monotonic() + FINISH_POLL_S
+                    if _all_finished(probe_dir, spec.world_size):
+                        finished_at = time.monotonic()
                 if _folder_id(probe_dir) != folder:
                     gone = True  # nothing the ranks write can be read back: stop them now
                     stop(running, grace)
@@ -516,6 +535,8 @@ def launch_probe(
                     stop(running, grace)
                 elif failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
                     stop(running, grace)  # the others wait in a collective the failed rank left
+                elif finished_at is not None and time.monotonic() - finished_at > EXIT_GRACE_S:
+                    stop(running, grace)  # measured and reported: only their exit hangs
                 else:
                     time.sleep(poll_s)
         finally:
@@ -587,6 +608,8 @@ def launch_probe(
                 "pid": pid,
                 "returncode": e.returncode,
                 "killed_by_launcher": e.killed_by_launcher,
+                # Stopped after it finished: a teardown that hung, its measurements kept.
+                "finished": bool(e.report and e.report.get("finished")),
             }
             for e, pid in zip(exits, pids, strict=True)
         ],

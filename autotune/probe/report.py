@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.probe.outcome import Outcome, Stage
 
-__all__ = ["RankReport"]
+__all__ = ["RankReport", "finished"]
 
 
 class RankReport:
@@ -36,7 +36,23 @@ class RankReport:
     def fail(self, outcome: Outcome, stage: Stage, message: str, error_type: str) -> None:
         self.update(status=outcome.value, stage=stage.value, message=message, error_type=error_type)
 
+    def finish(self) -> None:
+        """Say this rank measured every size it was asked: nothing it does after (tearing down
+        its process group, exiting) can change the probe's result, so the launcher need not
+        wait long for its exit (:data:`~autotune.probe.launcher.EXIT_GRACE_S`)."""
+        self.update(finished=True)
+
     def write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=2, default=str))
         os.replace(tmp, self.path)
+
+
+def finished(path: Path) -> bool:
+    """Whether the report at ``path`` says its rank finished (False while it is missing, torn
+    or still being measured)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("finished") is True

@@ -364,6 +364,7 @@ class Layer:
         self.report.update(
             gpu_name=gpu_name, peak_flops=peak_flops, num_params=self.model.num_params
         )
+        self.report.finish()
         if self.rank == 0:
             print(
                 f"autotune: micro-batch {mbs}: {speed.tokens_per_second:.1f} tokens/s over "

@@ -423,6 +423,7 @@ def _measure(probe: _Probe, built: _Built) -> int:
         if failure.outcome is not Outcome.OOM or probe.rank.world_size > 1:
             return 1
         failed_size = mbs
+    probe.report.finish()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -441,6 +442,8 @@ def run(probe_dir: Path) -> int:
             return 1
         code = _measure(probe, built)
         _spoil_report(probe.report.path, probe.rank.rank, probe.spec.config.engine.value)
+        if code == 0 and _fault(probe.rank.rank, probe.spec.config.engine.value) == "linger":
+            time.sleep(10**6)  # finished, but never exits (a teardown that hangs)
         return code
 
 

@@ -74,7 +74,8 @@ def _assert_trains(result: ProbeResult, num_processes: int) -> None:
     where a freshly initialized model starts (near ln(vocab): near-uniform predictions)."""
     assert result.outcome is Outcome.OK, probe_failure_text(result)
     assert exit_summary(result.exits) == [
-        {"rank": r, "returncode": 0, "killed_by_launcher": False} for r in range(num_processes)
+        {"rank": r, "returncode": 0, "killed_by_launcher": False, "finished": True}
+        for r in range(num_processes)
     ]
     for rank in range(num_processes):
         assert read_json(result.probe_dir / f"rank{rank}.json")["status"] == "ok"

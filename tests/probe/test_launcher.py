@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,7 @@ def test_single_process_probe_succeeds_and_writes_everything(
     assert data["num_params"] > 0
     assert data["import_s"] > 0 and data["build_s"] > 0 and data["wall_s"] > 0
     assert exit_summary(data["exits"]) == [
-        {"rank": 0, "returncode": 0, "killed_by_launcher": False}
+        {"rank": 0, "returncode": 0, "killed_by_launcher": False, "finished": True}
     ]
     assert [s["micro_batch_size"] for s in data["sizes"]] == [1, 2]
     for size in data["sizes"]:
@@ -162,7 +163,9 @@ def test_emulated_oom_recovers_in_one_process(
     assert result.stage in (Stage.FORWARD, Stage.BACKWARD)
     assert result.failed_rank == 0
     # ... yet it was one process that recovered and exited cleanly.
-    assert exit_summary(result.exits) == [{"rank": 0, "returncode": 0, "killed_by_launcher": False}]
+    assert exit_summary(result.exits) == [
+        {"rank": 0, "returncode": 0, "killed_by_launcher": False, "finished": True}
+    ]
     assert result.ok_sizes() == [ok]
     assert read_json(result.probe_dir / "result.json")["emulated_device_memory_bytes"] == limit
 
@@ -247,6 +250,23 @@ def test_hang_is_timeout(
     assert result.exits[1]["returncode"] is not None and result.exits[1]["returncode"] < 0
 
 
+def test_a_rank_that_finished_but_never_exits_is_stopped_and_its_probe_stands(
+    run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 measures and reports its size, then never exits (as a process group's teardown
+    can hang once the rank that hosted its store is gone): the launcher stops it a few
+    seconds after every report says finished, not at the probe's timeout, and the probe's
+    measurements stand."""
+    result = _fault_probe(run_probe, monkeypatch, "linger@1", timeout_s=120.0)
+    assert result.outcome is Outcome.OK, probe_failure_text(result)
+    assert [s.outcome for s in result.sizes] == [Outcome.OK]
+    assert result.sizes[0].tokens_per_second > 0
+    assert exit_summary(result.exits) == [
+        {"rank": 0, "returncode": 0, "killed_by_launcher": False, "finished": True},
+        {"rank": 1, "returncode": -signal.SIGTERM, "killed_by_launcher": True, "finished": True},
+    ]
+
+
 def test_a_timeout_ends_what_the_ranks_started_in_groups_of_its_own(
     run_probe: RunProbe, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -287,7 +307,7 @@ def test_fault_in_single_process(run_probe: RunProbe, monkeypatch: pytest.Monkey
     _assert_no_leftovers(result)
     assert result.outcome is Outcome.CRASH, probe_failure_text(result)
     assert exit_summary(result.exits) == [
-        {"rank": 0, "returncode": -11, "killed_by_launcher": False}
+        {"rank": 0, "returncode": -11, "killed_by_launcher": False, "finished": False}
     ]
 
 
