@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 WHEEL_PYTHON ?= 3.12
 WHEEL_PLATFORMS := --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
 WHEEL_PACKAGES ?= optuna sqlalchemy alembic greenlet typer rich hjson pydantic nvidia-ml-py psutil \
-	psycopg psycopg-binary torchao
+	psycopg psycopg-binary torchao peft
 
 .PHONY: install run test test-fast lint bench wheelhouse clean constraints
 

@@ -295,6 +295,7 @@ def plan(
     losses: str | Iterable[Loss | str] | None = None,
     op_checkpointing: bool = True,
     optimizers: str | Iterable[Optimizer | str] | None = None,
+    lora_rank: int | None = None,
 ) -> Plan:
     """Predict peak memory and throughput of every configuration (no GPU needed).
 
@@ -320,6 +321,8 @@ def plan(
         op_checkpointing: Try op-level selective checkpointing (``ac:ops``) where it pays.
         optimizers: The optimizers to try (``"adamw,adamw-8bit"``); default both, 8-bit
             AdamW where it pays.
+        lora_rank: Also plan LoRA at this rank (``--allow lora``): rows of another training,
+            ranked after every full fine-tuning row that fits; None: full fine-tuning alone.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     _check_attention(Attention(attention), "plan", precision)
@@ -327,6 +330,7 @@ def plan(
         losses=parse_losses(losses) or PLANNED_KNOBS.losses,
         op_checkpointing=op_checkpointing,
         optimizers=parse_optimizers(optimizers) or PLANNED_KNOBS.optimizers,
+        lora_rank=0 if lora_rank is None else (_count(lora_rank, "--lora-rank") or 0),
     )
     target, here = _gpu(gpu)
     detected = detect_gpus() if gpu is not None else None
@@ -1155,6 +1159,11 @@ def probe(
                 "--ac ops is autotune's stand-in's checkpointing; your script checkpoints as its "
                 "framework does: use --ac off, every or every-N with --script"
             )
+        if asked.is_lora:
+            raise ConfigError(
+                "--lora-rank puts adapters on autotune's stand-in; your script builds its own "
+                "model: leave out --lora-rank with --script (wrap it with peft there)"
+            )
         if (nodes or 1) > 1 or hosts:
             raise ConfigError("--script runs on one node: leave out --nodes and --hosts")
     if model is None:
@@ -1192,6 +1201,8 @@ def probe(
     if job is None:
         _knobs(None, (config.loss,), False, (config.optimizer,), chosen.kind)  # where it runs
         _check_attention(config.attention, chosen.kind)  # the precision: TrainConfig's check
+        if config.is_lora and chosen.kind in ("cuda", "cpu") and not _installed("peft"):
+            raise ConfigError("--lora-rank needs peft: pip install peft, or leave out --lora-rank")
     single = config.engine is Engine.SINGLE and count == 1
     spec = ProbeSpec(
         model=model,

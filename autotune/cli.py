@@ -22,6 +22,7 @@ import typer.core
 from rich.console import Console
 
 from autotune.config import (
+    LORA_RANK,
     Attention,
     ConfigError,
     Engine,
@@ -206,6 +207,15 @@ OptimizerOption = Annotated[
         "it pays).",
     ),
 ]
+AllowOption = Annotated[
+    str | None,
+    typer.Option(
+        "--allow",
+        help="Trainings other than full fine-tuning to plan too: lora (peft's adapters on every "
+        "linear layer of the blocks, the rest frozen), ranked after the full fine-tuning that "
+        "fits.",
+    ),
+]
 AcOpsOption = Annotated[
     bool,
     typer.Option(
@@ -295,6 +305,13 @@ def probe(
             help="adamw: torch's fused AdamW; adamw-8bit: torchao's AdamW8bit (8-bit moments)."
         ),
     ] = Optimizer.ADAMW,
+    lora_rank: Annotated[
+        int,
+        typer.Option(
+            help="0: train every weight; r: LoRA, rank-r adapters on every linear layer of the "
+            "blocks and the rest frozen (needs peft)."
+        ),
+    ] = 0,
     micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
     seq_len: SeqLenOption = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
@@ -342,6 +359,7 @@ def probe(
         attention=attention,
         loss=loss,
         optimizer=optimizer,
+        lora_rank=lora_rank,
     )
     sizes = _parse_sizes(micro_batch)
     running = contextlib.ExitStack()
@@ -405,6 +423,19 @@ def probe(
     raise typer.Exit(0 if result.ok_sizes() else 1)
 
 
+ALLOWED = ("lora",)
+"""What ``--allow`` takes: trainings other than full fine-tuning."""
+
+
+def _allowed(text: str | None) -> bool:
+    """Whether ``--allow`` names LoRA; anything else it names is a usage error."""
+    names = [part.strip() for part in (text or "").split(",") if part.strip()]
+    unknown = [name for name in names if name not in ALLOWED]
+    if unknown:
+        raise ConfigError(f"--allow {unknown[0]}: use --allow {' or '.join(ALLOWED)}")
+    return "lora" in names
+
+
 def _parse_engines(text: str | None) -> list[Engine] | None:
     if text is None:
         return None
@@ -433,6 +464,8 @@ def plan(
     loss: LossOption = None,
     ac_ops: AcOpsOption = True,
     optimizer: OptimizerOption = None,
+    allow: AllowOption = None,
+    lora_rank: Annotated[int, typer.Option(help="LoRA's rank with --allow lora.")] = LORA_RANK,
     headroom: HeadroomOption = "0%",
     reserve: Annotated[
         str | None,
@@ -469,6 +502,7 @@ def plan(
         losses=loss,
         op_checkpointing=ac_ops,
         optimizers=optimizer,
+        lora_rank=lora_rank if _allowed(allow) else None,
     )
     if json_output:
         _print_json(found.to_dict())

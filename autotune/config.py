@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 
@@ -114,6 +115,21 @@ OPTIMIZER_8BIT_MIN_VALUES = 4096
 """Tensors (a rank's shard, under FSDP2) of fewer values keep plain moments in 8-bit AdamW, as
 do those whose size is not a whole number of blocks (torchao ``optim/adam.py``, after
 bitsandbytes)."""
+
+
+LORA_RANK = 16
+"""The adapters' rank ``r`` when LoRA is allowed (``--allow lora``; ``--lora-rank`` to set it)."""
+LORA_TARGETS = "all-linear"
+"""What LoRA adapts: peft's ``all-linear``, every linear layer of the decoder blocks
+(attention's projections and the MLP's), not the output layer (Dettmers et al. 2023, QLoRA,
+section 4: adapters on every linear layer match full fine-tuning where attention-only ones do
+not)."""
+
+
+def lora_alpha(rank: int) -> int:
+    """The adapters' scale numerator, ``2 r`` (the scale ``alpha / r`` is then 2, as in
+    peft's examples); it sets no memory nor time, only the update's size."""
+    return 2 * rank
 
 
 DEFAULT_LOSSES = (Loss.FULL, Loss.CHUNKED)
@@ -218,6 +234,11 @@ class TrainConfig:
     """How the cross-entropy meets the logits."""
     optimizer: Optimizer = Optimizer.ADAMW
     """The optimizer, which sets the bytes of its state."""
+    lora_rank: int = 0
+    """0: every weight is trained. r > 0: LoRA (Hu et al. 2021) with rank-r adapters on every
+    linear layer of the blocks (:data:`LORA_TARGETS`, peft), the rest frozen in the compute
+    dtype: another training than full fine-tuning, searched only where the user allows it
+    (``--allow lora``)."""
 
     def __post_init__(self) -> None:
         # Accept plain strings from JSON, the CLI or an Optuna trial.
@@ -240,7 +261,7 @@ class TrainConfig:
             if self.ac_ops not in (0, 1):
                 raise ConfigError(f"invalid ac-ops {self.ac_ops!r}: use true or false")
             object.__setattr__(self, "ac_ops", bool(self.ac_ops))
-        for name in ("zero_stage", "ac_every"):
+        for name in ("zero_stage", "ac_every", "lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 try:
@@ -313,6 +334,8 @@ class TrainConfig:
                     "8-bit AdamW keeps its moments on the device, where offload would move "
                     "them to the host: use --optimizer adamw with offload, or no offload"
                 )
+        if self.lora_rank:
+            self._validate_lora()
         if self.attention is Attention.FLASH and self.precision is Precision.FP32:
             raise ConfigError(
                 "flash attention computes in bf16 or fp16: use --precision bf16-mixed, or "
@@ -327,6 +350,35 @@ class TrainConfig:
                 "fp16 loss scaling is not wired for FSDP2: use bf16-mixed, or --engine deepspeed "
                 "for fp16"
             )
+
+    def _validate_lora(self) -> None:
+        """What LoRA is modelled and probed with: the plain engines, the model's own or the
+        chunked loss, block checkpointing, fused AdamW (its moments are the adapters' alone)."""
+        if self.lora_rank < 0:
+            raise ConfigError(f"LoRA rank {self.lora_rank}: use a rank of 1 or more, or 0 for none")
+        if self.engine not in (Engine.SINGLE, Engine.DDP):
+            raise ConfigError(
+                "LoRA trains adapters too small to shard: use --engine single or ddp with LoRA"
+            )
+        if self.ac_ops:
+            raise ConfigError(
+                "op-level checkpointing is not modelled with LoRA yet: use --ac off, every or "
+                "every-N with LoRA"
+            )
+        if self.loss is Loss.FUSED:
+            raise ConfigError(
+                "the fused loss is not modelled with LoRA yet: use --loss full or chunked with LoRA"
+            )
+        if self.optimizer is not Optimizer.ADAMW:
+            raise ConfigError(
+                "LoRA's optimizer holds the adapters' moments alone, which 8-bit AdamW would "
+                "not shrink: use --optimizer adamw with LoRA"
+            )
+
+    @property
+    def is_lora(self) -> bool:
+        """Whether only LoRA adapters are trained."""
+        return self.lora_rank > 0
 
     @property
     def is_distributed(self) -> bool:
@@ -349,6 +401,8 @@ class TrainConfig:
             parts.append(f"loss:{self.loss.value}")
         if self.optimizer is not Optimizer.ADAMW:
             parts.append(f"optim:{self.optimizer.value}")
+        if self.lora_rank:
+            parts.append(f"lora:r{self.lora_rank}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -417,8 +471,14 @@ class Knobs:
     """Op-level selective checkpointing (``ac:ops``) as a rung between none and every 4th
     block."""
     optimizers: tuple[Optimizer, ...] = DEFAULT_OPTIMIZERS
+    lora_rank: int = 0
+    """LoRA at this rank beside full fine-tuning (``plan --allow lora``); 0: full fine-tuning
+    alone. LoRA trains another model than full fine-tuning: its rows rank after the full
+    ones that fit."""
 
     def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"LoRA rank {self.lora_rank}: use a rank of 1 or more")
         object.__setattr__(self, "losses", tuple(dict.fromkeys(map(Loss, self.losses))))
         object.__setattr__(
             self, "optimizers", tuple(dict.fromkeys(map(Optimizer, self.optimizers)))
@@ -430,7 +490,19 @@ class Knobs:
             raise ConfigError(f"no optimizer to try: use --optimizer {choices}")
 
 
-LADDER_ONLY = Knobs(losses=(Loss.FULL,), op_checkpointing=False, optimizers=(Optimizer.ADAMW,))
+KNOB_OFF: Mapping[str, Any] = MappingProxyType(
+    {"loss": Loss.FULL, "ac_ops": False, "optimizer": Optimizer.ADAMW, "lora_rank": 0}
+)
+"""Each :class:`TrainConfig` field beyond the ladder at its off value: a configuration with
+all of them off is a rung of the ladder, and one with a knob on has, per knob, a twin with it
+off (what the planner weighs a knob that trades time for memory against, and what the
+simulated GPU draws its error from)."""
+
+LADDER_ONLY = Knobs(
+    losses=(KNOB_OFF["loss"],),
+    op_checkpointing=KNOB_OFF["ac_ops"],
+    optimizers=(KNOB_OFF["optimizer"],),
+)
 """The ladder's rungs alone: the model's own loss, block checkpointing, fused AdamW."""
 
 PLANNED_KNOBS = Knobs()
@@ -439,9 +511,6 @@ and both optimizers, each kept where it pays."""
 
 
 _AC_PATTERN = re.compile(r"^(?:every-?)?(\d+)$")
-
-
-(r"^(?:every-?)?(\d+)$")
 
 
 def parse_ac_ops(text: str) -> tuple[int, bool]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.config import (
+    LORA_TARGETS,
     LOSS_CHUNK_TOKENS,
     OPTIMIZER_8BIT_BLOCK,
     SELECTIVE_SAVED_OPS,
@@ -31,6 +32,7 @@ from autotune.config import (
     Optimizer,
     Precision,
     TrainConfig,
+    lora_alpha,
 )
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "deepspeed_for",
     "hf_fields",
     "knob_notes",
+    "lora_note",
     "render",
     "torchrun_args",
 ]
@@ -214,6 +217,23 @@ _EIGHT_BIT = (
 )
 
 
+def lora_note(config: TrainConfig) -> str:
+    """How to train what autotune measured under LoRA: the adapters and the frozen weights'
+    dtype (peft)."""
+    rank = config.lora_rank
+    frozen = (
+        "in fp32"
+        if config.precision is Precision.FP32
+        else f"in torch.{'float16' if config.precision is Precision.FP16_MIXED else 'bfloat16'}"
+    )
+    return (
+        f"autotune measured LoRA at rank {rank}, the model's weights frozen {frozen} (load it "
+        "so), then model = peft.get_peft_model(model, peft.LoraConfig(r="
+        f'{rank}, lora_alpha={lora_alpha(rank)}, target_modules="{LORA_TARGETS}", '
+        "lora_dropout=0.0)) before the trainer wraps it; this trains adapters, not the model"
+    )
+
+
 def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
     """What ``fmt`` cannot carry of ``launch``'s configuration, each with what to do instead
     (empty when the format says it all). ``autotune export`` prints them beside the file, and
@@ -250,6 +270,8 @@ def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
             f"--format {Format(fmt).value} has no setting for the optimizer: autotune measured "
             f'{_EIGHT_BIT} (a Trainer: optim="adamw_torch_8bit")'
         )
+    if config.is_lora:  # no trainer format carries the model's adapters
+        notes.append(f"--format {Format(fmt).value} has no setting for LoRA: {lora_note(config)}")
     if launch.config.loss is Loss.FUSED and Format(fmt) is not Format.HF:
         notes.append(
             f"--format {Format(fmt).value} has no setting for Liger-Kernel's fused linear "
@@ -549,6 +571,11 @@ def _torchrun(launch: Launch) -> str:
         "attention": config.attention.value,
         "loss": _loss_note(config.loss),
         "optimizer": _optimizer_note(config.optimizer),
+        "training": (
+            f"LoRA, rank {config.lora_rank} (the rest frozen)"
+            if config.is_lora
+            else "full fine-tuning"
+        ),
         "micro-batch per rank": str(launch.micro_batch_size),
         "accumulation steps": str(launch.grad_accum),
     }

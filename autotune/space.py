@@ -170,6 +170,8 @@ def configurations(
                 )
             except ConfigError:
                 continue  # e.g. fp16 with FSDP2, pure bf16 with DeepSpeed
+        if knobs.lora_rank and engine in (Engine.SINGLE, Engine.DDP) and where is Offload.NONE:
+            found += _lora(engine, num_layers, precision, attention, knobs)
     if not found and engines is not None:
         usable = {
             e.value for e, _, where in _sharding(world_size) if offload or where is Offload.NONE
@@ -184,19 +186,40 @@ def configurations(
     return sorted(found, key=ladder_key)
 
 
+def _lora(
+    engine: Engine, num_layers: int, precision: Precision, attention: Attention, knobs: Knobs
+) -> list[TrainConfig]:
+    """LoRA on a plain engine at each checkpointing choice, with the losses asked that it is
+    modelled with (the model's own and the chunked one)."""
+    return [
+        TrainConfig(
+            engine=engine,
+            precision=precision,
+            ac_every=ac,
+            attention=attention,
+            loss=loss,
+            lora_rank=knobs.lora_rank,
+        )
+        for ac in ac_options(num_layers)
+        for loss in knobs.losses
+        if loss is not Loss.FUSED
+    ]
+
+
 _OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.PARAMS: 2}
 
 
-def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int, int]:
-    """Sort key of the ladder: offload, then sharding, then checkpointing (coarse first, with
-    op-level checkpointing between none and every 4th block: it recomputes only the cheap
-    ops), the chunked loss right after the same configuration with the model's own (it costs
-    one more forward of the output layer, less than any checkpointing), 8-bit AdamW right
-    after the same configuration with fused AdamW (it changes the moments' precision, and
-    its step is no faster)."""
+def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int, int, int]:
+    """Sort key of the ladder: LoRA last (it trains another model), then offload, then
+    sharding, then checkpointing (coarse first, with op-level checkpointing between none and
+    every 4th block: it recomputes only the cheap ops), the chunked loss right after the same
+    configuration with the model's own (it costs one more forward of the output layer, less
+    than any checkpointing), 8-bit AdamW right after the same configuration with fused AdamW
+    (it changes the moments' precision, and its step is no faster)."""
     blocks = 0 if config.ac_every == 0 else 1 + 4 // config.ac_every
     ac_rank = 2 * blocks + int(config.ac_ops)
     return (
+        int(config.is_lora),
         _OFFLOAD_RANK[config.offload],
         config.zero_stage,
         ac_rank,

@@ -146,6 +146,13 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         ),
         "8-bit AdamW keeps its moments on the device",
     ),
+    (
+        ("probe", *CPU, "--engine", "fsdp", "--zero-stage", "3", "--lora-rank", "8"),
+        "LoRA trains adapters too small to shard: use --engine single or ddp",
+    ),
+    (("probe", *CPU, "--lora-rank", "-2"), "LoRA rank -2: use a rank of 1 or more"),
+    (("plan", "--gpu", "h100", "--allow", "qlora"), "--allow qlora: use --allow lora"),
+    (("plan", "--gpu", "h100", "--allow", "lora", "--lora-rank", "0"), "--lora-rank 0: use 1"),
     (("probe", "--loss", "liger"), "liger"),
     (("run", *CPU, "--gpus", "1", "--engine", "ddp"), "--engine ddp leaves no configuration"),
     (("run", *SIM, "--device", "tpu"), "unknown device 'tpu': use auto, cuda, cpu"),

@@ -243,6 +243,7 @@ def test_to_dict_values() -> None:
         "attention": "sdpa",
         "loss": "full",
         "optimizer": "adamw",
+        "lora_rank": 0,
     }
 
 

@@ -864,3 +864,52 @@ def test_every_format_says_which_attention_kernel_to_load(attention: Attention) 
             assert note in render(launch(config), fmt)
         sdpa = dataclasses.replace(config, attention=Attention.SDPA)
         assert knob_notes(launch(sdpa), fmt) == []
+
+
+def test_a_lora_configuration_says_how_in_every_format_and_peft_builds_what_was_counted(
+    tmp_path: Path,
+) -> None:
+    """No trainer format carries LoRA's adapters: hf, accelerate and torchrun each say how,
+    with the peft call; that call, run by peft on the tiny model, makes as many trainable
+    parameters as the estimator counts, and Hugging Face's Trainer takes the hf fields and
+    trains the adapters alone for a step."""
+    config = TrainConfig(engine=Engine.SINGLE, precision=Precision.FP32, lora_rank=8)
+    tiny = launch(config, world_size=1)
+    for fmt in (Format.HF, Format.ACCELERATE, Format.TORCHRUN):
+        [note] = knob_notes(tiny, fmt)
+        assert note.startswith(f"--format {fmt.value} has no setting for LoRA")
+        assert "frozen in fp32" in note and "this trains adapters, not the model" in note
+    assert "training: LoRA, rank 8" in render(tiny, Format.TORCHRUN)
+    call = note.split("then ", 1)[1].split(" before", 1)[0]
+    assert call.startswith("model = peft.get_peft_model(")
+    spec = resolve_model("tiny")
+    (tmp_path / "fields.json").write_text(json.dumps({**hf_fields(tiny), "bf16": False}))
+    out = run_python(
+        f"""
+        import json
+        import peft
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+        from autotune.models import resolve_model
+        from autotune.probe.modeling import hf_config
+
+        model = AutoModelForCausalLM.from_config(hf_config(resolve_model("tiny")))
+        {call}
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        before = {{n: p.detach().clone() for n, p in model.named_parameters()}}
+        ids = torch.randint(0, 256, (16, 32))
+        data = [{{"input_ids": row, "labels": row}} for row in ids]
+        fields = json.load(open("fields.json"))
+        fields["max_steps"] = 1
+        args = TrainingArguments(output_dir="out", use_cpu=True, report_to=[], **fields)
+        Trainer(model=model, args=args, train_dataset=data).train()
+        changed = sorted(
+            n for n, p in model.named_parameters() if not torch.equal(p, before[n])
+        )
+        print(json.dumps([trainable, changed]))
+        """,
+        tmp_path,
+    )
+    trainable, changed = json.loads(out.strip().splitlines()[-1])
+    assert trainable == spec.lora_block_params(8) * spec.num_layers
+    assert changed and all(".lora_A." in n or ".lora_B." in n for n in changed)

@@ -37,6 +37,12 @@ def test_analytic_counts_match_meta_build(name: str) -> None:
     assert spec.num_block_params == blocks
     sizes = collections.Counter(p.numel() for p in meta_model(spec).parameters())
     assert spec.parameter_tensors == tuple(sorted(sizes.items()))
+    # The linear layers of a block, as peft's "all-linear" finds them (LoRA's adapters).
+    from autotune.models.families import _linears
+
+    first = next(m for m in meta_model(spec).modules() if type(m).__name__.endswith("Layer")
+                 or type(m).__name__ == "GPT2Block")  # fmt: skip
+    assert spec.block_linears == _linears(first)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_PRESETS))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.config import Offload, TrainConfig
+from autotune.config import KNOB_OFF, Offload, TrainConfig
 from autotune.devices.base import AnsweredDevice
 from autotune.estimator.cost import (
     HOST_BUILD_BYTES_PER_S,
@@ -63,8 +63,6 @@ FEATURES = (
     "optimizer",
 )
 """The configuration fields an error term may be shared by (``config``: each its own)."""
-KNOBS: dict[str, Any] = {"ac_ops": False, "loss": "full", "optimizer": "adamw"}
-"""The fields beyond the ladder, at their off values."""
 KNOB_ERROR = ((0.98, 1.02), (1.0, 1.03))
 """(peak memory, step time) ranges of a knob's own error on top of its twin's. Memory: the
 knob terms matched the byte-exact trace within 1.2 % and the probe's counter within 1.4 %
@@ -84,7 +82,7 @@ def _fields(config: TrainConfig, *, knobs: bool = False) -> dict[str, Any]:
     return {
         name: value
         for name, value in config.to_dict().items()
-        if name not in KNOBS or (knobs and value != KNOBS[name])
+        if name not in KNOB_OFF or (knobs and value != KNOB_OFF[name])
     }
 
 
@@ -136,7 +134,7 @@ class ErrorTerm:
     def _group(self, config: TrainConfig, *, host: bool = False) -> list[Any]:
         fields = _fields(config)
         if host:  # the offloaded states and the processes: not the activations, nor the loss
-            for name in ("ac_every", *KNOBS):
+            for name in ("ac_every", *KNOB_OFF):
                 fields.pop(name, None)
         if "config" in self.by:
             return sorted(fields.items())
@@ -222,7 +220,7 @@ class SimulatedDevice(AnsweredDevice):
         for index, term in enumerate(self.errors):
             m, t = term.factors(self.seed, index, model, config, micro_batch_size)
             memory, time = memory * m, time * t
-        if any(getattr(config, name) != off for name, off in KNOBS.items()):
+        if any(getattr(config, name) != off for name, off in KNOB_OFF.items()):
             rng = _draw("knob", self.seed, model, sorted(_fields(config, knobs=True).items()))
             memory *= rng.uniform(*KNOB_ERROR[0])
             time *= rng.uniform(*KNOB_ERROR[1])

@@ -41,11 +41,12 @@ class Regime(enum.StrEnum):
 
 
 def regime_of(config: TrainConfig) -> Regime:
-    """The activation dtype regime a configuration trains in."""
+    """The activation dtype regime a configuration trains in (LoRA's frozen weights are kept
+    in 16 bits whatever the precision but fp32: ``low``, with autocast where mixed)."""
     if config.precision is Precision.FP32:
         return Regime.FP32
     mixed = config.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-    if mixed and config.engine in (Engine.SINGLE, Engine.DDP):
+    if mixed and config.engine in (Engine.SINGLE, Engine.DDP) and not config.is_lora:
         return Regime.AUTOCAST
     return Regime.LOW
 
@@ -99,9 +100,14 @@ class ActivationProfile:
         return float(min(tokens, self.head_chunk_tokens))
 
     layer_weight_copy_bytes: int
-    """Autocast's bf16 copy of one block's weights, held from its forward to its backward."""
+    """Autocast's bf16 copy of one block's weights, held from its forward to its backward
+    (under LoRA, of its adapters: the frozen weights are already in 16 bits)."""
     head_weight_copy_bytes: int
     """Autocast's bf16 copy of the lm_head weight."""
+    first_block_less_per_token: float = 0.0
+    """LoRA: what the first block saves less than the others: its first norm's input and
+    statistics (the embeddings are frozen, so nothing before the first adapter needs a
+    gradient)."""
 
 
 def _gelu_saved(model: ModelSpec) -> int:
@@ -210,6 +216,41 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
 
     matmul_per_layer = model.num_block_params // model.num_layers
     copies = regime is Regime.AUTOCAST
+    first_less = 0.0
+    if config.is_lora:
+        # Frozen weights (Hu et al. 2021) need no saved input for a weight gradient, and peft
+        # computes each adapter beside its layer: ``lora_B(lora_A(x)) * alpha / r``, the input
+        # first cast to the adapters' fp32 (peft's ``_cast_input_dtype``; autocast casts it to
+        # bf16 again). What changes against full fine-tuning, per token (counted with
+        # saved-tensor hooks on a tiny llama in fp32, pure bf16 and under autocast):
+        # - each norm keeps its input and statistics, not the normalized tensor the frozen
+        #   weight multiplies; the output layer's input is not kept at all;
+        # - in 16 bits, each adapted layer keeps its own cast copy of its input (fp32, or bf16
+        #   under autocast) where full fine-tuning keeps the norms' outputs and the MLP
+        #   product once; in fp32 the adapters read the very tensors full fine-tuning keeps;
+        # - each adapter keeps A's output (r values) for B, in the adapters' compute dtype;
+        # - the embedding's token ids are not kept (one int64 a token less).
+        rank = config.lora_rank
+        ins = sum(i_ for i_, _ in model.block_linears)
+        adapters = len(model.block_linears)
+        mixed = config.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+        lora_act = 2 if mixed else 4  # A's output: autocast's bf16, or the adapters' fp32
+        frozen_norm = 4 * d + stats
+        layer_saved -= 2 * (norm - frozen_norm)
+        if regime is not Regime.FP32:
+            kernel_keeps_output = config.attention is not Attention.EAGER
+            layer_saved -= linear_inputs + act * i + (0 if kernel_keeps_output else act * q)
+            layer_saved += lora_act * ins
+        layer_saved += adapters * rank * lora_act
+        if config.loss is Loss.FULL:
+            head_saved -= head_input + 8
+        head_saved -= norm - frozen_norm
+        first_less = float(frozen_norm)
+        matmul_per_layer = model.lora_block_params(rank)
+        copies = mixed
+        head_copy = False
+    else:
+        head_copy = copies
     return ActivationProfile(
         regime=regime,
         layer_saved_per_token=layer_saved,
@@ -225,5 +266,6 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         head_chunks_of_vocab=chunks_of_vocab,
         head_loss_bytes=loss_bytes,
         layer_weight_copy_bytes=2 * matmul_per_layer if copies else 0,
-        head_weight_copy_bytes=2 * V * d if copies else 0,
+        head_weight_copy_bytes=2 * V * d if head_copy else 0,
+        first_block_less_per_token=first_less,
     )

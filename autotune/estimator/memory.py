@@ -157,6 +157,8 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
         step_extra=0.0,
         host=0.0,
     )
+    if config.is_lora:
+        return _lora_layout(model, config, zero)
     if engine in (Engine.SINGLE, Engine.DDP):
         # Weights, one gradient per weight, two Adam moments; DDP adds its gradient buckets. A
         # block's backward starts with the gradient of its largest weight made in the compute
@@ -237,6 +239,29 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
             **zero,
             "working_weights": 2 * compute * per_layer if stage == 3 else 0.0,
             "host": states + master * P / n + (compute * P / n if params_off else 0.0),
+        },
+    )
+
+
+def _lora_layout(model: ModelSpec, config: TrainConfig, zero: dict[str, float]) -> StateLayout:
+    """LoRA on the plain engines: the frozen weights in 16 bits (fp32 in fp32), and fp32
+    adapters (peft makes them fp32 whatever the base's dtype) with their fp32 gradients and
+    Adam moments: 16 bytes an adapter parameter; DDP's buckets hold the adapters' gradients
+    alone. A block's backward makes its adapters' gradients, the largest an r × in matrix."""
+    frozen = 4.0 if config.precision is Precision.FP32 else 2.0
+    rank = config.lora_rank
+    per_layer = float(model.lora_block_params(rank))
+    adapters = per_layer * model.num_layers
+    largest = rank * max((max(i, o) for i, o in model.block_linears), default=0)
+    return StateLayout(
+        parameters=frozen * model.num_params + 4.0 * adapters,
+        optimizer=8.0 * adapters,
+        gradients_per_layer=4.0 * per_layer,
+        gradients_head=0.0,
+        **{
+            **zero,
+            "resident_buffers": 4.0 * adapters if config.engine is Engine.DDP else 0.0,
+            "layer_backward_buffers": 4.0 * largest,
         },
     )
 
@@ -438,6 +463,8 @@ def _kept_per_token(prof: ActivationProfile, config: TrainConfig, layer: int) ->
         return prof.layer_input_per_token
     if config.ac_ops:
         return prof.layer_selective_per_token
+    if layer == 0:
+        return prof.layer_saved_per_token - prof.first_block_less_per_token
     return prof.layer_saved_per_token
 
 

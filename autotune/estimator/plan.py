@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.config import (
+    KNOB_OFF,
     PLANNED_KNOBS,
     Attention,
     Engine,
     Knobs,
     Loss,
-    Optimizer,
     Precision,
     TrainConfig,
 )
@@ -292,9 +292,17 @@ def plan(
     kept, left_out = _paying(rows, capacity)
 
     def ranked(chosen: list[PlanRow]) -> list[PlanRow]:
+        # LoRA trains another model than full fine-tuning: its rows follow the full ones
+        # that fit, whatever their speed (they do fewer FLOPs a token).
         return sorted(
             chosen,
-            key=lambda r: (not r.fits, not r.host_fits, -r.tokens_per_second, r.over_bytes),
+            key=lambda r: (
+                not r.fits,
+                r.config.is_lora,
+                not r.host_fits,
+                -r.tokens_per_second,
+                r.over_bytes,
+            ),
         )
 
     return ranked(kept) + (ranked(left_out) if planned_out else [])
@@ -314,13 +322,13 @@ def _paying(rows: list[PlanRow], capacity: int) -> tuple[list[PlanRow], list[Pla
     kept, left_out = [], []
     for row in rows:
         config = row.config
-        twins = []
-        if config.loss is Loss.CHUNKED:  # the fused loss is no pure trade: it is kept
-            twins.append(dataclasses.replace(config, loss=Loss.FULL))
-        if config.ac_ops:
-            twins.append(dataclasses.replace(config, ac_ops=False))
-        if config.optimizer is not Optimizer.ADAMW:
-            twins.append(dataclasses.replace(config, optimizer=Optimizer.ADAMW))
+        twins = [
+            dataclasses.replace(config, **{name: off})
+            for name, off in KNOB_OFF.items()
+            # The fused loss is no pure trade (it is faster too): it needs no twin to be kept;
+            # nor LoRA, another training, which ranks after the full ones instead.
+            if getattr(config, name) not in (off, Loss.FUSED) and name != "lora_rank"
+        ]
         pointless = [t for t in twins if t in fits and fits[t] >= fits[config]]
         if pointless:
             left_out.append(dataclasses.replace(row, twin=pointless[0]))

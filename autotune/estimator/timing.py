@@ -117,6 +117,16 @@ _MATMUL_TRAFFIC = (22.0, 6.0, 2.0, 66.0, 18.0, 6.0)
 _DISPATCH_S = 12e-6
 _DISPATCHES_PER_LAYER = {Regime.AUTOCAST: 243.0, Regime.LOW: 217.0, Regime.FP32: 217.0}
 _EAGER_EXTRA_DISPATCHES = 30.0
+# LoRA's adapters (peft: beside each linear layer a cast of its input, two small matmuls, a
+# scale and an add, and their backward) about double a block's operators: counted with the
+# same kind of tracer on a tiny llama at rank 16 (torch 2.13 CPU build, peft 0.21), 421 a block
+# in pure bf16, 442 under autocast (bf16-mixed), 378 in fp32; full fine-tuning counts 219, 245
+# and 211 there.
+_LORA_DISPATCHES_PER_LAYER = {"bf16": 421.0, "mixed": 442.0, "fp32": 378.0}
+# LoRA's casts of each adapted layer's input, bytes per input value moved, forward (pure bf16:
+# read 2, write 4; under autocast read 2, write 4, read 4, write 2; fp32: none); the backward
+# moves as much again. Read from peft's code path, not measured.
+_LORA_CAST_BYTES = {"bf16": 6.0, "mixed": 12.0, "fp32": 0.0}
 _HEAD_DISPATCHES = 110.0
 # The chunked loss (--loss chunked) dispatches per chunk, against the model's own loss:
 # (forward per chunk, forward fixed, total per chunk, total fixed), counted the same way on a
@@ -279,6 +289,10 @@ class _Shape:
     matmul_params: int
     tensors: int
     """Parameter tensors (an 8-bit optimizer steps each in a call of its own)."""
+    linear_features: int
+    """Σ (in + out) over a block's linear layers: LoRA's adapter parameters per block per rank."""
+    linear_inputs: int
+    """Σ in over a block's linear layers: what LoRA casts for its adapters, per token."""
     flops_per_token_fixed: float
     """6·N_matmul: model FLOPs per token that do not depend on the sequence length."""
 
@@ -302,6 +316,8 @@ def _shape(model: ModelSpec) -> _Shape:
         block_params=model.num_block_params,
         matmul_params=model.num_matmul_params,
         tensors=sum(count for _, count in model.parameter_tensors),
+        linear_features=sum(i + o for i, o in model.block_linears),
+        linear_inputs=sum(i for i, _ in model.block_linears),
         flops_per_token_fixed=6.0 * model.num_matmul_params,
     )
     if len(_SHAPES) >= 256:
@@ -460,8 +476,15 @@ def _compute(
     heads_keys = shape.heads * seq_len  # per token per layer: one score per head per key
 
     # Dense matmuls, roofline of compute and operand traffic (weights matter at small batches).
+    # LoRA's frozen weights need no weight gradient: the backward makes the inputs' alone
+    # (Hu et al. 2021), and the adapters' small matmuls run beside (2 FLOPs a parameter forward,
+    # 4 backward, again forward in a recomputed block).
     mm_f = 2.0 * shape.matmul_params * n
-    mm_b = 2.0 * mm_f + fraction * 2.0 * shape.block_params * n
+    lora = config.is_lora
+    mm_b = (1.0 if lora else 2.0) * mm_f + fraction * 2.0 * shape.block_params * n
+    adapters = config.lora_rank * shape.linear_features * layers
+    mm_f += 2.0 * adapters * n
+    mm_b += (4.0 + 2.0 * fraction) * adapters * n
     tf = _MATMUL_TRAFFIC
     bytes_f = operand * (
         layers * (n * (tf[0] * d + tf[1] * i) + tf[2] * layer_params)
@@ -471,7 +494,11 @@ def _compute(
         layers * (n * (tf[3] * d + tf[4] * i) + tf[5] * layer_params)
         + (6.0 * n + 6.0 * d) * shape.vocab
     )
-    bytes_b = bytes_t - bytes_f + fraction * (bytes_f - operand * (2.0 * n + 2.0 * d) * shape.vocab)
+    # Without weight gradients the backward's matmuls move about half (assumed, not measured).
+    backward_share = 0.5 if lora else 1.0
+    bytes_b = backward_share * (bytes_t - bytes_f) + fraction * (
+        bytes_f - operand * (2.0 * n + 2.0 * d) * shape.vocab
+    )
     t_f = max(mm_f / (mm_eff * peak), bytes_f / hbm)
     t_b = max(mm_b / (mm_eff * peak), bytes_b / hbm)
 
@@ -506,6 +533,10 @@ def _compute(
         w_f, w_t = _AUTOCAST_WEIGHT_TRAFFIC
         block_f += w_f * shape.block_params
         block_t += w_t * shape.block_params
+    if lora:
+        cast = _LORA_CAST_BYTES[_lora_kind(config)] * shape.linear_inputs * n * layers
+        block_f += cast
+        block_t += 2.0 * cast
     h_fv, h_fd, h_tv, h_td = _HEAD_TRAFFIC
     head_f = n * (h_fv * shape.vocab + h_fd * d)
     head_t = n * (h_tv * shape.vocab + h_td * d)
@@ -538,6 +569,8 @@ def _compute(
 
     # The host dispatches every operator; the GPU cannot run ahead of it.
     per_layer = _DISPATCHES_PER_LAYER[regime]
+    if lora:
+        per_layer = _LORA_DISPATCHES_PER_LAYER[_lora_kind(config)]
     if config.attention is Attention.EAGER:
         per_layer += _EAGER_EXTRA_DISPATCHES
     # Recomputation dispatches every forward operator again (a selectively kept one too).
@@ -656,10 +689,22 @@ _Result = tuple[_Exposed, _Exposed, float]
 """Exposed time of the boundary micro-step, of an accumulation micro-step; optimizer step."""
 
 
+def _lora_kind(config: TrainConfig) -> str:
+    """Which of LoRA's measured cases a configuration is: ``fp32``, ``mixed`` (autocast over
+    16-bit frozen weights) or ``bf16``."""
+    if config.precision is Precision.FP32:
+        return "fp32"
+    return "bf16" if config.precision is Precision.BF16 else "mixed"
+
+
 def _ddp(step: _Step) -> _Result:
-    """DDP: bucketed gradient all-reduce overlapped with the backward; Adam on the full model."""
+    """DDP: bucketed gradient all-reduce overlapped with the backward; Adam on the full model
+    (under LoRA, on the fp32 adapters alone, whose gradients alone are reduced)."""
     config, psi = step.config, float(step.shape.params)
     grad_bytes = 2.0 if config.precision is Precision.BF16 else 4.0  # gradients in param dtype
+    if config.is_lora:
+        psi = float(config.lora_rank * step.shape.linear_features * step.shape.layers)
+        grad_bytes = 4.0
     total = psi * grad_bytes
     buckets = max(1, math.ceil(total / _DDP_BUCKET_BYTES))
     per_bucket = _collective(step.fabric, "ar", total / buckets)
@@ -857,9 +902,8 @@ def predict_step_time(
     exact_step_s = (grad_accum - 1) * accumulation_s + micro_step_s + optimizer_s
     tokens_per_second = tokens * grad_accum * world_size / step_s
     # metrics.throughput's FLOPs: ModelSpec.flops_per_token and hardware_flops_per_token.
-    attention_f = 4.0 * layers * shape.heads * shape.head_dim * seq_len
-    model_flops = shape.flops_per_token_fixed + 3.0 * attention_f
-    hardware_flops = model_flops + fraction * (2.0 * shape.block_params + attention_f)
+    model_flops = model.flops_per_token(seq_len, lora_rank=config.lora_rank)
+    hardware_flops = model.hardware_flops_per_token(seq_len, fraction, lora_rank=config.lora_rank)
     if config.loss is Loss.CHUNKED:
         hardware_flops += 2.0 * shape.hidden * shape.vocab  # the logits, made again
     per_rank = tokens_per_second / world_size

@@ -105,6 +105,9 @@ class Counts:
     tensors: tuple[tuple[int, int], ...] = ()
     """(values, how many) of each size of parameter tensor, a tied table once: an 8-bit
     optimizer quantizes the large tensors and leaves the small ones (norms, biases) whole."""
+    linears: tuple[tuple[int, int], ...] = ()
+    """(in features, out features) of each linear layer of one decoder block, in order: what
+    LoRA adapts (:data:`autotune.config.LORA_TARGETS`)."""
 
 
 def _field(config: Mapping[str, Any], name: str) -> Any:
@@ -235,6 +238,11 @@ def _llama_counts(config: Mapping[str, Any], shape: Shape) -> Counts:
         embedding=embedding,
         blocks=blocks,
         tensors=_tally(sizes * shape.num_layers + outside),
+        # q, k, v, o; gate, up, down
+        linears=(
+            *((d, q_dim), (d, kv_dim), (d, kv_dim), (q_dim, d)),
+            *((d, inter), (d, inter), (inter, d)),
+        ),
     )
 
 
@@ -258,6 +266,7 @@ def _gpt2_counts(shape: Shape) -> Counts:
         embedding=embedding,
         blocks=blocks,
         tensors=_tally(sizes * shape.num_layers + outside),
+        linears=((d, 3 * d), (d, d), (d, inter), (inter, d)),  # c_attn, c_proj, c_fc, c_proj
     )
 
 
@@ -307,6 +316,21 @@ def _shape_of(cfg: PretrainedConfig) -> Shape:
 _META_COUNTS: dict[str, Counts] = {}
 
 
+def _linears(block: Any) -> tuple[tuple[int, int], ...]:
+    """(in, out) features of each linear layer of a built block: ``nn.Linear`` and GPT-2's
+    ``Conv1D`` (whose weight is stored transposed), the layers peft's ``all-linear`` takes."""
+    import torch
+
+    found = []
+    for module in block.modules():
+        if isinstance(module, torch.nn.Linear):
+            found.append((module.in_features, module.out_features))
+        elif type(module).__name__ == "Conv1D":
+            rows, columns = module.weight.shape
+            found.append((int(rows), int(columns)))
+    return tuple(found)
+
+
 def _meta_counts(cfg: PretrainedConfig) -> Counts:
     """Count any causal LM by building it on the meta device (no memory, no weights)."""
     import torch
@@ -324,10 +348,12 @@ def _meta_counts(cfg: PretrainedConfig) -> Counts:
         depth = cfg.num_hidden_layers
         stacks = [m for m in modules if isinstance(m, torch.nn.ModuleList) and len(m) == depth]
         blocks = max((sum(p.numel() for p in s.parameters()) for s in stacks), default=0)
+        first = stacks[0][0] if stacks and depth else None
         _META_COUNTS[key] = Counts(
             total=total,
             embedding=sum(tables.values()),
             blocks=blocks,
             tensors=_tally([p.numel() for p in model.parameters()]),
+            linears=_linears(first) if first is not None else (),
         )
     return _META_COUNTS[key]

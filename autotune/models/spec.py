@@ -152,6 +152,16 @@ class ModelSpec:
         return self._counts().tensors
 
     @property
+    def block_linears(self) -> tuple[tuple[int, int], ...]:
+        """(in features, out features) of each linear layer of one decoder block."""
+        return self._counts().linears
+
+    def lora_block_params(self, rank: int) -> int:
+        """LoRA adapter parameters of one block at ``rank``: r·(in + out) for each linear
+        layer (its A, r × in, and its B, out × r)."""
+        return rank * sum(i + o for i, o in self.block_linears)
+
+    @property
     def num_embedding_params(self) -> int:
         """Input token table plus learned position table: lookups that do no matmul."""
         return self._counts().embedding
@@ -176,26 +186,40 @@ class ModelSpec:
         """Forward FLOPs per token of the score and value matmuls: 2·2·L·H·Q·T."""
         return 4.0 * self.num_layers * self.num_attention_heads * self.head_dim * seq_len
 
-    def flops_per_token(self, seq_len: int, *, recompute: bool = False) -> float:
+    def flops_per_token(
+        self, seq_len: int, *, recompute: bool = False, lora_rank: int = 0
+    ) -> float:
         """Training FLOPs per token (forward + backward).
 
         6·N_matmul + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, appendix B), without the embedding
         lookups as in torchtitan's MFU accounting; attention counts as non-causal, as in PaLM.
+        With LoRA the frozen weights make no weight gradient: 4·N_matmul + 6·N_adapters +
+        12·L·H·Q·T, what that training needs (its MFU is counted on it, not on 6·N).
 
         Args:
             seq_len: Tokens per sequence T.
             recompute: Return the hardware FLOPs of full activation checkpointing instead,
                 ``hardware_flops_per_token(seq_len, 1.0)``, about 8·N + 16·L·H·Q·T.
+            lora_rank: LoRA's rank; 0 for full fine-tuning.
 
         Returns:
             FLOPs per token.
         """
         if recompute:
-            return self.hardware_flops_per_token(seq_len, 1.0)
-        return 6.0 * self.num_matmul_params + 3.0 * self._attention_flops(seq_len)
+            return self.hardware_flops_per_token(seq_len, 1.0, lora_rank=lora_rank)
+        matmuls = 6.0 * self.num_matmul_params
+        if lora_rank:
+            adapters = self.lora_block_params(lora_rank) * self.num_layers
+            matmuls = 4.0 * self.num_matmul_params + 6.0 * adapters
+        return matmuls + 3.0 * self._attention_flops(seq_len)
 
     def hardware_flops_per_token(
-        self, seq_len: int, checkpointed_fraction: float, *, head_recomputed: bool = False
+        self,
+        seq_len: int,
+        checkpointed_fraction: float,
+        *,
+        head_recomputed: bool = False,
+        lora_rank: int = 0,
     ) -> float:
         """FLOPs the GPU executes per token when a fraction of blocks is recomputed.
 
@@ -209,6 +233,8 @@ class ModelSpec:
             checkpointed_fraction: Fraction of decoder blocks recomputed, 0 (none) to 1 (all).
             head_recomputed: The logit layer's forward runs again in the backward (the chunked
                 loss): 2·H·V more.
+            lora_rank: LoRA's rank (:meth:`flops_per_token`; a recomputed block runs its
+                adapters' forward again too); 0 for full fine-tuning.
 
         Returns:
             FLOPs per token.
@@ -219,5 +245,8 @@ class ModelSpec:
         if not 0.0 <= checkpointed_fraction <= 1.0:
             raise ValueError(f"checkpointed_fraction {checkpointed_fraction} is not in [0, 1]")
         extra = 2.0 * self.num_block_params + self._attention_flops(seq_len)
+        if lora_rank:
+            extra += 2.0 * self.lora_block_params(lora_rank) * self.num_layers
         head = 2.0 * self.hidden_size * self.vocab_size if head_recomputed else 0.0
-        return self.flops_per_token(seq_len) + checkpointed_fraction * extra + head
+        flops = self.flops_per_token(seq_len, lora_rank=lora_rank)
+        return flops + checkpointed_fraction * extra + head

@@ -114,11 +114,12 @@ def probe_throughput(
         seq_len=spec.seq_len,
         grad_accum=spec.grad_accum,
         world_size=spec.world_size,
-        model_flops_per_token=model.flops_per_token(spec.seq_len),
+        model_flops_per_token=model.flops_per_token(spec.seq_len, lora_rank=spec.config.lora_rank),
         hardware_flops_per_token=model.hardware_flops_per_token(
             spec.seq_len,
             checkpointed_fraction(model.num_layers, spec.config.ac_every),
             head_recomputed=spec.config.loss is Loss.CHUNKED,
+            lora_rank=spec.config.lora_rank,
         ),
         peak_flops=peak_flops,
     )

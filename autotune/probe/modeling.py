@@ -21,7 +21,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.tensor import DTensor
 
-from autotune.config import SELECTIVE_SAVED_OPS, Attention, TrainConfig
+from autotune.config import (
+    LORA_TARGETS,
+    SELECTIVE_SAVED_OPS,
+    Attention,
+    TrainConfig,
+    lora_alpha,
+)
 from autotune.models import ModelSpec
 from autotune.probe.loss import apply_loss
 
@@ -62,12 +68,26 @@ def build_model(
         model = AutoModelForCausalLM.from_config(
             hf_config(spec), attn_implementation=_attn_implementation(config.attention)
         )
+        if config.is_lora:
+            apply_lora(model, config.lora_rank)
     model.config.use_cache = False
     model.train()
     apply_loss(model, config)
     if checkpointing:
         apply_activation_checkpointing(model, config.ac_every, config.ac_ops)
     return model
+
+
+def apply_lora(model: nn.Module, rank: int) -> None:
+    """Freeze ``model`` and give every linear layer of its blocks rank-``rank`` LoRA adapters
+    (peft's ``inject_adapter_in_model`` with ``target_modules="all-linear"``, dropout 0),
+    in place: built where the model is (on meta, they get memory with it)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    lora = LoraConfig(
+        r=rank, lora_alpha=lora_alpha(rank), target_modules=LORA_TARGETS, lora_dropout=0.0
+    )
+    inject_adapter_in_model(lora, model)
 
 
 def _attn_implementation(attention: Attention) -> str:

@@ -274,6 +274,12 @@ def _check_traceable(config: TrainConfig, *, world_size: int) -> None:
             f"offload {config.offload.value} cannot be traced: the trace counts one device's "
             "memory and has no host side"
         )
+    if config.is_lora:
+        raise ValueError(
+            "LoRA cannot be traced: peft moves its adapters to the base layer's device with "
+            "module.to(), which fake parameters refuse; probe it on the CPU (autotune probe "
+            "--device cpu --lora-rank R), whose tensor counter checks the estimator's LoRA terms"
+        )
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, not {world_size}")
     if config.engine is Engine.SINGLE and world_size != 1:

@@ -93,6 +93,7 @@ def _distributions() -> dict[str, BaseDistribution]:
         "attention": CategoricalDistribution([a.value for a in Attention]),
         "loss": CategoricalDistribution([x.value for x in Loss]),
         "optimizer": CategoricalDistribution([x.value for x in Optimizer]),
+        "lora_rank": IntDistribution(0, 1 << 12),
         "micro_batch_size": IntDistribution(1, 1 << 16),
     }
 
@@ -297,12 +298,12 @@ class TrialStore:
             url = storage if isinstance(storage, str) else "the trial storage"
             raise cannot_open(url, RuntimeError(storage_problem(error))) from None
         self.retry_window_s = RETRY_WINDOW_S
+        """How long a lost database server is retried before a call gives up (0: never)."""
         self.estimates: Mapping[tuple[TrainConfig, int], tuple[float | None, float | None]] = {}
         """The estimator's own (uncalibrated) tokens/s and peak bytes per configuration and
         micro-batch, recorded with each trial (``estimate_tokens_per_second``,
         ``estimate_peak_bytes``): how far a measurement was from the prediction, readable
         from the study alone (a user's job against the stand-in's prediction)."""
-        """How long a lost database server is retried before a call gives up (0: never)."""
         self._server = self.storage.engine.dialect.name != "sqlite"
         self._file = _file_id(self.storage.engine.url.database) if not self._server else None
 

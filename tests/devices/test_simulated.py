@@ -152,8 +152,13 @@ def test_a_knob_shares_its_twins_error_and_is_never_faster(seed: int) -> None:
         (m0, t0), (m1, t1) = device.bias("llama-7b", twin, 4), device.bias("llama-7b", config, 4)
         assert 0.98 <= m1 / m0 <= 1.02 and 1.0 <= t1 / t0 <= 1.03
         assert device.host_factor("llama-7b", config) == device.host_factor("llama-7b", twin)
+    plain, lora = TrainConfig(), TrainConfig(lora_rank=16)  # LoRA: its plain twin's error too
+    (m0, t0), (m1, t1) = device.bias("llama-7b", plain, 4), device.bias("llama-7b", lora, 4)
+    assert 0.98 <= m1 / m0 <= 1.02 and 1.0 <= t1 / t0 <= 1.03
     old_key = sorted(
-        (k, v) for k, v in twin.to_dict().items() if k not in ("loss", "ac_ops", "optimizer")
+        (k, v)
+        for k, v in twin.to_dict().items()
+        if k not in ("loss", "ac_ops", "optimizer", "lora_rank")
     )  # the fields a configuration had before the knobs
     rng = _draw("term", seed, 0, "llama-7b", old_key)
     assert device.bias("llama-7b", twin, 1) == (rng.uniform(0.5, 1.5), rng.uniform(0.5, 1.5))

@@ -10,6 +10,7 @@ import pytest
 from autotune.config import (
     LADDER_ONLY,
     LOSS_CHUNK_TOKENS,
+    PLANNED_KNOBS,
     Attention,
     ConfigError,
     Engine,
@@ -129,8 +130,8 @@ def test_the_chunked_loss_follows_its_twin_on_the_ladder() -> None:
         if config.loss is Loss.CHUNKED:
             twin = space.index(dataclasses.replace(config, loss=Loss.FULL))
             assert twin < index
-            rung = ladder_key(config)[:3]
-            assert all(ladder_key(c)[:3] == rung for c in space[twin : index + 1])
+            rung = ladder_key(config)[:4]  # LoRA or not, offload, sharding, checkpointing
+            assert all(ladder_key(c)[:4] == rung for c in space[twin : index + 1])
     assert all(
         c.loss is Loss.FULL for c in configurations(world_size=1, num_layers=32, knobs=OPS_ONLY)
     )
@@ -294,3 +295,25 @@ def test_flash_attn_is_planned_as_sdpas_flash_kernel() -> None:
         assert all(heavier[m] >= a.peaks[m] for m in a.peaks)
         strictly += sum(heavier[m] > a.peaks[m] for m in a.peaks)
     assert strictly > len(sdpa)  # where the logits do not set the peak
+
+
+def test_lora_rows_follow_the_full_fine_tuning_that_fits() -> None:
+    """``--allow lora``: LoRA rows (the plain engines, no offload) rank after every full
+    fine-tuning row that fits, faster or not; where none fits (llama-7b on one RTX 4090 with
+    64 GiB of host memory: offload needs more), a LoRA row is first."""
+    spec = resolve_model("llama-7b")
+    knobs = dataclasses.replace(PLANNED_KNOBS, lora_rank=16)
+    workload = Workload(seq_len=2048, global_batch=8, world_size=1)
+    roomy = plan(spec, gpu_spec("a100-40gb"), workload, knobs=knobs)
+    lora = [i for i, r in enumerate(roomy) if r.config.is_lora]
+    full_fitting = [i for i, r in enumerate(roomy) if r.fits and not r.config.is_lora]
+    assert lora and full_fitting and max(full_fitting) < min(lora)
+    assert all(r.config.engine is Engine.SINGLE and r.config.lora_rank == 16
+               for r in roomy if r.config.is_lora)  # fmt: skip
+    fastest_lora = max((r for r in roomy if r.config.is_lora and r.fits),
+                       key=lambda r: r.tokens_per_second)  # fmt: skip
+    assert fastest_lora.tokens_per_second > roomy[0].tokens_per_second  # fewer FLOPs a token
+    tight = plan(spec, gpu_spec("rtx4090"), workload, knobs=knobs, host_memory_bytes=64 * 2**30)
+    assert tight[0].fits and tight[0].config.is_lora
+    assert not any(r.fits for r in tight if not r.config.is_lora)
+    assert not any(r.config.is_lora for r in plan(spec, gpu_spec("rtx4090"), workload))

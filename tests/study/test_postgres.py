@@ -453,7 +453,9 @@ def test_four_workers_share_one_study_and_a_killed_one_blocks_nothing(
         assert len(own) == summaries[name]["probes"], name
 
     # All agree on the best: each worker's summary, `autotune best`, and the study's pooled
-    # best (a re-measured near-tie ranked by its mean).
+    # best (a re-measured near-tie ranked by its mean). A worker that stopped while another
+    # still re-measured that point saw fewer of its repeats: the same point, its mean and
+    # latest folder as of then.
     best = autotune("best", "--storage", url, "--json", cwd=tmp_path)
     assert best.returncode == 0, best.stderr
     [entry] = json.loads(best.stdout)
@@ -464,13 +466,18 @@ def test_four_workers_share_one_study_and_a_killed_one_blocks_nothing(
     assert entry["best"]["objective"] == pytest.approx(mean)
     for name, summary in summaries.items():
         mine = summary["best"]
-        assert (mine["config"], mine["micro_batch_size"], mine["probe_dir"]) == (
+        assert (mine["config"], mine["micro_batch_size"]) == (
             entry["best"]["config"],
             entry["best"]["micro_batch_size"],
-            entry["best"]["probe_dir"],
         ), name
-        assert mine["objective"] == pytest.approx(entry["best"]["objective"]), name
-        assert mine["repeats"] == entry["best"]["repeats"], name
+        assert 1 <= mine["repeats"] <= entry["best"]["repeats"], name
+        if mine["repeats"] == entry["best"]["repeats"]:
+            assert mine["probe_dir"] == entry["best"]["probe_dir"], name
+            assert mine["objective"] == pytest.approx(entry["best"]["objective"]), name
+        else:  # its folder is one of the point's measurements, before the last
+            seen = [m for m in trials if m.key == expected.key and m.state == "COMPLETE"]
+            assert mine["probe_dir"] in {m.probe_dir for m in seen}, name
+            assert mine["probe_dir"] != entry["best"]["probe_dir"], name
 
 
 OPENER = """

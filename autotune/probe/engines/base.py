@@ -73,10 +73,23 @@ def torch_dtype(precision: Precision) -> torch.dtype:
     return _TORCH_DTYPES[precision.compute_dtype]
 
 
-def cast_weights(model: nn.Module, precision: Precision) -> None:
-    """Pure bf16 keeps the weights themselves in bf16; the mixed precisions keep fp32 ones."""
-    if precision is Precision.BF16:
+def cast_weights(model: nn.Module, config: TrainConfig) -> None:
+    """Pure bf16 keeps the weights themselves in bf16; the mixed precisions keep fp32 ones.
+    Under LoRA the frozen weights are in the compute dtype (but in fp32) and the adapters in
+    fp32, as peft leaves them over a 16-bit model."""
+    precision = config.precision
+    if config.is_lora:
+        if precision is not Precision.FP32:
+            model.to(torch_dtype(precision))
+            for param in trainable(model):
+                param.data = param.data.float()
+    elif precision is Precision.BF16:
         model.to(torch_dtype(precision))
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer steps: all of them, or LoRA's adapters alone."""
+    return [param for param in model.parameters() if param.requires_grad]
 
 
 def autocast_context(

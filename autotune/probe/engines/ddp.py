@@ -5,7 +5,13 @@ from __future__ import annotations
 from torch.nn.parallel import DistributedDataParallel
 
 from autotune.config import Engine
-from autotune.probe.engines.base import EngineContext, TorchTrainee, Trainee, cast_weights
+from autotune.probe.engines.base import (
+    EngineContext,
+    TorchTrainee,
+    Trainee,
+    cast_weights,
+    trainable,
+)
 from autotune.probe.modeling import build_model, materialize
 
 
@@ -21,8 +27,8 @@ def build_ddp(ctx: EngineContext) -> Trainee:
     """The model on one device, replicated with DDP unless the engine is ``single``."""
     model = build_model(ctx.model, ctx.config)
     materialize(model, ctx.device, seed=ctx.seed)
-    cast_weights(model, ctx.config.precision)
-    params = list(model.parameters())
+    cast_weights(model, ctx.config)
+    params = trainable(model)
     if ctx.config.engine is Engine.DDP:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids)

@@ -35,7 +35,7 @@ class _FsdpTrainee(TorchTrainee):
 def build_fsdp(ctx: EngineContext) -> Trainee:
     """Shard the meta model block by block, then materialize only each rank's shard."""
     model = build_model(ctx.model, ctx.config)
-    cast_weights(model, ctx.config.precision)
+    cast_weights(model, ctx.config)
     mixed = ctx.config.precision is Precision.BF16_MIXED
     mp_policy = MixedPrecisionPolicy(
         param_dtype=torch_dtype(ctx.config.precision) if mixed else None,
