@@ -508,6 +508,7 @@ def prepare(
     losses: str | Iterable[Loss | str] | None = None,
     op_checkpointing: bool = False,
     optimizers: str | Iterable[Optimizer | str] | None = None,
+    lora_rank: int | None = None,
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
@@ -515,7 +516,8 @@ def prepare(
     """
     job = _script_job(script, framework, script_args, batch_flag, simulate=simulate, device=device)
     asked = (parse_losses(losses), op_checkpointing, parse_optimizers(optimizers))
-    _knobs(job, *asked, "simulated")  # a script's own loss and optimizer, before anything opens
+    # A script's own loss and optimizer, before anything opens.
+    _knobs(job, *asked, "simulated", lora_rank=lora_rank)
     if job is not None:
         model = model or _script_model(job)
         engines = _job_engines(job, engines)
@@ -551,7 +553,7 @@ def prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     _check_ranks(chosen, per_node, here)
-    knobs = _knobs(job, *asked, "cpu" if on_cpu else chosen.kind)
+    knobs = _knobs(job, *asked, "cpu" if on_cpu else chosen.kind, lora_rank=lora_rank)
     if isinstance(chosen, ReplayDevice):  # a grid answers only what it recorded
         recorded = chosen.grid.knobs
         knobs = Knobs(
@@ -701,16 +703,29 @@ def _knobs(
     op_checkpointing: bool,
     optimizers: tuple[Optimizer, ...] | None,
     device: str = "cuda",
+    lora_rank: int | None = None,
 ) -> Knobs:
     """The knobs a run on ``device`` (a device kind: ``cuda``, ``cpu``, ``simulated``,
     ``replay``) tries: those asked, by default :data:`SEARCHED_KNOBS`. A user's script
     computes its own loss, checkpoints as its framework does and builds its own optimizer, so
     it is tried on the ladder alone.
 
+    ``lora_rank``: LoRA allowed at this rank (``--allow lora``), searched once no full
+    fine-tuning configuration is left that may fit; None: full fine-tuning alone.
+
     Raises:
         ConfigError: A knob that cannot run there: the fused loss off a CUDA GPU or without
-            ``liger-kernel``, 8-bit AdamW without ``torchao``, any knob with a script.
+            ``liger-kernel``, 8-bit AdamW without ``torchao``, LoRA without ``peft``, any
+            knob with a script.
     """
+    if job is not None and lora_rank is not None:
+        raise ConfigError(
+            "--allow lora puts adapters on autotune's stand-in; your script builds its own "
+            "model: leave out --allow lora with --script (wrap it with peft there)"
+        )
+    rank = 0 if lora_rank is None else (_count(lora_rank, "--lora-rank") or 0)
+    if rank and device in ("cuda", "cpu") and not _installed("peft"):
+        raise ConfigError("--allow lora needs peft: pip install peft, or leave out --allow lora")
     if job is not None:
         if losses is not None and set(losses) != {Loss.FULL}:
             raise ConfigError(
@@ -740,7 +755,12 @@ def _knobs(
         raise ConfigError(
             "--optimizer adamw-8bit needs torchao: pip install torchao, or use --optimizer adamw"
         )
-    return Knobs(losses=losses, op_checkpointing=op_checkpointing, optimizers=optimizers)
+    return Knobs(
+        losses=losses,
+        op_checkpointing=op_checkpointing,
+        optimizers=optimizers,
+        lora_rank=rank,
+    )
 
 
 def _check_attention(attention: Attention, device: str, precision: Precision | None = None) -> None:
@@ -890,18 +910,20 @@ def _check_something_fits(
     )
     each = "rank" if on_cpu else "GPU"
     smallest = min(rows, key=lambda row: row.memory.device_bytes)
+    # LoRA, where it was not allowed: the last resort that trains adapters, not the model.
+    lora = "" if any(row.config.is_lora for row in rows) else ", or --allow lora"
     if smallest.memory.device_bytes <= capacity:  # the device would do; the host does not
         raise NothingFits(
             f"no configuration of {spec.name} on {ranks} fits this node's host memory (the "
             "offloaded states and each rank's process): use more GPUs or nodes, or a host "
-            "with more memory (--host-memory)"
+            f"with more memory (--host-memory){lora}"
         )
     needs = format_bytes(smallest.memory.device_bytes)
     more = "a larger --device-memory" if on_cpu else "more GPUs, a larger --device-memory"
     raise NothingFits(
         f"no configuration of {spec.name} on {ranks} fits {format_bytes(capacity)} per {each}: "
         f"the smallest, {smallest.config.label()} at micro-batch {smallest.micro_batch_size}, "
-        f"needs {needs} (predicted); use {more}, a shorter --seq-len or a smaller model"
+        f"needs {needs} (predicted); use {more}, a shorter --seq-len or a smaller model{lora}"
     )
 
 
@@ -931,7 +953,9 @@ def tune(
             then the GPUs in all, split evenly over the nodes. ``script``, ``framework``
             (``hf``, ``accelerate`` or ``torchrun``), ``script_args`` and ``batch_flag``: probe
             the user's own training script instead of autotune's stand-in
-            (docs/jobs.md).
+            (docs/jobs.md). ``losses``, ``op_checkpointing``, ``optimizers``: the knobs beyond
+            the ladder to search; ``lora_rank``: LoRA allowed at that rank, searched once no
+            full fine-tuning configuration is left that may fit (None: not allowed).
 
     Returns:
         Why the search stopped, the best measurement and every measurement of the study.

@@ -559,6 +559,16 @@ def run(
             "default), adamw-8bit (torchao's 8-bit moments, where it pays).",
         ),
     ] = None,
+    allow: Annotated[
+        str | None,
+        typer.Option(
+            "--allow",
+            help="Trainings other than full fine-tuning the search may fall back on: lora "
+            "(peft's adapters on every linear layer of the blocks, the rest frozen), probed "
+            "once no full fine-tuning configuration is left that may fit.",
+        ),
+    ] = None,
+    lora_rank: Annotated[int, typer.Option(help="LoRA's rank with --allow lora.")] = LORA_RANK,
     simulate: Annotated[
         str | None, typer.Option(help="Probe a simulated GPU (the estimator), e.g. h100-80gb.")
     ] = None,
@@ -624,6 +634,7 @@ def run(
         "loss": loss,
         "ac_ops": True if ac_ops else None,  # a job file's workload may set it
         "optimizer": optimizer,
+        "lora_rank": lora_rank if _allowed(allow) else None,
         "simulate": simulate,
         "device": device,
         "device_memory": device_memory,

@@ -70,6 +70,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "loss": (str, list),
     "ac_ops": (bool,),
     "optimizer": (str, list),
+    "lora_rank": (int,),  # LoRA allowed at this rank (run --allow lora --lora-rank)
     "headroom": (str, int, float),
     "host_memory": (str, int),  # numbers are refused with a word: sizes take a unit
     "host_cores": (int,),

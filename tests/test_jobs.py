@@ -31,6 +31,7 @@ workloads:
     engine: [fsdp]
     loss: [chunked]
     optimizer: adamw,adamw-8bit
+    lora_rank: 16
 """
 
 
@@ -44,9 +45,10 @@ def test_the_job_file_merges_the_command_line_under_each_workload(tmp_path: Path
     assert second.options["gpus"] == 4 and second.options["budget"] == "30m"
     assert second.options["loss"] == "chunked"
     assert second.options["optimizer"] == "adamw,adamw-8bit"
+    assert second.options["lora_rank"] == 16
     assert second.label() == (
-        "qwen2.5-1.5b engine fsdp global-batch 64 loss chunked optimizer adamw,adamw-8bit "
-        "seq-len 4096"
+        "qwen2.5-1.5b engine fsdp global-batch 64 lora-rank 16 loss chunked optimizer "
+        "adamw,adamw-8bit seq-len 4096"
     )
 
 

@@ -285,7 +285,35 @@ def propose(
     host_limit = _host_limit(rows, seen)
     model = ResidualModel(observations(rows, seen, objective))
     z_bound = bound_z(len({o.config for o in model.observations}))
-    best = max((max(s.speed.values()) for s in seen.values() if s.speed), default=0.0)
+    candidates: list[tuple[float, Proposal]] = []
+    # LoRA (allowed with --allow lora) trains another model: its rows are the last resort,
+    # tried once no full fine-tuning configuration is left that may fit and none has fitted.
+    for lora in (False, True):
+        best = max(
+            (max(s.speed.values()) for c, s in seen.items() if s.speed and c.is_lora == lora),
+            default=0.0,
+        )
+        if lora and (candidates or any(s.speed for c, s in seen.items() if not c.is_lora)):
+            break
+        chosen = [row for row in rows if row.config.is_lora == lora]
+        candidates += _candidates(chosen, seen, sizes, objective, model, z_bound, best, host_limit)
+    if not candidates:
+        return _confirm(seen, objective)
+    return max(candidates, key=lambda item: item[0])[1]
+
+
+def _candidates(
+    rows: list[PlanRow],
+    seen: dict[TrainConfig, _Seen],
+    sizes: list[int],
+    objective: Objective,
+    model: ResidualModel,
+    z_bound: float,
+    best: float,
+    host_limit: float,
+) -> list[tuple[float, Proposal]]:
+    """The open configurations among ``rows`` that may beat ``best``, each with its rank and
+    its proposal (see :func:`propose`)."""
     candidates: list[tuple[float, Proposal]] = []
     for row in rows:
         s = seen.get(row.config) or _Seen()
@@ -339,13 +367,16 @@ def propose(
                         f"; {row.twin.label()} ran out of memory where predicted to fit"
                         if row.twin is not None
                         else ""
+                    )
+                    + (
+                        "; LoRA: no full fine-tuning configuration is left that may fit"
+                        if row.config.is_lora
+                        else ""
                     ),
                 ),
             )
         )
-    if not candidates:
-        return _confirm(seen, objective)
-    return max(candidates, key=lambda item: item[0])[1]
+    return candidates
 
 
 def revived(row: PlanRow, twin: _Seen | None) -> bool:

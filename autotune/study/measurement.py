@@ -200,13 +200,15 @@ def best_group(measurements: Iterable[P]) -> list[P] | None:
     latest is the highest-numbered."""
     return max(
         _points(measurements),
-        key=lambda group: _mean([m.value for m in group]) or 0.0,
+        key=lambda group: (not group[0].key[0].is_lora, _mean([m.value for m in group]) or 0.0),
         default=None,
     )
 
 
 def best_point(measurements: Iterable[Measurement]) -> Measurement | None:
-    """The feasible point with the highest objective (the mean of its repeats), if any."""
+    """The feasible point with the highest objective (the mean of its repeats), if any; a
+    full fine-tuning point before any LoRA one (LoRA trains another model: the best only
+    where nothing else fits)."""
     group = best_group(measurements)
     return None if group is None else pool(group, _latest(group))
 
