@@ -352,8 +352,8 @@ class TrainConfig:
             )
 
     def _validate_lora(self) -> None:
-        """What LoRA is modelled and probed with: the plain engines, the model's own or the
-        chunked loss, block checkpointing, fused AdamW (its moments are the adapters' alone)."""
+        """What LoRA is modelled and probed with: the plain engines, the model's own loss,
+        block checkpointing, fused AdamW (its moments are the adapters' alone)."""
         if self.lora_rank < 0:
             raise ConfigError(f"LoRA rank {self.lora_rank}: use a rank of 1 or more, or 0 for none")
         if self.engine not in (Engine.SINGLE, Engine.DDP):
@@ -365,9 +365,10 @@ class TrainConfig:
                 "op-level checkpointing is not modelled with LoRA yet: use --ac off, every or "
                 "every-N with LoRA"
             )
-        if self.loss is Loss.FUSED:
+        if self.loss is not Loss.FULL:
             raise ConfigError(
-                "the fused loss is not modelled with LoRA yet: use --loss full or chunked with LoRA"
+                f"the {self.loss.value} loss is not modelled with LoRA yet: use --loss full "
+                "with LoRA"
             )
         if self.optimizer is not Optimizer.ADAMW:
             raise ConfigError(

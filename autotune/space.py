@@ -189,20 +189,17 @@ def configurations(
 def _lora(
     engine: Engine, num_layers: int, precision: Precision, attention: Attention, knobs: Knobs
 ) -> list[TrainConfig]:
-    """LoRA on a plain engine at each checkpointing choice, with the losses asked that it is
-    modelled with (the model's own and the chunked one)."""
+    """LoRA on a plain engine at each checkpointing choice, with the model's own loss (the
+    one it is modelled with)."""
     return [
         TrainConfig(
             engine=engine,
             precision=precision,
             ac_every=ac,
             attention=attention,
-            loss=loss,
             lora_rank=knobs.lora_rank,
         )
         for ac in ac_options(num_layers)
-        for loss in knobs.losses
-        if loss is not Loss.FUSED
     ]
 
 

@@ -242,9 +242,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
             layer_saved -= linear_inputs + act * i + (0 if kernel_keeps_output else act * q)
             layer_saved += lora_act * ins
         layer_saved += adapters * rank * lora_act
-        if config.loss is Loss.FULL:
-            head_saved -= head_input + 8
-        head_saved -= norm - frozen_norm
+        head_saved -= head_input + 8 + (norm - frozen_norm)
         first_less = float(frozen_norm)
         matmul_per_layer = model.lora_block_params(rank)
         copies = mixed

@@ -69,6 +69,7 @@ def test_the_adapters_are_counted_per_linear_layer(shape: Path) -> None:
         {"engine": "deepspeed", "zero_stage": 2},
         {"ac_ops": True},
         {"loss": "fused"},
+        {"loss": "chunked"},
         {"optimizer": "adamw-8bit"},
         {"lora_rank": -4},
     ],
@@ -123,3 +124,21 @@ def test_probe_peak_is_what_the_estimator_predicts(
         assert peaks[mbs] == pytest.approx(predicted[mbs], rel=0.02), mbs
     growth = peaks[4] - peaks[1]
     assert growth == pytest.approx(predicted[4] - predicted[1], rel=0.03)
+
+
+@pytest.mark.slow
+def test_a_qwen_shape_with_biases_is_what_the_estimator_predicts(run_probe: RunProbe) -> None:
+    """Qwen2's biased q, k and v projections (peft adapts them like any linear layer) and its
+    tied embeddings: the peaks within 2 % at two sizes."""
+    spec = resolve_model("tiny-qwen")
+    config = TrainConfig(lora_rank=RANK)
+    result = run_probe(
+        config, name="qwen", model="tiny-qwen", seq_len=256, micro_batch_sizes=(1, 4)
+    )
+    assert result.outcome is Outcome.OK, probe_failure_text(result)
+    for size in result.sizes:
+        predicted = estimate_memory(
+            spec, config, micro_batch_size=size.micro_batch_size, seq_len=256,
+            cuda_allocator=False,
+        ).peak_bytes  # fmt: skip
+        assert size.peak_allocated_bytes == pytest.approx(predicted, rel=0.02)

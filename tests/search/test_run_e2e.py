@@ -44,7 +44,7 @@ from typer.testing import CliRunner
 
 from autotune.api import prepare
 from autotune.cli import app
-from autotune.config import ac_to_text
+from autotune.config import TrainConfig, ac_to_text
 from autotune.estimator.plan import PlanRow
 from autotune.hardware import cpu_device_spec
 from autotune.search.ladder import PRIOR_ERROR
@@ -188,6 +188,8 @@ def measure_peaks(
             config["loss"],
             "--optimizer",
             config["optimizer"],
+            "--lora-rank",
+            str(config["lora_rank"]),
             "--micro-batch",
             ",".join(map(str, sizes)),
             "--warmup-steps",
@@ -524,17 +526,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     workload = Workload(model="tiny-gpt2")
     sizes = workload.sizes
     target, above, after = sizes[1:4]
-    config = {
-        "engine": "single",
-        "zero_stage": 0,
-        "precision": "bf16-mixed",
-        "ac_every": 1,
-        "ac_ops": False,
-        "offload": "none",
-        "attention": "sdpa",
-        "loss": "full",
-        "optimizer": "adamw",
-    }
+    # Every field, as the tuner's plan rows and the probe's result write them.
+    config = TrainConfig(engine="single", precision="bf16-mixed", ac_every=1).to_dict()
     peaks = measure_peaks(workload, config, [target, above], folder / "probes")
     # The estimator's peak and speed at each size do not depend on the cap.
     estimates = tuner_rows(workload, peaks[target], folder)
