@@ -47,6 +47,11 @@ class Precision(enum.StrEnum):
     """No reduced precision at all."""
 
     @property
+    def is_mixed(self) -> bool:
+        """16-bit compute over fp32 weights under autocast (bf16-mixed, fp16-mixed)."""
+        return self in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+
+    @property
     def compute_dtype(self) -> str:
         """The dtype the matmuls run in (``bf16``, ``fp16``, ``fp32``): the key of a GPU's
         peak FLOP/s and of the torch dtype a probe computes in."""

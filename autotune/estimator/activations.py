@@ -45,8 +45,11 @@ def regime_of(config: TrainConfig) -> Regime:
     in 16 bits whatever the precision but fp32: ``low``, with autocast where mixed)."""
     if config.precision is Precision.FP32:
         return Regime.FP32
-    mixed = config.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-    if mixed and config.engine in (Engine.SINGLE, Engine.DDP) and not config.is_lora:
+    if (
+        config.precision.is_mixed
+        and config.engine in (Engine.SINGLE, Engine.DDP)
+        and not config.is_lora
+    ):
         return Regime.AUTOCAST
     return Regime.LOW
 
@@ -233,7 +236,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         rank = config.lora_rank
         ins = sum(i_ for i_, _ in model.block_linears)
         adapters = len(model.block_linears)
-        mixed = config.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+        mixed = config.precision.is_mixed
         lora_act = 2 if mixed else 4  # A's output: autocast's bf16, or the adapters' fp32
         frozen_norm = 4 * d + stats
         layer_saved -= 2 * (norm - frozen_norm)

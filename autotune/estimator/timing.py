@@ -694,7 +694,7 @@ def _lora_kind(config: TrainConfig) -> str:
     16-bit frozen weights) or ``bf16``."""
     if config.precision is Precision.FP32:
         return "fp32"
-    return "bf16" if config.precision is Precision.BF16 else "mixed"
+    return "mixed" if config.precision.is_mixed else "bf16"
 
 
 def _ddp(step: _Step) -> _Result:

@@ -96,7 +96,7 @@ def autocast_context(
     config: TrainConfig, device: torch.device
 ) -> contextlib.AbstractContextManager:
     """Autocast for engines that keep fp32 weights and cast per op (single, ddp)."""
-    if config.precision not in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+    if not config.precision.is_mixed:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch_dtype(config.precision))
 
