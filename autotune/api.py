@@ -330,7 +330,7 @@ def plan(
         losses=parse_losses(losses) or PLANNED_KNOBS.losses,
         op_checkpointing=op_checkpointing,
         optimizers=parse_optimizers(optimizers) or PLANNED_KNOBS.optimizers,
-        lora_rank=0 if lora_rank is None else (_count(lora_rank, "--lora-rank") or 0),
+        lora_rank=_lora_rank(lora_rank),
     )
     target, here = _gpu(gpu)
     detected = detect_gpus() if gpu is not None else None
@@ -723,9 +723,9 @@ def _knobs(
             "--allow lora puts adapters on autotune's stand-in; your script builds its own "
             "model: leave out --allow lora with --script (wrap it with peft there)"
         )
-    rank = 0 if lora_rank is None else (_count(lora_rank, "--lora-rank") or 0)
-    if rank and device in ("cuda", "cpu") and not _installed("peft"):
-        raise ConfigError("--allow lora needs peft: pip install peft, or leave out --allow lora")
+    rank = _lora_rank(lora_rank)
+    if rank:
+        _need_peft("--allow lora", device)
     if job is not None:
         if losses is not None and set(losses) != {Loss.FULL}:
             raise ConfigError(
@@ -761,6 +761,18 @@ def _knobs(
         optimizers=optimizers,
         lora_rank=rank,
     )
+
+
+def _lora_rank(value: int | None) -> int:
+    """LoRA's rank as asked (``--lora-rank`` with ``--allow lora``): 0 when not allowed (None);
+    one line below 1."""
+    return 0 if value is None else (_count(value, "--lora-rank") or 0)
+
+
+def _need_peft(option: str, device: str) -> None:
+    """Refuse LoRA where a probe would import peft and it is not installed."""
+    if device in ("cuda", "cpu") and not _installed("peft"):
+        raise ConfigError(f"{option} needs peft: pip install peft, or leave out {option}")
 
 
 def _check_attention(attention: Attention, device: str, precision: Precision | None = None) -> None:
@@ -1225,8 +1237,8 @@ def probe(
     if job is None:
         _knobs(None, (config.loss,), False, (config.optimizer,), chosen.kind)  # where it runs
         _check_attention(config.attention, chosen.kind)  # the precision: TrainConfig's check
-        if config.is_lora and chosen.kind in ("cuda", "cpu") and not _installed("peft"):
-            raise ConfigError("--lora-rank needs peft: pip install peft, or leave out --lora-rank")
+        if config.is_lora:
+            _need_peft("--lora-rank", chosen.kind)
     single = config.engine is Engine.SINGLE and count == 1
     spec = ProbeSpec(
         model=model,

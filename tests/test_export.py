@@ -911,5 +911,5 @@ def test_a_lora_configuration_says_how_in_every_format_and_peft_builds_what_was_
         tmp_path,
     )
     trainable, changed = json.loads(out.strip().splitlines()[-1])
-    assert trainable == spec.lora_block_params(8) * spec.num_layers
+    assert trainable == spec.lora_params(8)
     assert changed and all(".lora_A." in n or ".lora_B." in n for n in changed)

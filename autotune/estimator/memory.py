@@ -251,7 +251,7 @@ def _lora_layout(model: ModelSpec, config: TrainConfig, zero: dict[str, float]) 
     frozen = 4.0 if config.precision is Precision.FP32 else 2.0
     rank = config.lora_rank
     per_layer = float(model.lora_block_params(rank))
-    adapters = per_layer * model.num_layers
+    adapters = float(model.lora_params(rank))
     largest = rank * max((max(i, o) for i, o in model.block_linears), default=0)
     return StateLayout(
         parameters=frozen * model.num_params + 4.0 * adapters,

@@ -482,7 +482,7 @@ def _compute(
     mm_f = 2.0 * shape.matmul_params * n
     lora = config.is_lora
     mm_b = (1.0 if lora else 2.0) * mm_f + fraction * 2.0 * shape.block_params * n
-    adapters = config.lora_rank * shape.linear_features * layers
+    adapters = _adapters(shape, config)
     mm_f += 2.0 * adapters * n
     mm_b += (4.0 + 2.0 * fraction) * adapters * n
     tf = _MATMUL_TRAFFIC
@@ -689,6 +689,11 @@ _Result = tuple[_Exposed, _Exposed, float]
 """Exposed time of the boundary micro-step, of an accumulation micro-step; optimizer step."""
 
 
+def _adapters(shape: _Shape, config: TrainConfig) -> float:
+    """LoRA's adapter parameters on one rank (``ModelSpec.lora_params``); 0 without LoRA."""
+    return float(config.lora_rank * shape.linear_features * shape.layers)
+
+
 def _lora_kind(config: TrainConfig) -> str:
     """Which of LoRA's measured cases a configuration is: ``fp32``, ``mixed`` (autocast over
     16-bit frozen weights) or ``bf16``."""
@@ -703,8 +708,7 @@ def _ddp(step: _Step) -> _Result:
     config, psi = step.config, float(step.shape.params)
     grad_bytes = 2.0 if config.precision is Precision.BF16 else 4.0  # gradients in param dtype
     if config.is_lora:
-        psi = float(config.lora_rank * step.shape.linear_features * step.shape.layers)
-        grad_bytes = 4.0
+        psi, grad_bytes = _adapters(step.shape, config), 4.0
     total = psi * grad_bytes
     buckets = max(1, math.ceil(total / _DDP_BUCKET_BYTES))
     per_bucket = _collective(step.fabric, "ar", total / buckets)

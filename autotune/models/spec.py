@@ -161,6 +161,10 @@ class ModelSpec:
         layer (its A, r × in, and its B, out × r)."""
         return rank * sum(i + o for i, o in self.block_linears)
 
+    def lora_params(self, rank: int) -> int:
+        """LoRA adapter parameters of the whole model at ``rank`` (every block's)."""
+        return self.lora_block_params(rank) * self.num_layers
+
     @property
     def num_embedding_params(self) -> int:
         """Input token table plus learned position table: lookups that do no matmul."""
@@ -209,8 +213,7 @@ class ModelSpec:
             return self.hardware_flops_per_token(seq_len, 1.0, lora_rank=lora_rank)
         matmuls = 6.0 * self.num_matmul_params
         if lora_rank:
-            adapters = self.lora_block_params(lora_rank) * self.num_layers
-            matmuls = 4.0 * self.num_matmul_params + 6.0 * adapters
+            matmuls = 4.0 * self.num_matmul_params + 6.0 * self.lora_params(lora_rank)
         return matmuls + 3.0 * self._attention_flops(seq_len)
 
     def hardware_flops_per_token(
@@ -246,7 +249,7 @@ class ModelSpec:
             raise ValueError(f"checkpointed_fraction {checkpointed_fraction} is not in [0, 1]")
         extra = 2.0 * self.num_block_params + self._attention_flops(seq_len)
         if lora_rank:
-            extra += 2.0 * self.lora_block_params(lora_rank) * self.num_layers
+            extra += 2.0 * self.lora_params(lora_rank)
         head = 2.0 * self.hidden_size * self.vocab_size if head_recomputed else 0.0
         flops = self.flops_per_token(seq_len, lora_rank=lora_rank)
         return flops + checkpointed_fraction * extra + head
