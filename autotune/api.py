@@ -296,6 +296,7 @@ def plan(
     op_checkpointing: bool = True,
     optimizers: str | Iterable[Optimizer | str] | None = None,
     lora_rank: int | None = None,
+    activation_offload: bool = True,
 ) -> Plan:
     """Predict peak memory and throughput of every configuration (no GPU needed).
 
@@ -323,6 +324,7 @@ def plan(
             AdamW where it pays.
         lora_rank: Also plan LoRA at this rank (``--allow lora``): rows of another training,
             ranked after every full fine-tuning row that fits; None: full fine-tuning alone.
+        activation_offload: Try activation offload (``act:host``) where it pays.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     _check_attention(Attention(attention), "plan", precision)
@@ -331,6 +333,7 @@ def plan(
         op_checkpointing=op_checkpointing,
         optimizers=parse_optimizers(optimizers) or PLANNED_KNOBS.optimizers,
         lora_rank=_lora_rank(lora_rank),
+        activation_offload=activation_offload,
     )
     target, here = _gpu(gpu)
     detected = detect_gpus() if gpu is not None else None
@@ -509,6 +512,7 @@ def prepare(
     op_checkpointing: bool = False,
     optimizers: str | Iterable[Optimizer | str] | None = None,
     lora_rank: int | None = None,
+    activation_offload: bool = False,
 ) -> Tuning:
     """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
 
@@ -517,7 +521,7 @@ def prepare(
     job = _script_job(script, framework, script_args, batch_flag, simulate=simulate, device=device)
     asked = (parse_losses(losses), op_checkpointing, parse_optimizers(optimizers))
     # A script's own loss and optimizer, before anything opens.
-    _knobs(job, *asked, "simulated", lora_rank=lora_rank)
+    _knobs(job, *asked, "simulated", lora_rank=lora_rank, activation_offload=activation_offload)
     if job is not None:
         model = model or _script_model(job)
         engines = _job_engines(job, engines)
@@ -553,7 +557,13 @@ def prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     _check_ranks(chosen, per_node, here)
-    knobs = _knobs(job, *asked, "cpu" if on_cpu else chosen.kind, lora_rank=lora_rank)
+    knobs = _knobs(
+        job,
+        *asked,
+        "cpu" if on_cpu else chosen.kind,
+        lora_rank=lora_rank,
+        activation_offload=activation_offload,
+    )
     if isinstance(chosen, ReplayDevice):  # a grid answers only what it recorded
         recorded = chosen.grid.knobs
         knobs = Knobs(
@@ -561,6 +571,7 @@ def prepare(
             op_checkpointing=knobs.op_checkpointing and recorded.op_checkpointing,
             optimizers=tuple(x for x in knobs.optimizers if x in recorded.optimizers)
             or (Optimizer.ADAMW,),
+            activation_offload=knobs.activation_offload and recorded.activation_offload,
         )
     if job is not None and job.framework is Framework.ACCELERATE and on_cpu and per_node > 1:
         raise ConfigError(
@@ -704,6 +715,7 @@ def _knobs(
     optimizers: tuple[Optimizer, ...] | None,
     device: str = "cuda",
     lora_rank: int | None = None,
+    activation_offload: bool = False,
 ) -> Knobs:
     """The knobs a run on ``device`` (a device kind: ``cuda``, ``cpu``, ``simulated``,
     ``replay``) tries: those asked, by default :data:`SEARCHED_KNOBS`. A user's script
@@ -712,6 +724,7 @@ def _knobs(
 
     ``lora_rank``: LoRA allowed at this rank (``--allow lora``), searched once no full
     fine-tuning configuration is left that may fit; None: full fine-tuning alone.
+    ``activation_offload``: search activation offload (``--act-offload``) too.
 
     Raises:
         ConfigError: A knob that cannot run there: the fused loss off a CUDA GPU or without
@@ -738,6 +751,12 @@ def _knobs(
                 "builds its own: leave out --optimizer with --script (a Trainer takes "
                 'optim="adamw_torch_8bit")'
             )
+        if activation_offload:
+            raise ConfigError(
+                "--act-offload wraps the blocks of autotune's stand-in; your script builds its "
+                "own model: leave out --act-offload with --script (TRL's SFTConfig takes "
+                "activation_offloading=True)"
+            )
         return LADDER_ONLY
     losses = losses or SEARCHED_KNOBS.losses
     optimizers = optimizers or SEARCHED_KNOBS.optimizers
@@ -760,6 +779,7 @@ def _knobs(
         op_checkpointing=op_checkpointing,
         optimizers=optimizers,
         lora_rank=rank,
+        activation_offload=activation_offload,
     )
 
 
@@ -873,10 +893,11 @@ def _check_probe_host(model: ModelSpec, spec: ProbeSpec, given: int | None) -> N
     ``run`` leaves such configurations out: at its largest size, the offloaded states and
     each rank's process, and on the CPU the emulated device's tensors too (capped by it)."""
     size = max(spec.micro_batch_sizes)
-    device = estimate_memory(
+    memory = estimate_memory(
         model, spec.config, micro_batch_size=size, seq_len=spec.seq_len,
         world_size=spec.world_size, cuda_allocator=spec.device == "cuda",
-    ).device_bytes  # fmt: skip
+    )  # fmt: skip
+    device = memory.device_bytes
     if spec.device_memory_bytes is not None:
         device = min(device, spec.device_memory_bytes)
     need = estimate_host(
@@ -886,6 +907,7 @@ def _check_probe_host(model: ModelSpec, spec: ProbeSpec, given: int | None) -> N
         ranks_per_node=spec.num_processes,
         device=spec.device,
         device_bytes=device,
+        activation_bytes=memory.offloaded_activation_bytes,
     ).node_bytes
     have = usable_host_bytes(given if given is not None else host_memory_bytes())
     if need > have:
@@ -965,9 +987,10 @@ def tune(
             then the GPUs in all, split evenly over the nodes. ``script``, ``framework``
             (``hf``, ``accelerate`` or ``torchrun``), ``script_args`` and ``batch_flag``: probe
             the user's own training script instead of autotune's stand-in
-            (docs/jobs.md). ``losses``, ``op_checkpointing``, ``optimizers``: the knobs beyond
-            the ladder to search; ``lora_rank``: LoRA allowed at that rank, searched once no
-            full fine-tuning configuration is left that may fit (None: not allowed).
+            (docs/jobs.md). ``losses``, ``op_checkpointing``, ``optimizers``,
+            ``activation_offload``: the knobs beyond the ladder to search; ``lora_rank``:
+            LoRA allowed at that rank, searched once no full fine-tuning configuration is left
+            that may fit (None: not allowed).
 
     Returns:
         Why the search stopped, the best measurement and every measurement of the study.
@@ -1021,6 +1044,8 @@ def tune_jobs(
             options["losses"] = options.pop("loss")
         if "ac_ops" in options:
             options["op_checkpointing"] = options.pop("ac_ops")
+        if "act_offload" in options:
+            options["activation_offload"] = options.pop("act_offload")
         if "optimizer" in options:
             options["optimizers"] = options.pop("optimizer")
         if "args" in options:
@@ -1195,6 +1220,7 @@ def probe(
                 "--ac ops is autotune's stand-in's checkpointing; your script checkpoints as its "
                 "framework does: use --ac off, every or every-N with --script"
             )
+        _knobs(job, None, False, None, activation_offload=asked.act_offload)
         if asked.is_lora:
             raise ConfigError(
                 "--lora-rank puts adapters on autotune's stand-in; your script builds its own "

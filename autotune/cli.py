@@ -216,6 +216,14 @@ AllowOption = Annotated[
         "fits.",
     ),
 ]
+ActOffloadOption = Annotated[
+    bool,
+    typer.Option(
+        "--act-offload/--no-act-offload",
+        help="Try activation offload (act:host: the blocks' saved tensors in pinned host "
+        "memory) where it fits a larger micro-batch.",
+    ),
+]
 AcOpsOption = Annotated[
     bool,
     typer.Option(
@@ -312,6 +320,15 @@ def probe(
             "blocks and the rest frozen (needs peft)."
         ),
     ] = 0,
+    act_offload: Annotated[
+        bool,
+        typer.Option(
+            "--act-offload",
+            help="Keep what the decoder blocks save for the backward in pinned host memory "
+            "(emulated on the CPU): a checkpointed block's input, every other block's "
+            "activations.",
+        ),
+    ] = False,
     micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
     seq_len: SeqLenOption = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
@@ -360,6 +377,7 @@ def probe(
         loss=loss,
         optimizer=optimizer,
         lora_rank=lora_rank,
+        act_offload=act_offload,
     )
     sizes = _parse_sizes(micro_batch)
     running = contextlib.ExitStack()
@@ -463,6 +481,7 @@ def plan(
     attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
     loss: LossOption = None,
     ac_ops: AcOpsOption = True,
+    act_offload: ActOffloadOption = True,
     optimizer: OptimizerOption = None,
     allow: AllowOption = None,
     lora_rank: Annotated[int, typer.Option(help="LoRA's rank with --allow lora.")] = LORA_RANK,
@@ -503,6 +522,7 @@ def plan(
         op_checkpointing=ac_ops,
         optimizers=optimizer,
         lora_rank=lora_rank if _allowed(allow) else None,
+        activation_offload=act_offload,
     )
     if json_output:
         _print_json(found.to_dict())
@@ -549,6 +569,14 @@ def run(
             "--ac-ops/--no-ac-ops",
             help="Search op-level selective checkpointing (ac:ops) too, where it fits a larger "
             "micro-batch.",
+        ),
+    ] = False,
+    act_offload: Annotated[
+        bool,
+        typer.Option(
+            "--act-offload/--no-act-offload",
+            help="Search activation offload (act:host: the blocks' saved tensors in pinned host "
+            "memory) too, where it fits a larger micro-batch.",
         ),
     ] = False,
     optimizer: Annotated[
@@ -633,6 +661,7 @@ def run(
         "attention": attention,
         "loss": loss,
         "ac_ops": True if ac_ops else None,  # a job file's workload may set it
+        "act_offload": True if act_offload else None,
         "optimizer": optimizer,
         "lora_rank": lora_rank if _allowed(allow) else None,
         "simulate": simulate,
@@ -658,6 +687,7 @@ def run(
     options["engines"] = _parse_engines(options.pop("engine"))
     options["losses"] = options.pop("loss")
     options["op_checkpointing"] = options.pop("ac_ops") is True
+    options["activation_offload"] = options.pop("act_offload") is True
     options["optimizers"] = options.pop("optimizer")
     if script is not None or framework is not None or script_args or batch_flag is not None:
         options.update(

@@ -244,6 +244,10 @@ class TrainConfig:
     linear layer of the blocks (:data:`LORA_TARGETS`, peft), the rest frozen in the compute
     dtype: another training than full fine-tuning, searched only where the user allows it
     (``--allow lora``)."""
+    act_offload: bool = False
+    """Activation offload: what the decoder blocks save for the backward (a checkpointed
+    block's input, every other block's saved tensors but its weights) kept in pinned host
+    memory from the forward to the backward, copied over the host link both ways."""
 
     def __post_init__(self) -> None:
         # Accept plain strings from JSON, the CLI or an Optuna trial.
@@ -262,10 +266,14 @@ class TrainConfig:
                 except ValueError:
                     choices = ", ".join(k.value for k in kind)
                     raise ConfigError(f"unknown {name} {value!r}: use one of {choices}") from None
-        if not isinstance(self.ac_ops, bool):
-            if self.ac_ops not in (0, 1):
-                raise ConfigError(f"invalid ac-ops {self.ac_ops!r}: use true or false")
-            object.__setattr__(self, "ac_ops", bool(self.ac_ops))
+        for name in ("ac_ops", "act_offload"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                if value not in (0, 1):
+                    raise ConfigError(
+                        f"invalid {name.replace('_', '-')} {value!r}: use true or false"
+                    )
+                object.__setattr__(self, name, bool(value))
         for name in ("zero_stage", "ac_every", "lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -341,6 +349,8 @@ class TrainConfig:
                 )
         if self.lora_rank:
             self._validate_lora()
+        if self.act_offload:
+            self._validate_act_offload()
         if self.attention is Attention.FLASH and self.precision is Precision.FP32:
             raise ConfigError(
                 "flash attention computes in bf16 or fp16: use --precision bf16-mixed, or "
@@ -381,6 +391,24 @@ class TrainConfig:
                 "not shrink: use --optimizer adamw with LoRA"
             )
 
+    def _validate_act_offload(self) -> None:
+        """What activation offload is modelled and probed with: the plain engines and FSDP2,
+        block checkpointing, full fine-tuning."""
+        if self.engine is Engine.DEEPSPEED:
+            raise ConfigError(
+                "activation offload is not wired for DeepSpeed (its cpu_checkpointing takes "
+                "its own checkpointing API): use --engine fsdp, ddp or single with it"
+            )
+        if self.ac_ops:
+            raise ConfigError(
+                "op-level checkpointing keeps its saved tensors in a cache of its own, which "
+                "activation offload cannot move: use --ac off, every or every-N with it"
+            )
+        if self.lora_rank:
+            raise ConfigError(
+                "activation offload is not modelled with LoRA yet: use one or the other"
+            )
+
     @property
     def is_lora(self) -> bool:
         """Whether only LoRA adapters are trained."""
@@ -409,6 +437,8 @@ class TrainConfig:
             parts.append(f"optim:{self.optimizer.value}")
         if self.lora_rank:
             parts.append(f"lora:r{self.lora_rank}")
+        if self.act_offload:
+            parts.append("act:host")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -469,8 +499,8 @@ def _parse_list(
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Knobs:
     """The knobs beyond the ladder a search space tries (``--loss``, ``--ac-ops``,
-    ``--optimizer``): every rung of the ladder with every combination of them that is valid
-    (the planner keeps a combination only where it pays)."""
+    ``--optimizer``, ``--act-offload``): every rung of the ladder with every combination of
+    them that is valid (the planner keeps a combination only where it pays)."""
 
     losses: tuple[Loss, ...] = DEFAULT_LOSSES
     op_checkpointing: bool = True
@@ -481,6 +511,8 @@ class Knobs:
     """LoRA at this rank beside full fine-tuning (``plan --allow lora``); 0: full fine-tuning
     alone. LoRA trains another model than full fine-tuning: its rows rank after the full
     ones that fit."""
+    activation_offload: bool = True
+    """Activation offload (``act:host``) beside each configuration it is valid with."""
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0:
@@ -497,7 +529,13 @@ class Knobs:
 
 
 KNOB_OFF: Mapping[str, Any] = MappingProxyType(
-    {"loss": Loss.FULL, "ac_ops": False, "optimizer": Optimizer.ADAMW, "lora_rank": 0}
+    {
+        "loss": Loss.FULL,
+        "ac_ops": False,
+        "optimizer": Optimizer.ADAMW,
+        "lora_rank": 0,
+        "act_offload": False,
+    }
 )
 """Each :class:`TrainConfig` field beyond the ladder at its off value: a configuration with
 all of them off is a rung of the ladder, and one with a knob on has, per knob, a twin with it
@@ -508,12 +546,13 @@ LADDER_ONLY = Knobs(
     losses=(KNOB_OFF["loss"],),
     op_checkpointing=KNOB_OFF["ac_ops"],
     optimizers=(KNOB_OFF["optimizer"],),
+    activation_offload=KNOB_OFF["act_offload"],
 )
 """The ladder's rungs alone: the model's own loss, block checkpointing, fused AdamW."""
 
 PLANNED_KNOBS = Knobs()
-"""What ``plan`` tries unless told: every loss that runs everywhere, op-level checkpointing
-and both optimizers, each kept where it pays."""
+"""What ``plan`` tries unless told: every loss that runs everywhere, op-level checkpointing,
+both optimizers and activation offload, each kept where it pays."""
 
 
 _AC_PATTERN = re.compile(r"^(?:every-?)?(\d+)$")

@@ -71,6 +71,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "ac_ops": (bool,),
     "optimizer": (str, list),
     "lora_rank": (int,),  # LoRA allowed at this rank (run --allow lora --lora-rank)
+    "act_offload": (bool,),
     "headroom": (str, int, float),
     "host_memory": (str, int),  # numbers are refused with a word: sizes take a unit
     "host_cores": (int,),

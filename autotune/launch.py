@@ -234,6 +234,16 @@ def lora_note(config: TrainConfig) -> str:
     )
 
 
+ACT_OFFLOAD_NOTE = (
+    "after any checkpointing wraps the blocks and before the trainer or fully_shard wraps the "
+    "model, call autotune.probe.offload.apply_activation_offload("
+    "autotune.probe.modeling.decoder_blocks(model)): each block's saved tensors but its weights "
+    "go to pinned host memory in the forward and come back in the backward (TRL's "
+    "SFTConfig(activation_offloading=True) does likewise with hooks of its own)"
+)
+"""How to train with the activation offload autotune measured, in any trainer."""
+
+
 def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
     """What ``fmt`` cannot carry of ``launch``'s configuration, each with what to do instead
     (empty when the format says it all). ``autotune export`` prints them beside the file, and
@@ -272,6 +282,11 @@ def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
         )
     if config.is_lora:  # no trainer format carries the model's adapters
         notes.append(f"--format {Format(fmt).value} has no setting for LoRA: {lora_note(config)}")
+    if config.act_offload:  # no trainer format has autotune's activation offload
+        notes.append(
+            f"--format {Format(fmt).value} has no setting for the activation offload autotune "
+            f"measured: {ACT_OFFLOAD_NOTE}"
+        )
     if launch.config.loss is Loss.FUSED and Format(fmt) is not Format.HF:
         notes.append(
             f"--format {Format(fmt).value} has no setting for Liger-Kernel's fused linear "
@@ -575,6 +590,9 @@ def _torchrun(launch: Launch) -> str:
             f"LoRA, rank {config.lora_rank} (the rest frozen)"
             if config.is_lora
             else "full fine-tuning"
+        ),
+        "activation offload": (
+            "saved tensors in pinned host memory" if config.act_offload else "none"
         ),
         "micro-batch per rank": str(launch.micro_batch_size),
         "accumulation steps": str(launch.grad_accum),

@@ -151,8 +151,10 @@ def configurations(
         checkpointing = [(ac, False) for ac in ac_options(num_layers)]
         if knobs.op_checkpointing:
             checkpointing.insert(1, (0, True))
-        for (ac, ops), loss, optimizer in itertools.product(
-            checkpointing, knobs.losses, knobs.optimizers
+        # Activation offload (on the CPU, to an emulated host pool the probe counts apart).
+        moved = (False, True) if knobs.activation_offload else (False,)
+        for (ac, ops), loss, optimizer, act in itertools.product(
+            checkpointing, knobs.losses, knobs.optimizers, moved
         ):
             try:
                 found.append(
@@ -166,6 +168,7 @@ def configurations(
                         attention=attention,
                         loss=loss,
                         optimizer=optimizer,
+                        act_offload=act,
                     )
                 )
             except ConfigError:
@@ -206,13 +209,14 @@ def _lora(
 _OFFLOAD_RANK = {Offload.NONE: 0, Offload.OPTIMIZER: 1, Offload.PARAMS: 2}
 
 
-def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int, int, int]:
+def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int, int, int, int]:
     """Sort key of the ladder: LoRA last (it trains another model), then offload, then
     sharding, then checkpointing (coarse first, with op-level checkpointing between none and
     every 4th block: it recomputes only the cheap ops), the chunked loss right after the same
     configuration with the model's own (it costs one more forward of the output layer, less
     than any checkpointing), 8-bit AdamW right after the same configuration with fused AdamW
-    (it changes the moments' precision, and its step is no faster)."""
+    (it changes the moments' precision, and its step is no faster), activation offload right
+    after the same configuration without it (its copies cross the host link)."""
     blocks = 0 if config.ac_every == 0 else 1 + 4 // config.ac_every
     ac_rank = 2 * blocks + int(config.ac_ops)
     return (
@@ -222,5 +226,6 @@ def ladder_key(config: TrainConfig) -> tuple[int, int, int, int, int, int, int]:
         ac_rank,
         int(config.loss is not Loss.FULL),
         int(config.optimizer is not Optimizer.ADAMW),
+        int(config.act_offload),
         int(config.engine is Engine.DEEPSPEED),
     )

@@ -186,6 +186,9 @@ def main() -> None:
         "--ac-ops", action="store_true", help="record op-level selective checkpointing too"
     )
     parser.add_argument(
+        "--act-offload", action="store_true", help="record activation offload too (GPUs)"
+    )
+    parser.add_argument(
         "--optimizer",
         default="adamw",
         help="the optimizers to record: adamw (default), adamw-8bit or both",
@@ -218,6 +221,7 @@ def record(args: argparse.Namespace) -> None:
             losses=parse_losses(args.loss) or (),
             op_checkpointing=args.ac_ops,
             optimizers=parse_optimizers(args.optimizer) or (),
+            activation_offload=args.act_offload,
         ),
     )
     sizes = micro_batch_options(workload)

@@ -151,6 +151,15 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         "LoRA trains adapters too small to shard: use --engine single or ddp",
     ),
     (("probe", *CPU, "--lora-rank", "-2"), "LoRA rank -2: use a rank of 1 or more"),
+    (
+        ("probe", *CPU, "--engine", "deepspeed", "--zero-stage", "2", "--act-offload"),
+        "activation offload is not wired for DeepSpeed",
+    ),
+    (("probe", *CPU, "--ac", "ops", "--act-offload"), "activation offload cannot move"),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "hf", "--act-offload"),
+        "leave out --act-offload with --script",
+    ),
     (("plan", "--gpu", "h100", "--allow", "qlora"), "--allow qlora: use --allow lora"),
     (("plan", "--gpu", "h100", "--allow", "lora", "--lora-rank", "0"), "--lora-rank 0: use 1"),
     (("probe", "--loss", "liger"), "liger"),

@@ -913,3 +913,57 @@ def test_a_lora_configuration_says_how_in_every_format_and_peft_builds_what_was_
     trainable, changed = json.loads(out.strip().splitlines()[-1])
     assert trainable == spec.lora_params(8)
     assert changed and all(".lora_A." in n or ".lora_B." in n for n in changed)
+
+
+def test_activation_offload_says_how_in_every_format_and_the_trainer_runs_it(
+    tmp_path: Path,
+) -> None:
+    """No trainer format has autotune's activation offload: every format says how (the FSDP2
+    snippet and the torchrun script in their comments), and Hugging Face's Trainer, given the
+    hf fields (its own checkpointing of every block) and the note's call, trains a step with
+    each block's input, and nothing else, held on the host."""
+    config = TrainConfig(engine=Engine.SINGLE, precision=Precision.FP32, ac_every=1)
+    moved = dataclasses.replace(config, act_offload=True)
+    single = launch(moved, world_size=1)
+    for fmt in (Format.HF, Format.ACCELERATE, Format.TORCHRUN):
+        [note] = knob_notes(single, fmt)
+        assert note.startswith(f"--format {fmt.value} has no setting for the activation offload")
+        assert knob_notes(launch(config, world_size=1), fmt) == []
+    assert "activation offload: saved tensors in pinned host memory" in render(
+        single, Format.TORCHRUN
+    )
+    sharded = launch(TrainConfig(engine=Engine.FSDP, zero_stage=3, act_offload=True))
+    assert "activation offload" in render(sharded, Format.FSDP)
+    call = note.split("model, call ", 1)[1].split(": each block", 1)[0]
+    assert call.startswith("autotune.probe.offload.apply_activation_offload(")
+    (tmp_path / "fields.json").write_text(json.dumps({**hf_fields(single), "bf16": False}))
+    out = run_python(
+        f"""
+        import json
+        import torch
+        from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+        import autotune.probe.modeling
+        import autotune.probe.offload
+        from autotune.models import resolve_model
+
+        model = AutoModelForCausalLM.from_config(
+            autotune.probe.modeling.hf_config(resolve_model("tiny"))
+        )
+        {call}
+        ids = torch.randint(0, 256, (16, 32))
+        data = [{{"input_ids": row, "labels": row}} for row in ids]
+        fields = json.load(open("fields.json"))
+        fields["max_steps"] = 1
+        args = TrainingArguments(output_dir="out", use_cpu=True, report_to=[], **fields)
+        Trainer(model=model, args=args, train_dataset=data).train()
+        print(json.dumps([fields["activation_checkpointing"],
+                          fields["per_device_train_batch_size"],
+                          autotune.probe.offload.HOST_POOL.peak_bytes]))
+        """,
+        tmp_path,
+    )
+    checkpointed, mbs, held = json.loads(out.strip().splitlines()[-1])
+    spec = resolve_model("tiny")
+    assert checkpointed is True
+    # Each block's fp32 input, for the micro-batch's tokens: what the estimator moves too.
+    assert held == spec.num_layers * mbs * 32 * spec.hidden_size * 4

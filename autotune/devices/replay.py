@@ -160,6 +160,7 @@ class Grid:
             losses=tuple(x for x in Loss if x in losses) or (Loss.FULL,),
             op_checkpointing=any(c.ac_ops for c in configs),
             optimizers=tuple(x for x in Optimizer if x in optimizers) or (Optimizer.ADAMW,),
+            activation_offload=any(c.act_offload for c in configs),
         )
 
     @classmethod

@@ -107,6 +107,9 @@ class ActivationProfile:
     (under LoRA, of its adapters: the frozen weights are already in 16 bits)."""
     head_weight_copy_bytes: int
     """Autocast's bf16 copy of the lm_head weight."""
+    layer_unpacked_per_token: float = 0.0
+    """Activation offload: what a block's backward brings back from the host at its peak on
+    top of :attr:`layer_backward_per_token` (its saved tensors return one node at a time)."""
     first_block_less_per_token: float = 0.0
     """LoRA: what the first block saves less than the others: its first norm's input and
     statistics (the embeddings are frozen, so nothing before the first adapter needs a
@@ -258,6 +261,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         layer_input_per_token=residual * d,
         layer_selective_per_token=selective,
         layer_backward_per_token=9 * d + 2 * i,
+        layer_unpacked_per_token=max(0, 5 * act * i - (9 * d + 2 * i)),
         head_saved_per_token=head_saved,
         head_forward_per_token=head_forward,
         head_backward_per_token=head_backward,

@@ -73,6 +73,10 @@ GiB (with or without parameter offload)."""
 HOST_RESERVE_BYTES = 4 * GIB
 """Host memory kept for the kernel, the tuner itself and page cache under pressure. The H100
 node (125 GiB) ran an FSDP2 probe at 118 GiB of peak RSS; 4 GiB keeps that within the limit."""
+PINNED_ACTIVATION_BOUND = 2.0
+"""Activation offload pins each saved tensor's host copy, which the caching host allocator
+rounds up to a power of two: the host model takes the bound (2x: a host OOM takes the node),
+not measured on a GPU yet. On the CPU the emulated host pool is counted exactly."""
 DEEPSPEED_SUB_GROUP = 1_000_000_000
 """DeepSpeed ZeRO-3's ``sub_group_size`` default: parameters per flat optimizer partition."""
 _STATE_BYTES = 16.0
@@ -86,7 +90,7 @@ class HostEstimate:
     per_rank_bytes: int
     """One rank: its baseline and its share of the offloaded states."""
     states_bytes: int
-    """Offloaded states of one rank, pinned buffers at their rounded size."""
+    """Offloaded states (and activations) of one rank, pinned buffers at their rounded size."""
     ranks_per_node: int
 
     @property
@@ -170,6 +174,7 @@ def estimate_host(
     ranks_per_node: int | None = None,
     device: str = "cuda",
     device_bytes: int = 0,
+    activation_bytes: int = 0,
 ) -> HostEstimate:
     """Peak host memory of one node of ranks training ``config``.
 
@@ -181,9 +186,13 @@ def estimate_host(
         device: ``cuda`` (offloaded buffers pinned) or ``cpu`` (nothing pinned, and the
             device's tensors are host memory).
         device_bytes: A rank's peak device bytes, counted on the host when ``device`` is cpu.
+        activation_bytes: A rank's offloaded activations
+            (``MemoryEstimate.offloaded_activation_bytes``), pinned tensor by tensor on a GPU:
+            counted at :data:`PINNED_ACTIVATION_BOUND` times.
     """
     pinned = device != "cpu"
     states = _states(model, config, world_size, pinned)
+    states += activation_bytes * (PINNED_ACTIVATION_BOUND if pinned else 1.0)
     baselines = CUDA_RANK_BASELINE_BYTES if pinned else CPU_RANK_BASELINE_BYTES
     baseline = baselines[config.engine]
     # On the CPU the device's tensors are host memory too.

@@ -281,6 +281,8 @@ class MemoryEstimate:
     """Bytes per category at the peak (:data:`CATEGORIES`)."""
     host_bytes: int = 0
     """Host memory for offloaded states, per rank."""
+    offloaded_activation_bytes: int = 0
+    """Host memory for offloaded activations, per rank (activation offload), unrounded."""
     activation_bytes_per_sample: float = 0.0
     """How :attr:`device_bytes` grows per sequence of micro-batch (slope of the linear memory
     model; the activations and, on a CUDA device, their allocator share)."""
@@ -300,6 +302,7 @@ class MemoryEstimate:
             "phase": self.phase,
             "breakdown": dict(self.breakdown),
             "host_bytes": self.host_bytes,
+            "offloaded_activation_bytes": self.offloaded_activation_bytes,
             "activation_bytes_per_sample": self.activation_bytes_per_sample,
         }
 
@@ -347,6 +350,9 @@ def estimate_memory(
         return _checkpointed(j, ac) or config.ac_ops
 
     kept = [_kept_per_token(prof, config, j) * tokens for j in range(layers)]
+    offloaded = offloaded_activation_bytes(model, config, tokens, prof)
+    if config.act_offload:
+        kept = [0.0] * layers  # on the host, brought back one backward node at a time
     # Weights held from a block's forward to its backward: autocast's bf16 copy (not for a
     # checkpointed block, whose recomputation casts again) and FSDP2 ZeRO-2's unsharded block.
     held = [
@@ -411,7 +417,12 @@ def estimate_memory(
     walked = sorted(set(range(min(period, layers))) | set(range(max(0, layers - period), layers)))
     for j in reversed(walked):
         grads = states.gradients_head + (layers - 1 - j) * states.gradients_per_layer
-        own = saved if recomputed(j) else kept[j]
+        if recomputed(j):
+            own = saved
+        elif config.act_offload:
+            own = prof.layer_unpacked_per_token * tokens  # back one node at a time
+        else:
+            own = kept[j]
         recast = prof.layer_weight_copy_bytes if recomputed(j) else 0.0
         point(
             "backward",
@@ -445,12 +456,26 @@ def estimate_memory(
         phase=phase,
         breakdown=breakdown,
         host_bytes=int(states.host),
+        offloaded_activation_bytes=int(offloaded),
         activation_bytes_per_sample=per_sample,
     )
 
 
+def offloaded_activation_bytes(
+    model: ModelSpec, config: TrainConfig, tokens: float, prof: ActivationProfile
+) -> float:
+    """What activation offload keeps on the host per micro-step (and copies over the link
+    each way): what the blocks keep from the forward to the backward, their weights aside
+    (``autotune.probe.offload``); 0 without it."""
+    if not config.act_offload:
+        return 0.0
+    return tokens * sum(_kept_per_token(prof, config, j) for j in range(model.num_layers))
+
+
 def _slope(model: ModelSpec, config: TrainConfig, seq_len: int, prof: ActivationProfile) -> float:
     """Bytes per extra sequence at the loss point (where large batches peak)."""
+    if config.act_offload:
+        return (prof.head_saved_per_token + _loss_growth(prof)) * seq_len
     kept = sum(_kept_per_token(prof, config, j) for j in range(model.num_layers))
     return (kept + prof.head_saved_per_token + _loss_growth(prof)) * seq_len
 

@@ -273,6 +273,7 @@ def plan(
             ranks_per_node=ranks_per_node,
             device=device,
             device_bytes=memories[best].peak_bytes,
+            activation_bytes=memories[best].offloaded_activation_bytes,
         )
         rows.append(
             PlanRow(

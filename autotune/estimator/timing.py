@@ -34,7 +34,8 @@ from autotune.config import (
     Precision,
     TrainConfig,
 )
-from autotune.estimator.activations import Regime, regime_of
+from autotune.estimator.activations import Regime, activation_profile, regime_of
+from autotune.estimator.memory import offloaded_activation_bytes
 from autotune.hardware.specs import GpuSpec
 from autotune.models import ModelSpec
 
@@ -176,6 +177,9 @@ _DDP_BUCKET_BYTES = 25 * 1024**2
 # PCIe, which bounds the micro-step); grid-4's micro-step (qwen2.5-1.5b, 0.492 s) is then
 # predicted 15% short.
 _FSDP_COPY_EFFICIENCY = 0.86
+# Activation offload's copies (pinned host buffers, a few MB to a few hundred MB each) are
+# assumed to move at FSDP2's measured rate; not measured on a GPU yet.
+_ACTIVATION_COPY_EFFICIENCY = _FSDP_COPY_EFFICIENCY
 # DeepSpeed copies per parameter: each gradient converted to fp32 on the GPU and copied to the
 # host's fp32 partition (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer_from_gpu,
 # stage3.py partition_grads), the updated fp32 partition copied back into the 16-bit one after
@@ -899,6 +903,15 @@ def predict_step_time(
         sync, accumulate, optimizer_s = _ddp(step)
     if config.optimizer is Optimizer.ADAMW_8BIT:
         optimizer_s = max(optimizer_s, shape.tensors * _COMPILED_STEP_CALL_S)
+    if config.act_offload:
+        # Each saved tensor crosses the host link out in the forward (a synchronous copy) and
+        # back in the backward (on the compute stream): neither hides behind compute.
+        moved = offloaded_activation_bytes(
+            model, config, tokens, activation_profile(model, config, seq_len)
+        )
+        copies = 2.0 * moved / (step.host_link * _ACTIVATION_COPY_EFFICIENCY)
+        sync = _Exposed(sync.communication, sync.offload + copies)
+        accumulate = _Exposed(accumulate.communication, accumulate.offload + copies)
 
     micro_step_s = compute_s + sync.communication + sync.offload
     accumulation_s = compute_s + accumulate.communication + accumulate.offload

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
+from autotune.probe.offload import HOST_POOL
 from autotune.units import format_bytes
 
 
@@ -260,6 +261,7 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.tracker is not None:
             self.tracker.reset_peak()
+        HOST_POOL.reset_peak()
 
     def read(self) -> dict[str, Any]:
         """Peak allocated/reserved bytes, allocator retries and OOMs, NVML and host usage."""
@@ -268,6 +270,8 @@ class MemoryMeter:
             # ru_maxrss is KiB on Linux: the process's high-water mark since it started.
             "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "emulated_limit_bytes": self.emulated_limit_bytes,
+            # Activation offload's host copies (emulated on the CPU); 0 without it.
+            "offloaded_activation_peak_bytes": HOST_POOL.peak_bytes,
         }
         if self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)

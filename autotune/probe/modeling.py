@@ -75,6 +75,10 @@ def build_model(
     apply_loss(model, config)
     if checkpointing:
         apply_activation_checkpointing(model, config.ac_every, config.ac_ops)
+    if config.act_offload:
+        from autotune.probe.offload import apply_activation_offload
+
+        apply_activation_offload(decoder_blocks(model))
     return model
 
 

@@ -30,6 +30,7 @@ _MAX_OVER_RANKS = (
     "nvml_used_bytes",
     "host_rss_bytes",
     "host_peak_rss_bytes",
+    "offloaded_activation_peak_bytes",
 )
 _SEVERITY = {Outcome.OK.value: 0, Outcome.ERROR.value: 1, Outcome.OOM.value: 2}
 
@@ -71,6 +72,9 @@ class SizeResult:
     host_rss_bytes: int | None = None
     host_peak_rss_bytes: int | None = None
     emulated_limit_bytes: int | None = None
+    offloaded_activation_peak_bytes: int | None = None
+    """Activation offload's host copies at their peak (the emulated host pool on the CPU);
+    0 without it."""
     memory_source: str | None = None
     simulated: bool = False
     """Answered by the simulated device (the estimator), not measured."""

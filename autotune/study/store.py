@@ -94,6 +94,7 @@ def _distributions() -> dict[str, BaseDistribution]:
         "loss": CategoricalDistribution([x.value for x in Loss]),
         "optimizer": CategoricalDistribution([x.value for x in Optimizer]),
         "lora_rank": IntDistribution(0, 1 << 12),
+        "act_offload": CategoricalDistribution([False, True]),
         "micro_batch_size": IntDistribution(1, 1 << 16),
     }
 

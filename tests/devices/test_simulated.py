@@ -133,10 +133,11 @@ def test_an_error_term_says_what_it_cannot_take() -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_a_knob_shares_its_twins_error_and_is_never_faster(seed: int) -> None:
     """Per-configuration errors of a configuration with the chunked loss, op-level
-    checkpointing or 8-bit AdamW are its twin's (the same kernels run), times the knob's own:
-    memory within 2 %, time up to 3 % slower and never faster (a knob only adds work to its
-    twin's step); the host factor is the twin's; and a configuration without knobs draws what
-    it drew when configurations had no such fields (the key leaves knobs that are off out)."""
+    checkpointing, 8-bit AdamW or activation offload are its twin's (the same kernels run),
+    times the knob's own: memory within 2 %, time up to 3 % slower and never faster (a knob
+    only adds work to its twin's step); the host factor is the twin's; and a configuration
+    without knobs draws what it drew when configurations had no such fields (the key leaves
+    knobs that are off out)."""
     from autotune.devices.simulated import _draw
 
     term = ErrorTerm(time=(0.5, 1.5), memory=(0.5, 1.5), host=(0.5, 1.5))
@@ -147,6 +148,7 @@ def test_a_knob_shares_its_twins_error_and_is_never_faster(seed: int) -> None:
         {"ac_ops": True},
         {"loss": "chunked", "ac_ops": True},
         {"optimizer": "adamw-8bit"},
+        {"act_offload": True},
     ):
         config = TrainConfig(engine="fsdp", zero_stage=3, **knob)  # type: ignore[arg-type]
         (m0, t0), (m1, t1) = device.bias("llama-7b", twin, 4), device.bias("llama-7b", config, 4)
@@ -158,7 +160,7 @@ def test_a_knob_shares_its_twins_error_and_is_never_faster(seed: int) -> None:
     old_key = sorted(
         (k, v)
         for k, v in twin.to_dict().items()
-        if k not in ("loss", "ac_ops", "optimizer", "lora_rank")
+        if k not in ("loss", "ac_ops", "optimizer", "lora_rank", "act_offload")
     )  # the fields a configuration had before the knobs
     rng = _draw("term", seed, 0, "llama-7b", old_key)
     assert device.bias("llama-7b", twin, 1) == (rng.uniform(0.5, 1.5), rng.uniform(0.5, 1.5))

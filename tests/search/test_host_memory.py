@@ -117,7 +117,9 @@ def test_plans_and_runs_never_probe_what_the_host_cannot_hold(tmp_path: Path) ->
     rows = plan(resolve_model("llama-7b"), gpu_spec("h100-80gb"), LLAMA_ON_ONE,
                 host_memory_bytes=NODE)  # fmt: skip
     missed = [row for row in rows if not row.host_fits]
-    assert {row.config.engine.value for row in missed} == {"deepspeed"}
+    # DeepSpeed's offloaded states (rounded whole), and the activations some rows offload.
+    kinds = {"act:host" if row.config.act_offload else row.config.engine.value for row in missed}
+    assert kinds == {"deepspeed", "act:host"}
     assert all(row.miss and row.miss.startswith("host: needs") for row in missed)
     assert all(not row.fits for row in missed) and rows[0].fits
     summary = tune(
