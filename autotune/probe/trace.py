@@ -274,6 +274,12 @@ def _check_traceable(config: TrainConfig, *, world_size: int) -> None:
             f"offload {config.offload.value} cannot be traced: the trace counts one device's "
             "memory and has no host side"
         )
+    if config.act_offload:
+        raise ValueError(
+            "activation offload cannot be traced: the trace counts one device's memory and has "
+            "no host side; probe it on the CPU (autotune probe --device cpu --act-offload), "
+            "whose tensor counter and emulated host pool check the estimator's terms"
+        )
     if config.is_lora:
         raise ValueError(
             "LoRA cannot be traced: peft moves its adapters to the base layer's device with "

@@ -233,6 +233,7 @@ def test_fsdp_shards_the_state_over_a_fake_process_group(states_model: ModelSpec
         ({"engine": "fsdp", "zero_stage": 3, "offload": "params"}, 2, "offload"),
         ({}, 2, "engine single runs one process"),
         ({"lora_rank": 8}, 1, "LoRA cannot be traced"),
+        ({"act_offload": True}, 1, "activation offload cannot be traced"),
     ],
 )
 def test_untraceable_configurations_are_rejected(

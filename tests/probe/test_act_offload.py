@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import RunProbe, probe_failure_text
+from test_cli import autotune
 
 from autotune.config import ConfigError, TrainConfig
 from autotune.estimator.host import PINNED_ACTIVATION_BOUND, estimate_host
@@ -193,3 +194,22 @@ def test_the_time_model_charges_both_crossings_of_the_host_link() -> None:
 def test_combinations_it_is_not_modelled_with_are_refused(knobs: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         TrainConfig(**{"act_offload": True, **knobs})
+
+
+def test_a_cpu_run_searches_activation_offload_when_named(tmp_path: Path) -> None:
+    """Real CPU probes of the tiny model under an emulated 4 MiB device: run --act-offload
+    proposes the offloaded rows beside their twins (the first one probed is one: predicted the
+    fastest that fits), and every offloaded trial measured fits the cap."""
+    storage = f"sqlite:///{tmp_path}/at.db"
+    done = autotune(
+        "run", "--model", "tiny", "--device", "cpu", "--gpus", "1", "--device-memory", "4MiB",
+        "--budget", "3m", "--act-offload", "--storage", storage, "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["best"] is not None
+    [study] = json.loads(autotune("trials", "--storage", storage, "--json", cwd=tmp_path).stdout)
+    trials = sorted(study["trials"], key=lambda t: t["number"])
+    assert trials[0]["config"]["act_offload"] is True, trials[0]
+    assert "act:host" in trials[0]["label"]
+    moved = [t for t in trials if t["config"]["act_offload"] and t["outcome"] == "ok"]
+    assert moved and all(t["peak_bytes"] <= 4 << 20 for t in moved)

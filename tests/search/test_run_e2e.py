@@ -74,8 +74,9 @@ class Workload:
     @property
     def space(self) -> list[str]:
         """The ladder's two rungs these tests reason about, ac:off and ac:every: without the
-        chunked loss and op-level checkpointing (``plan`` and ``run`` options)."""
-        return ["--loss", "full", "--no-ac-ops"]
+        chunked loss, op-level checkpointing and activation offload (``plan`` and ``run``
+        options)."""
+        return ["--loss", "full", "--no-ac-ops", "--no-act-offload"]
 
 
 @dataclass(frozen=True)
