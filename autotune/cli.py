@@ -329,6 +329,14 @@ def probe(
             "activations.",
         ),
     ] = False,
+    torch_compile: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="Compile each decoder block with torch.compile (inductor on a GPU; on the CPU "
+            "the partitioned graphs run op by op, so their memory is counted).",
+        ),
+    ] = False,
     micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
     seq_len: SeqLenOption = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
@@ -378,6 +386,7 @@ def probe(
         optimizer=optimizer,
         lora_rank=lora_rank,
         act_offload=act_offload,
+        torch_compile=torch_compile,
     )
     sizes = _parse_sizes(micro_batch)
     running = contextlib.ExitStack()

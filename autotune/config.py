@@ -244,6 +244,9 @@ class TrainConfig:
     linear layer of the blocks (:data:`LORA_TARGETS`, peft), the rest frozen in the compute
     dtype: another training than full fine-tuning, searched only where the user allows it
     (``--allow lora``)."""
+    torch_compile: bool = False
+    """Each decoder block compiled with ``torch.compile`` (after checkpointing, as torchtitan
+    does): the min-cut partitioner chooses what the backward keeps, inductor fuses the rest."""
     act_offload: bool = False
     """Activation offload: what the decoder blocks save for the backward (a checkpointed
     block's input, every other block's saved tensors but its weights) kept in pinned host
@@ -266,7 +269,7 @@ class TrainConfig:
                 except ValueError:
                     choices = ", ".join(k.value for k in kind)
                     raise ConfigError(f"unknown {name} {value!r}: use one of {choices}") from None
-        for name in ("ac_ops", "act_offload"):
+        for name in ("ac_ops", "act_offload", "torch_compile"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 if value not in (0, 1):
@@ -351,6 +354,8 @@ class TrainConfig:
             self._validate_lora()
         if self.act_offload:
             self._validate_act_offload()
+        if self.torch_compile:
+            self._validate_compile()
         if self.attention is Attention.FLASH and self.precision is Precision.FP32:
             raise ConfigError(
                 "flash attention computes in bf16 or fp16: use --precision bf16-mixed, or "
@@ -409,6 +414,29 @@ class TrainConfig:
                 "activation offload is not modelled with LoRA yet: use one or the other"
             )
 
+    def _validate_compile(self) -> None:
+        """What compiled blocks are modelled and probed with: the plain engines, block
+        checkpointing, full fine-tuning."""
+        if self.engine not in (Engine.SINGLE, Engine.DDP):
+            raise ConfigError(
+                "compiled blocks are wired for the plain engines yet: use --engine single or ddp "
+                "with --compile"
+            )
+        if self.ac_ops:
+            raise ConfigError(
+                "op-level checkpointing is not modelled with compiled blocks yet: use --ac off, "
+                "every or every-N with --compile"
+            )
+        if self.act_offload:
+            raise ConfigError(
+                "activation offload's saved-tensor hooks are not modelled with compiled blocks: "
+                "use one or the other"
+            )
+        if self.lora_rank:
+            raise ConfigError(
+                "compiled blocks are not modelled with LoRA yet: use one or the other"
+            )
+
     @property
     def is_lora(self) -> bool:
         """Whether only LoRA adapters are trained."""
@@ -437,6 +465,8 @@ class TrainConfig:
             parts.append(f"optim:{self.optimizer.value}")
         if self.lora_rank:
             parts.append(f"lora:r{self.lora_rank}")
+        if self.torch_compile:
+            parts.append("compile")
         if self.act_offload:
             parts.append("act:host")
         return " ".join(parts)
@@ -535,6 +565,7 @@ KNOB_OFF: Mapping[str, Any] = MappingProxyType(
         "optimizer": Optimizer.ADAMW,
         "lora_rank": 0,
         "act_offload": False,
+        "torch_compile": False,
     }
 )
 """Each :class:`TrainConfig` field beyond the ladder at its off value: a configuration with

@@ -243,6 +243,14 @@ ACT_OFFLOAD_NOTE = (
 )
 """How to train with the activation offload autotune measured, in any trainer."""
 
+COMPILE_NOTE = (
+    "after any checkpointing wraps the blocks and before the trainer wraps the model, call "
+    "block.compile() on each of autotune.probe.modeling.decoder_blocks(model), as autotune "
+    "measured (TrainingArguments' torch_compile and accelerate's dynamo_backend compile the "
+    "whole model instead)"
+)
+"""How to train with the compiled blocks autotune measured, in any trainer."""
+
 
 def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
     """What ``fmt`` cannot carry of ``launch``'s configuration, each with what to do instead
@@ -282,6 +290,11 @@ def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
         )
     if config.is_lora:  # no trainer format carries the model's adapters
         notes.append(f"--format {Format(fmt).value} has no setting for LoRA: {lora_note(config)}")
+    if config.torch_compile:  # the formats' compile options compile the whole model
+        notes.append(
+            f"--format {Format(fmt).value} has no setting for compiling each decoder block: "
+            f"{COMPILE_NOTE}"
+        )
     if config.act_offload:  # no trainer format has autotune's activation offload
         notes.append(
             f"--format {Format(fmt).value} has no setting for the activation offload autotune "
@@ -591,6 +604,7 @@ def _torchrun(launch: Launch) -> str:
             if config.is_lora
             else "full fine-tuning"
         ),
+        "compiled": "each decoder block" if config.torch_compile else "no",
         "activation offload": (
             "saved tensors in pinned host memory" if config.act_offload else "none"
         ),

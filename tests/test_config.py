@@ -244,6 +244,7 @@ def test_to_dict_values() -> None:
         "loss": "full",
         "optimizer": "adamw",
         "lora_rank": 0,
+        "torch_compile": False,
         "act_offload": False,
     }
 

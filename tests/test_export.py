@@ -967,3 +967,15 @@ def test_activation_offload_says_how_in_every_format_and_the_trainer_runs_it(
     assert checkpointed is True
     # Each block's fp32 input, for the micro-batch's tokens: what the estimator moves too.
     assert held == spec.num_layers * mbs * 32 * spec.hidden_size * 4
+
+
+def test_compiled_blocks_say_how_in_every_format() -> None:
+    """The formats' compile options compile the whole model: each says how to compile each
+    block as autotune measured, and the torchrun script lists it."""
+    config = TrainConfig(engine=Engine.DDP, torch_compile=True)
+    for fmt in (Format.HF, Format.ACCELERATE, Format.TORCHRUN):
+        [note] = knob_notes(launch(config), fmt)
+        assert note.startswith(f"--format {fmt.value} has no setting for compiling each")
+        assert "block.compile()" in note
+    assert "compiled: each decoder block" in render(launch(config), Format.TORCHRUN)
+    assert knob_notes(launch(TrainConfig(engine=Engine.DDP)), Format.HF) == []

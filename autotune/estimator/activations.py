@@ -107,6 +107,10 @@ class ActivationProfile:
     (under LoRA, of its adapters: the frozen weights are already in 16 bits)."""
     head_weight_copy_bytes: int
     """Autocast's bf16 copy of the lm_head weight."""
+    layer_recomputed_per_token: float = 0.0
+    """What a checkpointed block's backward holds of its recomputed forward: what it saves
+    (eager), or the eager block's saved set where the block is compiled (its backward graph
+    recomputes the forward's intermediates and keeps them for its own backward)."""
     layer_unpacked_per_token: float = 0.0
     """Activation offload: what a block's backward brings back from the host at its peak on
     top of :attr:`layer_backward_per_token` (its saved tensors return one node at a time)."""
@@ -174,6 +178,15 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         mlp = 4 * act * i  # gate, up, silu(gate), and their product (down_proj's input)
 
     layer_saved = 2 * norm + linear_inputs + attention + mlp
+    recomputed = layer_saved
+    if config.torch_compile and not gpt2 and config.attention is not Attention.EAGER:
+        # A compiled block keeps what the min-cut partitioner chooses (listed from the graphs
+        # AOT autograd partitions for a llama block, every dtype regime): its input, each
+        # norm's statistics and output (the q/k/v and gate/up projections share one), q and k
+        # after RoPE, v, the attention kernel's output and log-sum-exp, o_proj's input (its own
+        # copy) and output (the second norm's input is rebuilt from it), gate, up and their
+        # product; the norms' fp32 inputs and silu(gate) are recomputed in the backward.
+        layer_saved = residual * d + 2 * stats + 4 * heads + act * (3 * d + 3 * q + 2 * kv + 3 * i)
     # Op-level selective checkpointing keeps the block's input and every output of the ops it
     # saves (autotune.config.SELECTIVE_SAVED_OPS): the q, k, v, o projections, the MLP's
     # matmuls (gate, up, down; GPT-2: c_fc, c_proj) and the attention kernel's output and
@@ -262,6 +275,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         layer_selective_per_token=selective,
         layer_backward_per_token=9 * d + 2 * i,
         layer_unpacked_per_token=max(0, 5 * act * i - (9 * d + 2 * i)),
+        layer_recomputed_per_token=recomputed,
         head_saved_per_token=head_saved,
         head_forward_per_token=head_forward,
         head_backward_per_token=head_backward,

@@ -418,7 +418,7 @@ def estimate_memory(
     for j in reversed(walked):
         grads = states.gradients_head + (layers - 1 - j) * states.gradients_per_layer
         if recomputed(j):
-            own = saved
+            own = prof.layer_recomputed_per_token * tokens
         elif config.act_offload:
             own = prof.layer_unpacked_per_token * tokens  # back one node at a time
         else:

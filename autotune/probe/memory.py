@@ -147,6 +147,10 @@ class LiveTensorBytes(TorchDispatchMode):
             "limit (--device-memory emulation)"
         )
 
+    supports_higher_order_operators = True
+    """A higher-order operator (a compiled, checkpointed block's ``run_and_save_rng_state``)
+    runs as any op: its outputs are counted."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:

@@ -79,6 +79,10 @@ def build_model(
         from autotune.probe.offload import apply_activation_offload
 
         apply_activation_offload(decoder_blocks(model))
+    if config.torch_compile:
+        from autotune.probe.compile import apply_compile
+
+        apply_compile(decoder_blocks(model))
     return model
 
 

@@ -274,6 +274,12 @@ def _check_traceable(config: TrainConfig, *, world_size: int) -> None:
             f"offload {config.offload.value} cannot be traced: the trace counts one device's "
             "memory and has no host side"
         )
+    if config.torch_compile:
+        raise ValueError(
+            "compiled blocks cannot be traced: torch.compile does not trace under the trace's "
+            "fake tensors; probe it on the CPU (autotune probe --device cpu --compile), whose "
+            "tensor counter runs the partitioned graphs"
+        )
     if config.act_offload:
         raise ValueError(
             "activation offload cannot be traced: the trace counts one device's memory and has "

@@ -95,6 +95,7 @@ def _distributions() -> dict[str, BaseDistribution]:
         "optimizer": CategoricalDistribution([x.value for x in Optimizer]),
         "lora_rank": IntDistribution(0, 1 << 12),
         "act_offload": CategoricalDistribution([False, True]),
+        "torch_compile": CategoricalDistribution([False, True]),
         "micro_batch_size": IntDistribution(1, 1 << 16),
     }
 

@@ -160,7 +160,7 @@ def test_a_knob_shares_its_twins_error_and_is_never_faster(seed: int) -> None:
     old_key = sorted(
         (k, v)
         for k, v in twin.to_dict().items()
-        if k not in ("loss", "ac_ops", "optimizer", "lora_rank", "act_offload")
+        if k not in ("loss", "ac_ops", "optimizer", "lora_rank", "act_offload", "torch_compile")
     )  # the fields a configuration had before the knobs
     rng = _draw("term", seed, 0, "llama-7b", old_key)
     assert device.bias("llama-7b", twin, 1) == (rng.uniform(0.5, 1.5), rng.uniform(0.5, 1.5))

@@ -234,6 +234,7 @@ def test_fsdp_shards_the_state_over_a_fake_process_group(states_model: ModelSpec
         ({}, 2, "engine single runs one process"),
         ({"lora_rank": 8}, 1, "LoRA cannot be traced"),
         ({"act_offload": True}, 1, "activation offload cannot be traced"),
+        ({"torch_compile": True}, 1, "compiled blocks cannot be traced"),
     ],
 )
 def test_untraceable_configurations_are_rejected(
