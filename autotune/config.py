@@ -415,12 +415,12 @@ class TrainConfig:
             )
 
     def _validate_compile(self) -> None:
-        """What compiled blocks are modelled and probed with: the plain engines, block
-        checkpointing, full fine-tuning."""
-        if self.engine not in (Engine.SINGLE, Engine.DDP):
+        """What compiled blocks are modelled and probed with: the plain engines and FSDP2,
+        block checkpointing, full fine-tuning."""
+        if self.engine is Engine.DEEPSPEED:
             raise ConfigError(
-                "compiled blocks are wired for the plain engines yet: use --engine single or ddp "
-                "with --compile"
+                "compiled blocks are not wired for DeepSpeed (its engine compiles through a "
+                "config section of its own): use --engine fsdp, ddp or single with --compile"
             )
         if self.ac_ops:
             raise ConfigError(
