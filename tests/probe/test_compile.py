@@ -74,11 +74,10 @@ def test_compiled_blocks_give_the_same_loss_and_gradients(ac_every: int) -> None
     ("knobs", "ranks"),
     [
         ({}, 1),
-        ({"precision": "fp32"}, 1),
-        ({"ac_every": 1}, 1),
+        ({"precision": "fp32", "ac_every": 1}, 1),
         ({"engine": "fsdp", "zero_stage": 3}, 2),
     ],
-    ids=["bf16-mixed", "fp32", "every-block", "fsdp-z3"],
+    ids=["bf16-mixed", "fp32-every-block", "fsdp-z3"],
 )
 def test_probe_saves_what_the_estimator_predicts(
     run_probe: RunProbe, compact: Path, knobs: dict, ranks: int

@@ -14,9 +14,10 @@ recorded.
   and that export run for its steps: its peak within 10 % of the probe's, its tokens/s as a
   ratio to a probe of the same point measured just before it.
 - The same for a torchrun script over 2 ranks, and for an accelerate script (one rank:
-  ``accelerate launch`` on a CPU starts several ranks unjoined).
+  ``accelerate launch`` on a CPU starts several ranks unjoined; beside other tests, so its
+  export's tokens/s are printed, not compared).
 - DeepSpeed through the Trainer over 2 ranks: tuned and exported the same way (beside other
-  tests, so its tokens/s ratio is printed, not checked; no first probe of it sweeps a size
+  tests, so its export's tokens/s are printed, not compared; no first probe of it sweeps a size
   that runs out, so its cap is a fixed one), and a probe that runs DeepSpeed's engine from
   the adapter's JSON.
 - Bad jobs: a crash at import, a script that ignores the batch flags, one that never trains,
@@ -251,7 +252,7 @@ def check_tuned_and_exported(
 ) -> None:
     """Tune the job, export its best, run the export; ``spread``: how far apart the tokens/s
     of the export's run and of a probe of the same point just before it may be (a factor;
-    None: printed, not checked, where other tests share the cores); ``cap``: a cap to tune
+    None: not probed again, where other tests share the cores); ``cap``: a cap to tune
     under instead of one that puts a real OOM in the first probe."""
     storage = f"sqlite:///{tmp_path}/at.db"
     limit = cap if cap is not None else case.cap(tmp_path / "cap")
@@ -290,18 +291,18 @@ def check_tuned_and_exported(
     assert "your job</td>" in html and "autotune export --format command" in html
     ran = run_export(exported["text"], case, best, tmp_path / "export")
     peak = max(e["peak_reserved_bytes"] for e in ran["sizes"])
-    again = probe_again(ran["spec"], tmp_path / "again", case.warm)
-    ratio = ran["sizes"][0]["tokens_per_second"] / again
+    speed = ran["sizes"][0]["tokens_per_second"]
     print(
         f"{case.job.name}: best {best['label']} micro-batch {best['micro_batch_size']} "
         f"accumulation {best['grad_accum']}: probed peak {recorded['peak_bytes']} B, exported "
         f"run's peak {peak} B ({peak / recorded['peak_bytes']:.3f}x); tokens/s recorded "
-        f"{recorded['tokens_per_second']:.0f}, probed again {again:.0f}, exported run "
-        f"{ran['sizes'][0]['tokens_per_second']:.0f} ({ratio:.2f}x the probe just before); "
-        f"against the stand-in's prediction: {summary['prediction_gap']}"
+        f"{recorded['tokens_per_second']:.0f}, exported run {speed:.0f}; against the "
+        f"stand-in's prediction: {summary['prediction_gap']}"
     )
     assert abs(peak - recorded["peak_bytes"]) <= 0.10 * recorded["peak_bytes"]
-    if spread is not None:
+    if spread is not None:  # against a probe of the same point just before, on quiet cores
+        ratio = speed / probe_again(ran["spec"], tmp_path / "again", case.warm)
+        print(f"{ratio:.2f}x the probe just before")
         assert 1 / spread <= ratio <= spread  # the same point, not another configuration
 
 
@@ -329,12 +330,19 @@ def test_an_accelerate_script_is_tuned_and_its_export_runs_as_probed(
     tmp_path: Path, model_dir: Path
 ) -> None:
     args = ("--model", str(model_dir), "--seq-len", str(SEQ), "--steps", "50")
+    # A budget of a few probes, each a fresh `accelerate launch` (the first has the OOM and a
+    # fit).
     case = Case(
-        EXAMPLES / "train_accelerate.py", "accelerate", args, model_dir, batch_flag="--batch-size"
+        EXAMPLES / "train_accelerate.py",
+        "accelerate",
+        args,
+        model_dir,
+        batch_flag="--batch-size",
+        budget="60s",
     )
-    # Not a serial test (it is the suite's longest, every probe a fresh `accelerate launch`):
-    # its tokens/s beside the probe's are printed; the Trainer's and torchrun's tests, which
-    # have the cores to themselves, check that ratio.
+    # Not a serial test (it is the suite's longest): its export's tokens/s are printed; the
+    # Trainer's and torchrun's tests, which have the cores to themselves, compare theirs with
+    # a probe of the same point.
     check_tuned_and_exported(tmp_path, case, spread=None)
 
 

@@ -14,6 +14,7 @@ size up, failed, interrupted, running on another worker, re-measured), the next 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from collections import Counter, defaultdict
@@ -23,7 +24,7 @@ from typing import Protocol, TypeVar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autotune.config import TrainConfig
+from autotune.config import PLANNED_KNOBS, TrainConfig
 from autotune.estimator.plan import PlanRow, plan
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
@@ -44,7 +45,10 @@ WORKLOADS = (
 def _space(index: int) -> tuple[list[PlanRow], list[int]]:
     model, gpu, gpus, seq_len, batch = WORKLOADS[index]
     workload = Workload(seq_len=seq_len, global_batch=batch, world_size=gpus)
-    return plan(resolve_model(model), gpu_spec(gpu), workload), micro_batch_options(workload)
+    # The planned knobs but activation offload (its rows add time here, not branches).
+    knobs = dataclasses.replace(PLANNED_KNOBS, activation_offload=False)
+    rows = plan(resolve_model(model), gpu_spec(gpu), workload, knobs=knobs)
+    return rows, micro_batch_options(workload)
 
 
 class Draw(Protocol):
