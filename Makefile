@@ -64,7 +64,7 @@ run: install
 # The suite on both cores: what does not race the clock in parallel, then the rest alone
 # (tests/conftest.py: SERIAL); the 25 slowest tests of each part are printed.
 test: install
-	$(BIN)/python -m pytest -q -n 2 -m "not serial" --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not serial" --durations=25 $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m serial --durations=25 $(PYTEST_ARGS)
 
 test-fast: install

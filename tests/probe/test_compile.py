@@ -73,11 +73,10 @@ def test_compiled_blocks_give_the_same_loss_and_gradients(ac_every: int) -> None
 @pytest.mark.parametrize(
     ("knobs", "ranks"),
     [
-        ({}, 1),
         ({"precision": "fp32", "ac_every": 1}, 1),
         ({"engine": "fsdp", "zero_stage": 3}, 2),
     ],
-    ids=["bf16-mixed", "fp32-every-block", "fsdp-z3"],
+    ids=["fp32-every-block", "fsdp-z3-bf16-mixed"],
 )
 def test_probe_saves_what_the_estimator_predicts(
     run_probe: RunProbe, compact: Path, knobs: dict, ranks: int
@@ -120,7 +119,7 @@ def test_probe_saves_what_the_estimator_predicts(
         )
         error = predicted[True] / measured[True][mbs] - 1
         assert -0.06 <= error <= 0.12, error
-        if not knobs.get("ac_every"):
+        if not knobs.get("ac_every"):  # FSDP2's estimate is 1-4 % over without compiling
             saved = measured[False][mbs] - measured[True][mbs]
             assert saved > 0
             assert abs(predicted[False] - predicted[True] - saved) <= 0.04 * measured[False][mbs]

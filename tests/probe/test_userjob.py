@@ -326,6 +326,7 @@ def test_a_torchrun_script_over_two_ranks_is_tuned_and_its_export_runs_as_probed
     check_tuned_and_exported(tmp_path, case)
 
 
+@pytest.mark.serial
 def test_an_accelerate_script_is_tuned_and_its_export_runs_as_probed(
     tmp_path: Path, model_dir: Path
 ) -> None:
@@ -340,9 +341,9 @@ def test_an_accelerate_script_is_tuned_and_its_export_runs_as_probed(
         batch_flag="--batch-size",
         budget="60s",
     )
-    # Not a serial test (it is the suite's longest): its export's tokens/s are printed; the
-    # Trainer's and torchrun's tests, which have the cores to themselves, compare theirs with
-    # a probe of the same point.
+    # Its export's tokens/s are printed; the Trainer's and torchrun's tests compare theirs with
+    # a probe of the same point (a second probe here would be the suite's longest test's
+    # longest part: every probe is a fresh `accelerate launch`).
     check_tuned_and_exported(tmp_path, case, spread=None)
 
 
