@@ -76,14 +76,10 @@ def test_offload_gives_the_same_loss_and_gradients(ac_every: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("knobs", "ranks", "within"),
-    [
-        ({}, 1, 0.03),
-        ({"precision": "bf16", "ac_every": 2}, 1, 0.03),
-        # FSDP2 on this shape: the estimator is 3-9 % over without offload too (with it, +5 % at
-        # 2 sequences in one run, -1 % in another: its frees vary with the ranks' timing).
-        ({"engine": "fsdp", "zero_stage": 3}, 2, 0.08),
-    ],
-    ids=["single", "single-bf16-every-2", "fsdp-z3"],
+    # FSDP2 measured once (docs/estimator.md): its peaks on this shape vary by a few percent
+    # from run to run with the ranks' timing, and its estimate is 3-9 % over without offload.
+    [({}, 1, 0.03), ({"engine": "ddp"}, 2, 0.03)],
+    ids=["single", "ddp"],
 )
 def test_probe_moves_what_the_estimator_predicts(
     run_probe: RunProbe, blocky: Path, knobs: dict, ranks: int, within: float

@@ -72,11 +72,9 @@ def test_compiled_blocks_give_the_same_loss_and_gradients(ac_every: int) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("knobs", "ranks"),
-    [
-        ({"precision": "fp32", "ac_every": 1}, 1),
-        ({"engine": "fsdp", "zero_stage": 3}, 2),
-    ],
-    ids=["fp32-every-block", "fsdp-z3-bf16-mixed"],
+    # FSDP2 and the others measured once (docs/estimator.md).
+    [({"precision": "fp32", "ac_every": 1}, 1), ({}, 1)],
+    ids=["fp32-every-block", "bf16-mixed"],
 )
 def test_probe_saves_what_the_estimator_predicts(
     run_probe: RunProbe, compact: Path, knobs: dict, ranks: int

@@ -116,10 +116,10 @@ def test_probe_measures_the_saving_the_estimator_predicts(
     run_probe: RunProbe, blocky: Path
 ) -> None:
     """The probe's counter of live tensor bytes with and without op-level checkpointing, at
-    2, 4 and 8 sequences of 512 tokens: each peak within 2 % of its estimate, and the measured
-    saving within 10 % of the predicted one."""
+    2 and 4 sequences of 512 tokens (8 measured once: docs/estimator.md): each peak within
+    2 % of its estimate, and the measured saving within 10 % of the predicted one."""
     spec = resolve_model(str(blocky))
-    sizes = (2, 4, 8)
+    sizes = (2, 4)
     measured = {}
     for ops in (False, True):
         result = run_probe(

@@ -331,8 +331,6 @@ def test_an_accelerate_script_is_tuned_and_its_export_runs_as_probed(
     tmp_path: Path, model_dir: Path
 ) -> None:
     args = ("--model", str(model_dir), "--seq-len", str(SEQ), "--steps", "50")
-    # A budget of a few probes, each a fresh `accelerate launch` (the first has the OOM and a
-    # fit).
     case = Case(
         EXAMPLES / "train_accelerate.py",
         "accelerate",
@@ -341,10 +339,11 @@ def test_an_accelerate_script_is_tuned_and_its_export_runs_as_probed(
         batch_flag="--batch-size",
         budget="60s",
     )
-    # Its export's tokens/s are printed; the Trainer's and torchrun's tests compare theirs with
-    # a probe of the same point (a second probe here would be the suite's longest test's
-    # longest part: every probe is a fresh `accelerate launch`).
-    check_tuned_and_exported(tmp_path, case, spread=None)
+    # Every probe here is a fresh `accelerate launch`, so the suite's longest test keeps to
+    # what only it shows (accelerate's launch tuned, exported and run): a fixed cap, not one
+    # searched for an OOM in the first probe, and no second probe of the export's point (the
+    # Trainer's and torchrun's tests show both).
+    check_tuned_and_exported(tmp_path, case, spread=None, cap=6 << 20)
 
 
 def test_deepspeed_through_the_trainer_is_tuned_and_its_export_runs_as_probed(
