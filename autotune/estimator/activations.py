@@ -107,7 +107,7 @@ class ActivationProfile:
     (under LoRA, of its adapters: the frozen weights are already in 16 bits)."""
     head_weight_copy_bytes: int
     """Autocast's bf16 copy of the lm_head weight."""
-    layer_recomputed_per_token: float = 0.0
+    layer_recomputed_per_token: float
     """What a checkpointed block's backward holds of its recomputed forward: what it saves
     (eager), or the eager block's saved set where the block is compiled (its backward graph
     recomputes the forward's intermediates and keeps them for its own backward)."""
@@ -178,7 +178,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         mlp = 4 * act * i  # gate, up, silu(gate), and their product (down_proj's input)
 
     layer_saved = 2 * norm + linear_inputs + attention + mlp
-    recomputed = layer_saved
+    recomputed = None  # a checkpointed block's backward: what it saves, unless compiled
     if config.torch_compile and not gpt2 and config.attention is not Attention.EAGER:
         # A compiled block keeps what the min-cut partitioner chooses (listed from the graphs
         # AOT autograd partitions for a llama block, every dtype regime): its input, each
@@ -186,6 +186,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         # after RoPE, v, the attention kernel's output and log-sum-exp, o_proj's input (its own
         # copy) and output (the second norm's input is rebuilt from it), gate, up and their
         # product; the norms' fp32 inputs and silu(gate) are recomputed in the backward.
+        recomputed = layer_saved
         layer_saved = residual * d + 2 * stats + 4 * heads + act * (3 * d + 3 * q + 2 * kv + 3 * i)
     # Op-level selective checkpointing keeps the block's input and every output of the ops it
     # saves (autotune.config.SELECTIVE_SAVED_OPS): the q, k, v, o projections, the MLP's
@@ -275,7 +276,7 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
         layer_selective_per_token=selective,
         layer_backward_per_token=9 * d + 2 * i,
         layer_unpacked_per_token=max(0, 5 * act * i - (9 * d + 2 * i)),
-        layer_recomputed_per_token=recomputed,
+        layer_recomputed_per_token=layer_saved if recomputed is None else recomputed,
         head_saved_per_token=head_saved,
         head_forward_per_token=head_forward,
         head_backward_per_token=head_backward,

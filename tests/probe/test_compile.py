@@ -136,3 +136,22 @@ def test_probe_saves_what_the_estimator_predicts(
 def test_combinations_it_is_not_modelled_with_are_refused(knobs: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         TrainConfig(**{"torch_compile": True, **knobs})
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TrainConfig(ac_every=1), TrainConfig(precision="bf16", ac_every=2, lora_rank=8)],
+    ids=["full", "lora"],
+)
+def test_only_a_compiled_block_is_recomputed_as_another_block_saves(config: TrainConfig) -> None:
+    """A checkpointed block's backward holds what the block saves (LoRA's own set under LoRA);
+    compiled, the eager block's saved set, which is more than the compiled block keeps."""
+    from autotune.estimator.activations import activation_profile
+
+    spec = resolve_model("tiny")
+    profile = activation_profile(spec, config, SEQ)
+    assert profile.layer_recomputed_per_token == profile.layer_saved_per_token
+    if not config.is_lora:
+        compiled = activation_profile(spec, TrainConfig(ac_every=1, torch_compile=True), SEQ)
+        assert compiled.layer_recomputed_per_token == profile.layer_saved_per_token
+        assert compiled.layer_saved_per_token < profile.layer_saved_per_token
