@@ -783,6 +783,34 @@ def _knobs(
     )
 
 
+def _stand_in_only(job: ScriptJob, config: TrainConfig) -> None:
+    """Refuse, in one line, a field of ``config`` that only autotune's stand-in has, for a
+    probe of the user's script ``job``, which builds its own model, loss and optimizer.
+
+    Raises:
+        ConfigError: The first such field set: a loss other than the full one, 8-bit AdamW,
+            activation offload (through :func:`_knobs`, one home for their messages),
+            op-level checkpointing, compiled blocks, LoRA.
+    """
+    _knobs(job, (config.loss,), False, (config.optimizer,))
+    _knobs(job, None, False, None, activation_offload=config.act_offload)
+    if config.ac_ops:
+        raise ConfigError(
+            "--ac ops is autotune's stand-in's checkpointing; your script checkpoints as its "
+            "framework does: use --ac off, every or every-N with --script"
+        )
+    if config.torch_compile:
+        raise ConfigError(
+            "--compile compiles the blocks of autotune's stand-in; your script builds its own "
+            "model: leave out --compile with --script (a Trainer takes torch_compile=True)"
+        )
+    if config.is_lora:
+        raise ConfigError(
+            "--lora-rank puts adapters on autotune's stand-in; your script builds its own "
+            "model: leave out --lora-rank with --script (wrap it with peft there)"
+        )
+
+
 def _lora_rank(value: int | None) -> int:
     """LoRA's rank as asked (``--lora-rank`` with ``--allow lora``): 0 when not allowed (None);
     one line below 1."""
@@ -1213,19 +1241,7 @@ def probe(
     if job is not None:
         model = model or _script_model(job)
         check_engines(job, [(config or TrainConfig()).engine])
-        asked = config or TrainConfig()
-        _knobs(job, (asked.loss,), False, (asked.optimizer,))
-        if asked.ac_ops:
-            raise ConfigError(
-                "--ac ops is autotune's stand-in's checkpointing; your script checkpoints as its "
-                "framework does: use --ac off, every or every-N with --script"
-            )
-        _knobs(job, None, False, None, activation_offload=asked.act_offload)
-        if asked.is_lora:
-            raise ConfigError(
-                "--lora-rank puts adapters on autotune's stand-in; your script builds its own "
-                "model: leave out --lora-rank with --script (wrap it with peft there)"
-            )
+        _stand_in_only(job, config or TrainConfig())
         if (nodes or 1) > 1 or hosts:
             raise ConfigError("--script runs on one node: leave out --nodes and --hosts")
     if model is None:

@@ -212,6 +212,14 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         ("probe", *CPU, "--script", "train.py", "--framework", "hf", "--ac", "ops"),
         "--ac ops is autotune's stand-in's checkpointing",
     ),
+    (
+        ("probe", *CPU, "--script", "train.py", "--framework", "hf", "--compile"),
+        "leave out --compile with --script",
+    ),
+    (
+        ("probe", *CPU, "--script", "train.py", "--framework", "hf", "--act-offload"),
+        "leave out --act-offload with --script",
+    ),
     (("run", *CPU, "--", "--lr", "1"), "arguments after -- without --script"),
     (("run", *CPU[2:], "--script", "train.py", "--framework", "hf"), "give --model with --script"),
     (

@@ -27,7 +27,8 @@ __all__ = [
 
 FAULT_ENV = "AUTOTUNE_TEST_FAULT"
 """In an armed process: ``KIND@RANK`` (or ``KIND`` for every rank; ``KIND@RANK:ENGINE`` only
-in probes of that engine) makes that rank fail for real. Right after the build:
+in probes of that engine, ``KIND@RANK:LABEL`` only in probes of the configuration of that
+label, ``TrainConfig.label()``) makes that rank fail for real. Right after the build:
 ``segfault``, ``sigkill``, ``hang``, ``error``, ``flood`` (a flood of stdout and stderr,
 then training on) and ``stray`` (a child in a process group of its own, as ninja starts its
 compilers, then a hang). After the last size, before a clean exit: ``garble`` (its report cut in
@@ -65,10 +66,11 @@ def read_request(probe_dir: Path) -> str:
         return ""
 
 
-def fault_for(request: str, rank: int, engine: str) -> str | None:
-    """The fault ``request`` asks of ``rank`` in a probe of ``engine``, if any."""
+def fault_for(request: str, rank: int, engine: str, label: str = "") -> str | None:
+    """The fault ``request`` asks of ``rank`` in a probe of ``engine`` whose configuration's
+    label is ``label``, if any."""
     kind, _, where = request.partition("@")
     which, _, only = where.partition(":")
-    if not kind or (which and int(which) != rank) or (only and only != engine):
+    if not kind or (which and int(which) != rank) or (only and only not in (engine, label)):
         return None
     return kind

@@ -30,6 +30,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from autotune.config import TrainConfig
 from autotune.hardware import peak_flops_for
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.data import synthetic_batch
@@ -67,9 +68,9 @@ _fault_request = ""
 """This probe's test fault request (:mod:`autotune.probe.faults`), read from its folder."""
 
 
-def _fault(rank: int, engine: str) -> str | None:
+def _fault(rank: int, config: TrainConfig) -> str | None:
     """The fault the probe's test fault request asks of this rank, if any."""
-    return fault_for(_fault_request, rank, engine)
+    return fault_for(_fault_request, rank, config.engine.value, config.label())
 
 
 def _flood() -> None:
@@ -82,8 +83,8 @@ def _flood() -> None:
         os.write(fd, b"flood ends\n")
 
 
-def _inject_fault(rank: int, engine: str) -> None:
-    kind = _fault(rank, engine)
+def _inject_fault(rank: int, config: TrainConfig) -> None:
+    kind = _fault(rank, config)
     if kind == "segfault":
         ctypes.string_at(0)  # a real SIGSEGV
     elif kind == "sigkill":
@@ -101,10 +102,10 @@ def _inject_fault(rank: int, engine: str) -> None:
         time.sleep(10**6)
 
 
-def _spoil_report(path: Path, rank: int, engine: str) -> None:
+def _spoil_report(path: Path, rank: int, config: TrainConfig) -> None:
     """The report faults of a test fault request: what a torn write, a full disk or another
     process would leave of the report."""
-    kind = _fault(rank, engine)
+    kind = _fault(rank, config)
     if kind == "garble":
         text = path.read_text()
         path.write_text(text[: len(text) // 2])
@@ -172,7 +173,7 @@ class _StepLoop:
         )
         meter.reset()
         self.stage = Stage.FORWARD
-        _inject_fault(self.rank.rank, spec.config.engine.value)
+        _inject_fault(self.rank.rank, spec.config)
         micro_times: list[float] = []
         optimizer_times: list[float] = []
         losses: list[float] = []
@@ -441,8 +442,8 @@ def run(probe_dir: Path) -> int:
         if built is None:
             return 1
         code = _measure(probe, built)
-        _spoil_report(probe.report.path, probe.rank.rank, probe.spec.config.engine.value)
-        if code == 0 and _fault(probe.rank.rank, probe.spec.config.engine.value) == "linger":
+        _spoil_report(probe.report.path, probe.rank.rank, probe.spec.config)
+        if code == 0 and _fault(probe.rank.rank, probe.spec.config) == "linger":
             time.sleep(10**6)  # finished, but never exits (a teardown that hangs)
         return code
 

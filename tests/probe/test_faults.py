@@ -23,7 +23,7 @@ from conftest import RunProbe, probe_failure_text, read_json
 
 import autotune
 from autotune.config import Engine, TrainConfig
-from autotune.probe.faults import FAULT_ENV
+from autotune.probe.faults import FAULT_ENV, fault_for
 from autotune.probe.launcher import read_report
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.output import HEAD_BYTES, TAIL_BYTES, CappedLog
@@ -348,3 +348,23 @@ def test_a_trials_dir_that_is_a_file_fails_the_run_even_with_an_earlier_best(
         "give --trials-dir a folder" in " ".join(done.stdout.split())
     )
     assert "best: " in done.stdout and (tmp_path / "afile").read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize(
+    ("request_", "rank", "engine", "label", "kind"),
+    [
+        ("hang", 1, "ddp", "ddp ac:off", "hang"),
+        ("hang@0", 1, "ddp", "ddp ac:off", None),
+        ("hang@1:ddp", 1, "ddp", "ddp ac:off", "hang"),
+        ("hang@1:fsdp", 1, "ddp", "ddp ac:off", None),
+        ("hang@0:single ac:off", 0, "single", "single ac:off", "hang"),
+        ("hang@0:single ac:off", 0, "single", "single ac:every", None),
+        ("", 0, "single", "single ac:off", None),
+    ],
+)
+def test_a_fault_request_names_its_rank_engine_or_configuration(
+    request_: str, rank: int, engine: str, label: str, kind: str | None
+) -> None:
+    """A request reaches the rank, engine or configuration (its label, colons and all) it
+    names, and no other."""
+    assert fault_for(request_, rank, engine, label) == kind

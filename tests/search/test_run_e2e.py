@@ -47,6 +47,7 @@ from autotune.cli import app
 from autotune.config import TrainConfig, ac_to_text
 from autotune.estimator.plan import PlanRow
 from autotune.hardware import cpu_device_spec
+from autotune.probe import faults
 from autotune.search.ladder import PRIOR_ERROR
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,8 @@ class Setup:
     oom_size: int
     """The size its first probe sweeps that really runs out of memory under ``cap`` (the next
     smaller size, swept too, fits)."""
+    second: str
+    """The label of the configuration the search probes second."""
     why: str
 
 
@@ -247,11 +250,20 @@ def tuner_command(setup: Setup, root: Path, *extra: str) -> list[str]:
     ]
 
 
-def start_tuner(setup: Setup, root: Path) -> subprocess.Popen[str]:
-    """The tuner in its own session (so signals reach it and not pytest)."""
+def start_tuner(setup: Setup, root: Path, hold_second: bool = False) -> subprocess.Popen[str]:
+    """The tuner in its own session (so signals reach it and not pytest). ``hold_second``:
+    the second configuration's probe hangs after its build (a test fault, with the tuner
+    armed as the suite is), so a signal always finds it running, however fast its steps."""
+    command = tuner_command(setup, root)
+    env = dict(os.environ)
+    env.pop(faults.FAULT_ENV, None)
+    if hold_second:
+        command[1:3] = ["-c", f"from autotune.probe import faults; faults.arm(); {command[2]}"]
+        env[faults.FAULT_ENV] = f"hang@0:{setup.second}"
     return subprocess.Popen(
-        tuner_command(setup, root),
+        command,
         cwd=root,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -588,7 +600,14 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     assert rows[0]["config"] == config, (rows[0]["label"], why)
     assert row["micro_batch_size"] == first, (row["micro_batch_size"], why)
     assert row["memory"]["peak_bytes"] == predicted[first], why
-    return Setup(workload=workload, cap=cap, config=config, oom_size=above, why=why)
+    return Setup(
+        workload=workload,
+        cap=cap,
+        config=config,
+        oom_size=above,
+        second=rival.config.label(),
+        why=why,
+    )
 
 
 # --------------------------------------------------------------------------- the tests
@@ -641,7 +660,7 @@ def test_a_real_oom_is_recorded_and_the_search_ends_feasible(root: Path, setup: 
 
 def test_b_a_killed_tuner_resumes_without_repeating_a_probe(root: Path, setup: Setup) -> None:
     """B: SIGKILL the tuner while its second probe runs (its ranks die with it), rerun."""
-    tuner = start_tuner(setup, root)
+    tuner = start_tuner(setup, root, hold_second=True)
     probe_dir = wait_for_second_probe(tuner, root, setup)
     os.killpg(tuner.pid, signal.SIGKILL)  # the tuner's own session: only the tuner
     tuner.wait()  # reaped: its pid is gone, as after a crash
@@ -683,7 +702,7 @@ def test_c_ctrl_c_stops_the_probe_records_it_and_a_rerun_retries_it(
     An interrupted `autotune run` exits 128 + the signal's number (130, 143), after printing
     its summary with the best found so far (here the first probe's feasible size).
     """
-    tuner = start_tuner(setup, root)
+    tuner = start_tuner(setup, root, hold_second=True)
     probe_dir = wait_for_second_probe(tuner, root, setup)
     if signum == signal.SIGINT:
         os.killpg(tuner.pid, signum)  # a terminal's Ctrl-C: the foreground group
