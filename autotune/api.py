@@ -50,6 +50,8 @@ from autotune.estimator.host import estimate_host, usable_host_bytes
 from autotune.estimator.memory import estimate_memory
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, usable_bytes
 from autotune.estimator.plan import plan as plan_rows
+from autotune.estimator.rlhf import RLHFRow
+from autotune.estimator.rlhf import plan_rlhf as rlhf_rows
 from autotune.hardware import (
     GpuSpec,
     cpu_device_spec,
@@ -64,6 +66,14 @@ from autotune.probe.launcher import new_probe_dir
 from autotune.probe.nodes import Nodes, nodes_from_environment
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
+from autotune.rlhf import (
+    GRPO_HAS_NO_CRITIC,
+    Algorithm,
+    RLHFModels,
+    RLHFWorkload,
+    parse_placements,
+    parse_shares,
+)
 from autotune.script import (
     FRAMEWORK_ENGINES,
     Framework,
@@ -96,12 +106,14 @@ __all__ = [
     "Export",
     "JobResult",
     "Plan",
+    "RLHFPlan",
     "Report",
     "StudyResult",
     "Tuning",
     "best",
     "export",
     "plan",
+    "plan_rlhf",
     "prepare",
     "probe",
     "trials",
@@ -297,6 +309,7 @@ def plan(
     optimizers: str | Iterable[Optimizer | str] | None = None,
     lora_rank: int | None = None,
     activation_offload: bool = True,
+    offload: bool = True,
 ) -> Plan:
     """Predict peak memory and throughput of every configuration (no GPU needed).
 
@@ -325,6 +338,7 @@ def plan(
         lora_rank: Also plan LoRA at this rank (``--allow lora``): rows of another training,
             ranked after every full fine-tuning row that fits; None: full fine-tuning alone.
         activation_offload: Try activation offload (``act:host``) where it pays.
+        offload: Include the CPU-offload rungs (``--no-offload`` leaves them out).
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     _check_attention(Attention(attention), "plan", precision)
@@ -358,6 +372,7 @@ def plan(
         host_memory_bytes=host.memory_bytes,
         host_cores=host.cores,
         knobs=knobs,
+        offload=offload,
     )
     return Plan(
         model=spec,
@@ -367,6 +382,139 @@ def plan(
         seconds=time.perf_counter() - started,
         host=host,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLHFPlan:
+    """Every layout of an RL iteration on a GPU, ranked by predicted samples per second."""
+
+    workload: RLHFWorkload
+    gpu: GpuSpec
+    rows: list[RLHFRow]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        w, models = self.workload, self.workload.models
+        return {
+            "rlhf": w.algorithm.value,
+            "models": {
+                role: None if m is None else m.name
+                for role, m in (
+                    ("policy", models.policy),
+                    ("reference", models.reference),
+                    ("critic", models.critic),
+                    ("reward", models.reward),
+                )
+            },
+            "gpu": self.gpu.key,
+            "gpus": w.world_size,
+            "seq_len": w.seq_len,
+            "response_len": w.response_len,
+            "rollout_batch": w.rollout_batch,
+            "predicted": True,
+            "assumed": "the rollout's speed and the engine's overheads (docs/rlhf.md)",
+            "seconds": self.seconds,
+            "fits": any(row.fits for row in self.rows),
+            "rows": [row.to_dict() for row in self.rows],
+        }
+
+
+def _role_model(value: str | ModelSpec | None, default: ModelSpec | None) -> ModelSpec | None:
+    """A role's model: as given (a preset, a config.json, ``none``), else ``default``."""
+    if isinstance(value, ModelSpec):
+        return value
+    if value is None:
+        return default
+    return None if _absent(value) else resolve_model(value)
+
+
+def _absent(value: str | ModelSpec) -> bool:
+    """Whether a role's model is given as ``none``: absent."""
+    return isinstance(value, str) and value.strip().lower() == "none"
+
+
+def plan_rlhf(
+    algorithm: str | Algorithm,
+    model: str | ModelSpec = "llama-7b",
+    *,
+    gpu: str | GpuSpec | None = None,
+    gpus: int | None = None,
+    gpus_per_node: int = 8,
+    seq_len: int | None = None,
+    response_len: int | None = None,
+    rollout_batch: int | None = None,
+    reference: str | ModelSpec | None = None,
+    critic: str | ModelSpec | None = None,
+    reward: str | ModelSpec | None = None,
+    rollout_share: str | float | None = None,
+    sleep: bool | None = None,
+    frozen: str | None = None,
+    engines: Iterable[Engine] | None = None,
+    precision: Precision | None = None,
+    offload: bool = False,
+    reserve: str | int = DEVICE_RESERVE_BYTES,
+) -> RLHFPlan:
+    """Predict every layout of a PPO or GRPO iteration with a colocated rollout engine.
+
+    Args:
+        algorithm: ``ppo`` (policy and critic trained) or ``grpo`` (no critic).
+        model: The policy: a preset, a config.json or a spec.
+        gpu, gpus, gpus_per_node: The GPUs, as for :func:`plan`.
+        seq_len: Tokens of a sequence, prompt and response (default as :func:`plan`).
+        response_len: Tokens generated per sequence (default: half the sequence).
+        rollout_batch: Sequences an iteration generates and trains on, all GPUs (default 2
+            per GPU).
+        reference, critic, reward: Each role's model (a preset, a config.json, or ``none``
+            for absent); default: the policy's shape (PPO's critic; GRPO has none).
+        rollout_share: The engine's share of each GPU (``0.5``, ``50%``, ``0.4,0.6``);
+            default: every share of :data:`autotune.rlhf.SHARES`.
+        sleep: Whether the engine sleeps during scoring and training; None: both.
+        frozen: Where the frozen models wait: ``gpu``, ``host`` or ``gpu,host`` (default).
+        engines: The trainer's engines; default DeepSpeed ZeRO (OpenRLHF's and TRL's
+            trainer), every stage.
+        precision: The trainer's precision.
+        offload: Also try the trainer's CPU offload (off by default: the host link carries
+            the engine's sleep and the offloaded frozen models every iteration).
+        reserve: Device memory kept for the CUDA context.
+    """
+    try:
+        algo = Algorithm(algorithm)
+    except ValueError:
+        raise ConfigError(f"--rlhf {algorithm!r}: use ppo or grpo") from None
+    if algo is Algorithm.GRPO and critic is not None and not _absent(critic):
+        raise ConfigError(GRPO_HAS_NO_CRITIC)
+    policy = model if isinstance(model, ModelSpec) else resolve_model(model)
+    target, here = _gpu(gpu)
+    world = _count(gpus, "--gpus") or here
+    length = _seq_len(policy, seq_len)
+    models = RLHFModels(
+        policy=policy,
+        reference=_role_model(reference, policy),
+        critic=_role_model(critic, policy if algo is Algorithm.PPO else None),
+        reward=_role_model(reward, policy),
+    )
+    work = RLHFWorkload(
+        algorithm=algo,
+        models=models,
+        seq_len=length,
+        response_len=_count(response_len, "--response-len") or length // 2,
+        rollout_batch=_count(rollout_batch, "--rollout-batch") or 2 * world,
+        world_size=world,
+    )
+    started = time.perf_counter()
+    rows = rlhf_rows(
+        work,
+        target,
+        shares=parse_shares(rollout_share),
+        sleeps=(False, True) if sleep is None else (sleep,),
+        placements=parse_placements(frozen),
+        engines=list(engines) if engines is not None else [Engine.DEEPSPEED],
+        precision=precision,
+        offload=offload,
+        gpus_per_node=gpus_per_node,
+        reserve=_reserve(reserve, target),
+    )
+    return RLHFPlan(workload=work, gpu=target, rows=rows, seconds=time.perf_counter() - started)
 
 
 @dataclass(frozen=True, kw_only=True)

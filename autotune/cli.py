@@ -504,15 +504,130 @@ def plan(
     ] = None,
     host_memory: PlanHostMemory = None,
     host_cores: PlanHostCores = None,
+    offload: Annotated[
+        bool | None,
+        typer.Option(
+            "--offload/--no-offload",
+            help="Try the trainer's CPU offload rungs (default: yes; with --rlhf: no).",
+        ),
+    ] = None,
+    rlhf: Annotated[
+        str | None,
+        typer.Option(
+            help="Plan an RL iteration instead, ppo or grpo: --model is the policy, beside "
+            "its reference, critic and reward models and a rollout engine on the same GPUs.",
+            rich_help_panel="RLHF",
+        ),
+    ] = None,
+    rollout_share: Annotated[
+        str | None,
+        typer.Option(
+            help="The rollout engine's share of each GPU (vLLM's gpu_memory_utilization): "
+            "0.5, 50% or a list, 0.4,0.6 (default: 0.3 to 0.9).",
+            rich_help_panel="RLHF",
+        ),
+    ] = None,
+    sleep: Annotated[
+        bool | None,
+        typer.Option(
+            "--sleep/--no-sleep",
+            help="The engine sleeps while the models score and train (default: both tried).",
+            rich_help_panel="RLHF",
+        ),
+    ] = None,
+    frozen: Annotated[
+        str | None,
+        typer.Option(
+            help="Where the frozen models wait: gpu, host (offloaded between uses) or "
+            "gpu,host (default).",
+            rich_help_panel="RLHF",
+        ),
+    ] = None,
+    reference: Annotated[
+        str | None,
+        typer.Option(
+            help="The reference model (default: the policy's shape; none).", rich_help_panel="RLHF"
+        ),
+    ] = None,
+    critic: Annotated[
+        str | None,
+        typer.Option(help="PPO's critic (default: the policy's shape).", rich_help_panel="RLHF"),
+    ] = None,
+    reward: Annotated[
+        str | None,
+        typer.Option(
+            help="The reward model (default: the policy's shape; none for a rule-based reward).",
+            rich_help_panel="RLHF",
+        ),
+    ] = None,
+    rollout_batch: Annotated[
+        int | None,
+        typer.Option(
+            help="Sequences an iteration generates and trains on, all GPUs (default: 2 per GPU).",
+            rich_help_panel="RLHF",
+        ),
+    ] = None,
+    response_len: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens generated per sequence (default: half of --seq-len).",
+            rich_help_panel="RLHF",
+        ),
+    ] = None,
     top: Annotated[int, typer.Option(help="Rows to show (0: all).")] = 15,
     json_output: JsonOption = False,
 ) -> None:
-    """Rank every configuration by predicted throughput, with predicted peak memory (no GPU)."""
+    """Rank every configuration by predicted throughput, with predicted peak memory (no GPU).
+    With --rlhf: every layout of an RL iteration, by predicted samples per second."""
     from autotune import api
     from autotune.report.tables import plan_table
 
     if top < 0:
         raise UsageError(f"--top {top}: use a number of rows, or 0 for all")
+    rl_only = {
+        "--rollout-share": rollout_share,
+        "--sleep": sleep,
+        "--frozen": frozen,
+        "--reference": reference,
+        "--critic": critic,
+        "--reward": reward,
+        "--rollout-batch": rollout_batch,
+        "--response-len": response_len,
+    }
+    if rlhf is None:
+        given = [name for name, value in rl_only.items() if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} plans an RL iteration: add --rlhf ppo or --rlhf grpo")
+    else:
+        not_rl = {
+            "--global-batch": global_batch,
+            "--loss": loss,
+            "--optimizer": optimizer,
+            "--allow": allow,
+        }
+        given = [name for name, value in not_rl.items() if value is not None]
+        if given:
+            what = "use --rollout-batch" if given[0] == "--global-batch" else "leave it out"
+            raise UsageError(
+                f"{given[0]} is not planned with --rlhf (its trainer climbs the ladder's rungs "
+                f"alone): {what}"
+            )
+        _plan_rlhf(
+            rlhf,
+            model,
+            gpu=gpu,
+            gpus=gpus,
+            gpus_per_node=gpus_per_node,
+            seq_len=seq_len,
+            engine=engine,
+            precision=precision,
+            offload=offload,
+            reserve=reserve,
+            top=top,
+            json_output=json_output,
+            **{name.lstrip("-").replace("-", "_"): value for name, value in rl_only.items()},
+        )
+        return
     found = api.plan(
         model,
         gpu=gpu,
@@ -532,6 +647,7 @@ def plan(
         optimizers=optimizer,
         lora_rank=lora_rank if _allowed(allow) else None,
         activation_offload=act_offload,
+        offload=True if offload is None else offload,
     )
     if json_output:
         _print_json(found.to_dict())
@@ -543,6 +659,42 @@ def plan(
     )
     console.print(found.host.text(), style="dim", markup=False, highlight=False)
     console.print(plan_table(found.rows, title=title, top=top, seconds=found.seconds))
+
+
+def _plan_rlhf(
+    algorithm: str,
+    model: str,
+    *,
+    engine: str | None,
+    reserve: str | None,
+    offload: bool | None,
+    top: int,
+    json_output: bool,
+    **options: Any,
+) -> None:
+    """``autotune plan --rlhf``: the RL iteration's layouts, as a table or JSON."""
+    from autotune import api
+    from autotune.report.tables import rlhf_plan_table
+
+    found = api.plan_rlhf(
+        algorithm,
+        model,
+        engines=_parse_engines(engine),
+        reserve=api.DEVICE_RESERVE_BYTES if reserve is None else reserve,
+        offload=bool(offload),
+        **options,
+    )
+    if json_output:
+        _print_json(found.to_dict())
+        return
+    w = found.workload
+    roles = ", ".join(f"{role} {m.name}" for role, m in [*w.models.trained(), *w.models.frozen()])
+    title = (
+        f"{w.algorithm.value.upper()} on {w.world_size} x {found.gpu.name} ({roles}), seq "
+        f"{w.seq_len} ({w.response_len} generated), rollout batch {w.rollout_batch}: "
+        "predicted, not measured"
+    )
+    console.print(rlhf_plan_table(found.rows, title=title, top=top, seconds=found.seconds))
 
 
 @command()

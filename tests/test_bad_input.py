@@ -23,6 +23,7 @@ from tests.test_cli import autotune
 
 SIM = ("--simulate", "h100-80gb")
 CPU = ("--model", "tiny", "--device", "cpu", "--device-memory", "4MiB")
+RL = ("plan", "--rlhf", "ppo", "--model", "qwen2.5-1.5b", "--gpu", "a100-80gb", "--gpus", "4")
 
 CASES: list[tuple[tuple[str, ...], str]] = [
     # The model.
@@ -159,6 +160,27 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (
         ("run", *CPU, "--script", "train.py", "--framework", "hf", "--act-offload"),
         "leave out --act-offload with --script",
+    ),
+    # RLHF: the founding case's layout, bent.
+    (
+        (*RL, "--rollout-share", "1.2"),
+        "--rollout-share 1.2: use a fraction of the GPU strictly between 0 and 1",
+    ),
+    ((*RL, "--rollout-share", "0"), "--rollout-share 0: use a fraction"),
+    ((*RL, "--rollout-share", "100%"), "--rollout-share 1: use a fraction"),
+    ((*RL, "--rollout-share", "half"), "--rollout-share 'half': use fractions such as 0.5"),
+    ((*RL[:2], "grpo", *RL[3:], "--critic", "qwen2.5-7b"), "GRPO has no critic"),
+    ((*RL, "--critic", "none"), "PPO trains a critic"),
+    ((*RL, "--reference", "gpt2"), "the reference gpt2 has a vocabulary of 50,257 tokens"),
+    ((*RL, "--reward", "gpt2"), "the reward model gpt2 embeds 50,257 tokens, fewer than"),
+    ((*RL, "--rollout-batch", "6"), "--rollout-batch 6 is not a multiple of 4 GPUs"),
+    ((*RL, "--seq-len", "512", "--response-len", "512"), "--response-len 512 leaves no prompt"),
+    ((*RL, "--frozen", "cpu"), "--frozen 'cpu': use gpu"),
+    ((*RL, "--global-batch", "8"), "--global-batch is not planned with --rlhf"),
+    ((*RL[:2], "dpo", *RL[3:]), "--rlhf 'dpo': use ppo or grpo"),
+    (
+        ("plan", "--gpu", "h100", "--rollout-share", "0.5"),
+        "--rollout-share plans an RL iteration: add --rlhf",
     ),
     (("plan", "--gpu", "h100", "--allow", "qlora"), "--allow qlora: use --allow lora"),
     (("plan", "--gpu", "h100", "--allow", "lora", "--lora-rank", "0"), "--lora-rank 0: use 1"),

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune.estimator.plan import PlanRow
+from autotune.estimator.rlhf import RLHFRow
 from autotune.jobs import JobResult
 from autotune.models import ModelSpec
 from autotune.probe.result import ProbeResult
@@ -141,6 +142,43 @@ def plan_table(
     footer = (
         f"[dim]{len(rows)} configurations ({fitting} fit in {usable} usable per GPU{on_host})"
         f"{took}[/]"
+    )
+    return Group(table, footer)
+
+
+def rlhf_plan_table(
+    rows: list[RLHFRow], *, title: str, top: int = 0, seconds: float | None = None
+) -> RenderableType:
+    """The RLHF planner's layouts, most samples a second first; each phase's peak per GPU; a
+    footer with how many fit."""
+    shown = rows if top <= 0 else rows[:top]
+    table = Table(
+        "#", "trainer", "share", "sleep", "frozen", "mbs", "accum", "rollout", "scoring",
+        "training", "seqs at once", "fits", "samples/s", "iteration", header_style="bold",
+        title=title,
+    )  # fmt: skip
+    for index, row in enumerate(shown, 1):
+        phases = row.phases
+        table.add_row(
+            str(index),
+            row.config.label(),
+            f"{row.share:.0%}",
+            "yes" if row.sleep else "no",
+            row.frozen.value,
+            str(row.micro_batch_size),
+            str(row.grad_accum),
+            *(format_bytes(phases[p]) for p in ("rollout", "scoring", "training")),
+            str(row.engine.sequences),
+            "yes" if row.fits else f"[red]no, {row.miss}[/]",
+            _fmt(row.samples_per_second if row.fits else None, ",.2f"),
+            format_duration(row.iteration_s) if row.fits else "-",
+        )
+    fitting = sum(row.fits for row in rows)
+    usable = format_bytes(rows[0].capacity_bytes) if rows else "-"
+    took = f" in {seconds * 1000:.0f} ms" if seconds is not None else ""
+    footer = (
+        f"[dim]{len(rows)} layouts ({fitting} fit in {usable} usable per GPU){took}; the "
+        "rollout's speed rests on assumed efficiencies (docs/rlhf.md)[/]"
     )
     return Group(table, footer)
 

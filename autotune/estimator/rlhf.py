@@ -1,0 +1,519 @@
+"""Memory and time of one RL iteration (PPO, GRPO) with a colocated rollout engine.
+
+An iteration has three phases on every GPU, in turn:
+
+- **rollout**: the engine (one vLLM instance a GPU, tensor-parallel 1, as TRL's colocate
+  mode and OpenRLHF's hybrid engine run it) holds its share of the GPU: the policy's weights
+  in bf16, the workspace of its profiling forward, its CUDA graphs and, in what is left of
+  the share, the KV cache. Beside it stays what the trainer keeps between steps: each
+  trained model's states (parameters, optimizer, resident gradient buffers, as
+  :func:`autotune.estimator.memory.state_layout` lays them out) and the frozen models kept
+  on the GPU.
+- **scoring**: a forward of each model over the generated sequences at the trainer's
+  micro-batch (the policy's old log-probabilities, the reference's, the critic's values, the
+  reward model's scores); an offloaded frozen model comes to the GPU for its forward.
+- **training**: the policy's optimizer step over the batch (and the critic's, for PPO), one
+  after the other: the peak is one model's training peak
+  (:func:`~autotune.estimator.memory.estimate_memory`) with the other's states beside it.
+
+The engine holds its whole share through scoring and training unless it sleeps (vLLM's sleep
+mode, level 1: weights to the host, KV cache freed), which costs moving its weights out and
+back every iteration. A configuration fits when every phase fits the GPU; a miss names the
+phase and by how much, and the largest share at which it would fit.
+
+Time: the rollout follows a roofline (Williams et al. 2009): a decode step reads every weight
+and the KV cache of the sequences decoding (bandwidth-bound at small batches, Pope et al. 2022,
+"Efficiently Scaling Transformer Inference", section 2), or does 2·P FLOPs a sequence
+(compute-bound at large ones), whichever is longer, plus a fixed per-step overhead of the
+engine's scheduler and sampler; a prefill is compute-bound. Scoring is the forward third of
+the trainer's predicted compute (:func:`~autotune.estimator.timing.predict_step_time`, whose
+constants were fitted on H100 probes); training is that prediction's step. **The rollout's
+efficiencies and the engine's overheads below are assumptions, not measurements**: no GPU run
+of vLLM has set them yet (docs/rlhf.md lists what to measure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.config import LADDER_ONLY, Attention, Engine, Precision, TrainConfig
+from autotune.estimator.memory import MemoryEstimate, estimate_memory, state_layout
+from autotune.estimator.plan import (
+    DEVICE_RESERVE_BYTES,
+    caching_allocator,
+    default_precision,
+    usable_bytes,
+)
+from autotune.estimator.timing import predict_step_time
+from autotune.hardware import GpuSpec
+from autotune.models import ModelSpec
+from autotune.rlhf import Placement, RLHFWorkload
+from autotune.space import Workload, configurations, micro_batch_options
+from autotune.units import format_bytes
+
+__all__ = [
+    "DECODE_BANDWIDTH_EFFICIENCY",
+    "ENGINE_ASLEEP_BYTES",
+    "ENGINE_GRAPH_BYTES",
+    "ENGINE_MAX_SEQS",
+    "ENGINE_PROFILE_TOKENS",
+    "KV_BLOCK_TOKENS",
+    "EngineEstimate",
+    "RLHFRow",
+    "engine_estimate",
+    "kv_bytes_per_token",
+    "plan_rlhf",
+]
+
+KV_BLOCK_TOKENS = 16
+"""vLLM's default KV cache block: a sequence takes whole blocks."""
+ENGINE_MAX_SEQS = 256
+"""vLLM's default ``max_num_seqs``: sequences decoding at once, whatever the cache holds."""
+ENGINE_PROFILE_TOKENS = 8192
+"""vLLM's default ``max_num_batched_tokens``: its profiling forward's tokens, whose workspace
+the share must hold beside the weights."""
+ENGINE_GRAPH_BYTES = 512 * 1024**2
+"""The engine's CUDA graphs and non-torch allocations (NCCL, cuBLAS workspaces). Assumed
+(vLLM logs 0.3-1 GiB for graph capture of small models); not measured here."""
+ENGINE_ASLEEP_BYTES = ENGINE_GRAPH_BYTES
+"""What a sleeping engine keeps on the GPU (level 1 frees the KV cache and moves the weights
+to the host; the graphs' pool stays). Assumed."""
+DECODE_BANDWIDTH_EFFICIENCY = 0.6
+"""Share of the HBM bandwidth a decode step reaches reading weights and KV cache. Assumed."""
+ROLLOUT_FLOPS_EFFICIENCY = 0.5
+"""Share of the dense bf16 peak a prefill (and a compute-bound decode step) reaches. Assumed."""
+DECODE_STEP_OVERHEAD_S = 2e-3
+"""The engine's per-step scheduling and sampling time, not hidden by the GPU. Assumed."""
+HOST_COPY_EFFICIENCY = 0.86
+"""Share of the host link a bulk weight copy reaches (FSDP2's measured parameter offload rate,
+taken for the engine's sleep and an offloaded frozen model's load)."""
+SCORING_LOGIT_BYTES = 2 + 4 + 4
+"""Bytes per logit of a scoring forward: the head's bf16 output, its fp32 copy and the fp32
+log-softmax the log-probabilities are gathered from."""
+
+
+def kv_bytes_per_token(model: ModelSpec, dtype_bytes: int = 2) -> int:
+    """KV cache bytes one token takes: a key and a value per layer and key-value head."""
+    return 2 * model.num_layers * model.num_key_value_heads * model.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineEstimate:
+    """The rollout engine on one GPU at a share."""
+
+    share: float
+    share_bytes: int
+    """``share`` of the GPU's memory: what the engine claims (vLLM's
+    ``gpu_memory_utilization`` is a fraction of the whole memory)."""
+    weight_bytes: int
+    workspace_bytes: int
+    """Its profiling forward's activations and the sampler's logits, plus graphs
+    (:data:`ENGINE_GRAPH_BYTES`)."""
+    kv_bytes: int
+    """What is left of the share for the KV cache (negative: the share cannot hold the rest)."""
+    sequence_kv_bytes: int
+    """One sequence of ``seq_len`` tokens in whole KV blocks."""
+
+    @property
+    def sequences(self) -> int:
+        """Sequences whose whole KV cache fits at once (vLLM's "maximum concurrency")."""
+        return max(0, self.kv_bytes // self.sequence_kv_bytes)
+
+    @property
+    def starts(self) -> bool:
+        """vLLM starts only when the cache holds one sequence of ``max_model_len``."""
+        return self.sequences >= 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "share": self.share,
+            "share_bytes": self.share_bytes,
+            "weight_bytes": self.weight_bytes,
+            "workspace_bytes": self.workspace_bytes,
+            "kv_bytes": self.kv_bytes,
+            "sequence_kv_bytes": self.sequence_kv_bytes,
+            "sequences_at_once": self.sequences,
+        }
+
+
+def engine_estimate(model: ModelSpec, gpu: GpuSpec, share: float, seq_len: int) -> EngineEstimate:
+    """The engine's memory at ``share`` of ``gpu`` for sequences of ``seq_len`` tokens."""
+    share_bytes = int(share * gpu.memory_bytes)
+    weights = 2 * model.num_params
+    d, i = model.hidden_size, model.intermediate_size
+    workspace = (
+        ENGINE_PROFILE_TOKENS * (4 * d + 3 * i) * 2
+        + ENGINE_MAX_SEQS * model.vocab_size * 4
+        + ENGINE_GRAPH_BYTES
+    )
+    blocks = math.ceil(seq_len / KV_BLOCK_TOKENS)
+    return EngineEstimate(
+        share=share,
+        share_bytes=share_bytes,
+        weight_bytes=weights,
+        workspace_bytes=workspace,
+        kv_bytes=share_bytes - weights - workspace,
+        sequence_kv_bytes=blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(model),
+    )
+
+
+def rollout_seconds(
+    model: ModelSpec, gpu: GpuSpec, engine: EngineEstimate, work: RLHFWorkload
+) -> float:
+    """Time one GPU's engine takes to generate its sequences of the iteration (module
+    docstring: a roofline with assumed efficiencies)."""
+    peak = (gpu.peak("bf16") or gpu.peak("fp16") or 1.0) * ROLLOUT_FLOPS_EFFICIENCY
+    bandwidth = gpu.hbm_bandwidth * DECODE_BANDWIDTH_EFFICIENCY
+    n = work.per_rank
+    at_once = min(n, engine.sequences, ENGINE_MAX_SEQS)
+    if at_once < 1:
+        return math.inf
+    waves = math.ceil(n / at_once)
+    flops = 2.0 * model.num_params
+    prefill = flops * at_once * work.prompt_len / peak
+    context = work.prompt_len + work.response_len / 2  # the average over the decode
+    read = engine.weight_bytes + at_once * context * kv_bytes_per_token(model)
+    step = max(read / bandwidth, flops * at_once / peak) + DECODE_STEP_OVERHEAD_S
+    return waves * (prefill + work.response_len * step)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RLHFRow:
+    """One layout of the iteration (trainer configuration, engine share and sleep, frozen
+    models' placement) at its best micro-batch, or at micro-batch 1 when nothing fits."""
+
+    config: TrainConfig
+    share: float
+    sleep: bool
+    frozen: Placement
+    micro_batch_size: int
+    grad_accum: int
+    capacity_bytes: int
+    """Device bytes a GPU can give (its memory less the reserve)."""
+    engine: EngineEstimate
+    parts: dict[str, dict[str, int]]
+    """What fills a GPU at each phase's peak (``rollout``, ``scoring``, ``training``): the
+    ``engine``'s share (or what it keeps asleep), the ``trained states`` kept between steps,
+    the ``frozen`` models' weights on the GPU, the scoring ``forward``'s transient, and the
+    ``training`` peak (one trained model's step, the other's states beside it)."""
+    seconds: dict[str, float]
+    """Predicted seconds of each phase of an iteration, and of ``switch`` (the engine's
+    sleep and wake, offloaded frozen models brought in)."""
+    samples: int
+    """Sequences an iteration generates and trains on (all GPUs)."""
+    seq_len: int
+    max_share: float | None
+    """The largest share at which this layout fits (None: none does)."""
+    training: MemoryEstimate = field(repr=False)
+    """The policy's training estimate at the row's micro-batch."""
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Device bytes of a GPU at each phase's peak."""
+        return {phase: sum(parts.values()) for phase, parts in self.parts.items()}
+
+    @property
+    def iteration_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def over(self) -> dict[str, int]:
+        """Bytes each phase exceeds the capacity by (phases that fit left out)."""
+        cap = self.capacity_bytes
+        return {phase: used - cap for phase, used in self.phases.items() if used > cap}
+
+    @property
+    def fits(self) -> bool:
+        return self.engine.starts and not self.over
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.iteration_s if self.fits else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.samples_per_second * self.seq_len
+
+    @property
+    def miss(self) -> str | None:
+        """Why the layout does not fit (the first phase that fails, by how much, and the
+        share that would fit); None when it fits."""
+        cure = (
+            f"; fits at --rollout-share {self.max_share:.2f} or less"
+            if self.max_share is not None
+            else ""
+        )
+        if not self.engine.starts:
+            short = self.engine.sequence_kv_bytes - max(0, self.engine.kv_bytes)
+            return (
+                f"rollout: the engine's {self.share:.0%} leaves no KV cache for one "
+                f"{self.seq_len}-token sequence ({format_bytes(short)} short){cure}"
+            )
+        for phase, over in self.over.items():
+            return f"{phase}: {format_bytes(over)} over{cure}"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(),
+            "label": self.config.label(),
+            "rollout_share": self.share,
+            "sleep": self.sleep,
+            "frozen": self.frozen.value,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accum": self.grad_accum,
+            "fits": self.fits,
+            "miss": self.miss,
+            "max_share": self.max_share,
+            "capacity_bytes": self.capacity_bytes,
+            "phases": self.phases,
+            "over_bytes": self.over,
+            "parts": {k: dict(v) for k, v in self.parts.items()},
+            "engine": self.engine.to_dict(),
+            "seconds": {**self.seconds, "iteration": self.iteration_s},
+            "samples_per_iteration": self.samples,
+            "samples_per_second": self.samples_per_second,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+def _sharded(config: TrainConfig) -> bool:
+    """Whether the trainer shards parameters (ZeRO-3, FSDP full shard): its frozen models'
+    weights are sharded alike (OpenRLHF's and verl's engines for the reference)."""
+    return config.engine in (Engine.DEEPSPEED, Engine.FSDP) and config.zero_stage == 3
+
+
+def _states(model: ModelSpec, config: TrainConfig, world: int) -> int:
+    """What a trained model keeps on a GPU between its steps."""
+    layout = state_layout(model, config, world)
+    return int(layout.parameters + layout.optimizer + layout.resident_buffers)
+
+
+def _frozen_bytes(model: ModelSpec, config: TrainConfig, world: int) -> int:
+    """A frozen model's weights on a GPU, in the compute dtype."""
+    compute = 4 if config.precision is Precision.FP32 else 2
+    return compute * model.num_params // (world if _sharded(config) else 1)
+
+
+def _forward_bytes(model: ModelSpec, tokens: int, logits: bool) -> int:
+    """A scoring forward's transient at ``tokens`` tokens: a block's working set in bf16 and,
+    for a model with a vocabulary head, its logits (:data:`SCORING_LOGIT_BYTES`); a value or
+    reward head's output is a scalar a token."""
+    d, i = model.hidden_size, model.intermediate_size
+    head = tokens * model.vocab_size * SCORING_LOGIT_BYTES if logits else 0
+    return tokens * (4 * d + 3 * i) * 2 + head
+
+
+def plan_rlhf(
+    work: RLHFWorkload,
+    gpu: GpuSpec,
+    *,
+    shares: Iterable[float],
+    sleeps: Iterable[bool] = (False, True),
+    placements: Iterable[Placement] = tuple(Placement),
+    engines: Iterable[Engine] | None = None,
+    precision: Precision | None = None,
+    offload: bool = True,
+    gpus_per_node: int = 8,
+    reserve: int = DEVICE_RESERVE_BYTES,
+) -> list[RLHFRow]:
+    """Every layout of the iteration, most samples per second first, then the nearest misses.
+
+    Args:
+        work: The models, lengths, rollout batch and GPUs.
+        gpu: The GPU every rank has.
+        shares: The engine shares to try.
+        sleeps: Whether the engine sleeps during scoring and training (both by default).
+        placements: Where the frozen models wait (both by default).
+        engines: The trainer engines to try (all by default).
+        precision: The trainer's precision (bf16-mixed where the GPU has bf16).
+        offload: Include the trainer's CPU-offload configurations.
+        gpus_per_node: GPUs sharing a node's fast links.
+        reserve: Device bytes kept for the CUDA context (see DEVICE_RESERVE_BYTES).
+    """
+    models, world = work.models, work.world_size
+    capacity = usable_bytes(gpu, reserve=reserve)
+    allocator = caching_allocator(gpu)
+    batch = Workload(seq_len=work.seq_len, global_batch=work.rollout_batch, world_size=world)
+    sizes = micro_batch_options(batch)
+    shares, sleeps, placements = tuple(shares), tuple(sleeps), tuple(placements)
+    link = gpu.host_link_bandwidth * HOST_COPY_EFFICIENCY
+    engines_at = {s: engine_estimate(models.policy, gpu, s, work.seq_len) for s in shares}
+    rollout_s = {s: rollout_seconds(models.policy, gpu, e, work) for s, e in engines_at.items()}
+    rows: list[RLHFRow] = []
+    for config in configurations(
+        world_size=world,
+        num_layers=models.policy.num_layers,
+        engines=engines,
+        precision=precision or default_precision(gpu),
+        attention=Attention.SDPA,
+        offload=offload,
+        knobs=LADDER_ONLY,
+    ):
+        trained = models.trained()
+        states = {role: _states(m, config, world) for role, m in trained}
+        frozen = {role: _frozen_bytes(m, config, world) for role, m in models.frozen()}
+        scoring_config = dataclasses.replace(config, ac_every=0)
+        by_size = {}
+        for mbs in sizes:
+            accum = batch.grad_accum(mbs)
+            peaks = {
+                role: estimate_memory(
+                    m,
+                    config,
+                    micro_batch_size=mbs,
+                    seq_len=work.seq_len,
+                    world_size=world,
+                    cuda_allocator=allocator,
+                )
+                for role, m in trained
+            }
+            # One trained model's training peak with the other's states beside it.
+            training = max(
+                peaks[role].device_bytes + sum(v for r, v in states.items() if r != role)
+                for role in peaks
+            )
+            tokens = mbs * work.seq_len
+            scorers = [(role, m, role in ("policy", "reference")) for role, m in trained]
+            scorers += [(role, m, role == "reference") for role, m in models.frozen()]
+            forward = max(_forward_bytes(m, tokens, logits) for _, m, logits in scorers)
+            times = {
+                role: predict_step_time(
+                    m,
+                    config,
+                    gpu,
+                    micro_batch_size=mbs,
+                    seq_len=work.seq_len,
+                    grad_accum=accum,
+                    world_size=world,
+                    gpus_per_node=gpus_per_node,
+                )
+                for role, m in trained
+            }
+            scoring = sum(
+                predict_step_time(
+                    m,
+                    scoring_config,
+                    gpu,
+                    micro_batch_size=mbs,
+                    seq_len=work.seq_len,
+                    world_size=world,
+                    gpus_per_node=gpus_per_node,
+                ).compute_s
+                / 3.0
+                * accum
+                for _, m, _ in scorers
+            )
+            by_size[mbs] = (accum, peaks["policy"], training, forward, times, scoring)
+        for share, sleep, place in _layouts(shares, sleeps, placements):
+            engine = engines_at[share]
+            held = ENGINE_ASLEEP_BYTES if sleep else engine.share_bytes
+            resident_frozen = sum(frozen.values()) if place is Placement.RESIDENT else 0
+            largest_frozen = max(frozen.values(), default=0)
+            trained_states = sum(states.values())
+            switch = 2.0 * engine.weight_bytes / link if sleep else 0.0
+            if place is Placement.OFFLOAD:
+                switch += sum(frozen.values()) / link
+            best = None
+            for mbs in sizes:
+                accum, policy_peak, training, forward, times, scoring = by_size[mbs]
+                # An offloaded frozen model is on the GPU for its own forward only.
+                loaded = 0 if place is Placement.RESIDENT else largest_frozen
+                parts = {
+                    "rollout": {
+                        "engine": engine.share_bytes,
+                        "trained states": trained_states,
+                        "frozen": resident_frozen,
+                    },
+                    "scoring": {
+                        "engine": held,
+                        "trained states": trained_states,
+                        "frozen": resident_frozen + loaded,
+                        "forward": forward,
+                    },
+                    "training": {"engine": held, "frozen": resident_frozen, "training": training},
+                }
+                phases = {phase: sum(v.values()) for phase, v in parts.items()}
+                seconds = {
+                    "rollout": rollout_s[share],
+                    "scoring": scoring,
+                    "training": sum(t.step_s for t in times.values()),
+                    "switch": switch,
+                }
+                row = RLHFRow(
+                    config=config,
+                    share=share,
+                    sleep=sleep,
+                    frozen=place,
+                    micro_batch_size=mbs,
+                    grad_accum=accum,
+                    capacity_bytes=capacity,
+                    engine=engine,
+                    parts=parts,
+                    seconds=seconds,
+                    samples=work.rollout_batch,
+                    seq_len=work.seq_len,
+                    max_share=_max_share(gpu, capacity, engine, phases, sleep),
+                    training=policy_peak,
+                )
+                if best is None or _better(row, best):
+                    best = row
+            assert best is not None
+            rows.append(best)
+    return sorted(
+        rows,
+        # Equally fast layouts: the one that leaves the most memory free first.
+        key=lambda r: (
+            not r.fits,
+            -round(r.samples_per_second, 6),
+            sum(r.over.values()),
+            max(r.phases.values()),
+            -(r.max_share or 0),
+        ),
+    )
+
+
+def _layouts(
+    shares: tuple[float, ...], sleeps: tuple[bool, ...], placements: tuple[Placement, ...]
+) -> list[tuple[float, bool, Placement]]:
+    return [(s, z, p) for s in shares for z in sleeps for p in placements]
+
+
+def _better(row: RLHFRow, than: RLHFRow) -> bool:
+    """A fitting row beats one that does not, then more samples a second, then the smaller
+    miss (the micro-batch a row that fits nowhere is shown at)."""
+    if row.fits != than.fits:
+        return row.fits
+    if row.fits:
+        return row.samples_per_second > than.samples_per_second
+    return sum(row.over.values()) < sum(than.over.values())
+
+
+def _max_share(
+    gpu: GpuSpec,
+    capacity: int,
+    engine: EngineEstimate,
+    phases: dict[str, int],
+    sleep: bool,
+) -> float | None:
+    """The largest share (in hundredths) at which the phases fit, and at which the engine
+    still holds one sequence's KV cache; None when no share does."""
+    # Each phase holding the engine's share grows with it byte for byte; the others do not.
+    room = []
+    for phase, used in phases.items():
+        holds = phase == "rollout" or not sleep
+        if holds:
+            room.append(capacity - (used - engine.share_bytes))
+        elif used > capacity:
+            return None
+    top = min(room) / gpu.memory_bytes
+    needs = engine.weight_bytes + engine.workspace_bytes + engine.sequence_kv_bytes
+    least = needs / gpu.memory_bytes
+    share = math.floor(top * 100) / 100
+    if share < least or share <= 0:
+        return None
+    return min(share, 0.99)
