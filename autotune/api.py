@@ -70,7 +70,9 @@ from autotune.rlhf import (
     GRPO_HAS_NO_CRITIC,
     Algorithm,
     RLHFModels,
+    RLHFProbe,
     RLHFWorkload,
+    check_models,
     parse_placements,
     parse_shares,
 )
@@ -1354,6 +1356,7 @@ def probe(
     framework: str | None = None,
     script_args: Sequence[str] = (),
     batch_flag: str | None = None,
+    rlhf: RLHFProbe | None = None,
 ) -> ProbeResult:
     """Run a few real training steps of one configuration at each micro-batch size.
 
@@ -1381,6 +1384,10 @@ def probe(
             kernel's OOM killer would end it as ``host_oom``, minutes later).
         script, framework, script_args, batch_flag: Probe the user's own training script
             (as :func:`tune` does), each size a run of its own.
+        rlhf: Each step an RL iteration instead (``model`` the policy): the other models
+            built beside it, the rollout engine's share held as allocated memory (an
+            emulated reservation), scoring forwards, then the trained models' steps; each
+            phase's peak in the result (:mod:`autotune.probe.rlhf`).
 
     Raises:
         NothingFits: The probe is predicted to need more host memory than the node has.
@@ -1444,7 +1451,10 @@ def probe(
         timed_steps=timed_steps,
         timeout_s=_seconds(timeout, "the probe timeout"),
         script=job,
+        rlhf=rlhf,
     )
+    if rlhf is not None:
+        _check_rlhf_probe(shape, rlhf, spec)
     if isinstance(chosen, LocalDevice):
         _check_probe_host(shape, spec, _bytes(host_memory, "--host-memory"))
     for step in chosen.setup(spec):
@@ -1456,6 +1466,25 @@ def probe(
     if on_start is not None:
         on_start(spec, probe_dir)
     return chosen.launch(spec, probe_dir)
+
+
+def _check_rlhf_probe(policy: ModelSpec, rlhf: RLHFProbe, spec: ProbeSpec) -> None:
+    """Refuse, in one line, an RL iteration a probe cannot make: models that cannot pair
+    (:func:`autotune.rlhf.check_models`), or a CPU probe without a cap to take a share of."""
+    check_models(
+        rlhf.algorithm,
+        RLHFModels(
+            policy=policy,
+            reference=None if rlhf.reference is None else resolve_model(rlhf.reference),
+            critic=None if rlhf.critic is None else resolve_model(rlhf.critic),
+            reward=None if rlhf.reward is None else resolve_model(rlhf.reward),
+        ),
+    )
+    if spec.device == "cpu" and spec.device_memory_bytes is None:
+        raise ConfigError(
+            "--rlhf on the CPU needs --device-memory, e.g. 64MiB: the engine's share is a "
+            "share of it"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -186,6 +186,47 @@ FilterStudy = Annotated[
     str | None, typer.Option(help="The study's name, where several match (see best).")
 ]
 ForceOption = Annotated[bool, typer.Option("--force", help="Overwrite the -o file.")]
+RlhfOption = Annotated[
+    str | None,
+    typer.Option(
+        help="An RL iteration, ppo or grpo: --model is the policy, beside its reference, "
+        "critic and reward models and a rollout engine on the same GPUs.",
+        rich_help_panel="RLHF",
+    ),
+]
+RolloutShareOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The rollout engine's share of each GPU (vLLM's gpu_memory_utilization): 0.5 or "
+        "50%; plan: a list too, 0.4,0.6 (default: 0.3 to 0.9).",
+        rich_help_panel="RLHF",
+    ),
+]
+SleepOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--sleep/--no-sleep",
+        help="The engine sleeps while the models score and train (plan: both tried unless given).",
+        rich_help_panel="RLHF",
+    ),
+]
+ReferenceOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The reference model (default: the policy's shape; none).", rich_help_panel="RLHF"
+    ),
+]
+CriticOption = Annotated[
+    str | None,
+    typer.Option(help="PPO's critic (default: the policy's shape).", rich_help_panel="RLHF"),
+]
+RewardOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The reward model (default: the policy's shape; none for a rule-based reward).",
+        rich_help_panel="RLHF",
+    ),
+]
 EngineOption = Annotated[
     str | None, typer.Option(help="Only these engines, comma-separated: fsdp,deepspeed.")
 ]
@@ -363,11 +404,19 @@ def probe(
     framework: FrameworkOption = None,
     batch_flag: BatchFlagOption = None,
     script_args: ScriptArgs = None,
+    rlhf: RlhfOption = None,
+    rollout_share: RolloutShareOption = None,
+    sleep: SleepOption = None,
+    reference: ReferenceOption = None,
+    critic: CriticOption = None,
+    reward: RewardOption = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print result.json.")] = False,
 ) -> None:
     """Run a few real training steps of one configuration and report OOM or throughput.
 
-    With --script, the steps are your own training script's."""
+    With --script, the steps are your own training script's. With --rlhf, each step is an RL
+    iteration: the rollout engine's share held (an emulated reservation), the models'
+    scoring forwards, the policy's and critic's training steps."""
     from autotune import api
     from autotune.devices.base import SetupResult, SetupStep
     from autotune.report.live import print_setup_done
@@ -421,6 +470,9 @@ def probe(
         }
     elif model is None:
         model = "tiny"
+    iteration = _rlhf_probe(
+        rlhf, model, rollout_share, sleep, reference=reference, critic=critic, reward=reward
+    )
     with running:
         result = api.probe(
             model,
@@ -442,12 +494,56 @@ def probe(
             folder=study,
             on_start=started,
             set_up=set_up,
+            rlhf=iteration,
         )
     if json_output:
         _print_json(result.to_dict())
     else:
         console.print(probe_report(result))
     raise typer.Exit(0 if result.ok_sizes() else 1)
+
+
+def _rlhf_probe(
+    algorithm: str | None,
+    model: str | None,
+    share: str | None,
+    sleep: bool | None,
+    **roles: str | None,
+) -> Any:
+    """``probe --rlhf``'s iteration (an ``autotune.rlhf.RLHFProbe``), or None without it;
+    one line for an RLHF option without ``--rlhf``."""
+    from autotune.rlhf import Algorithm, RLHFProbe, parse_shares
+
+    if algorithm is None:
+        given = {"--rollout-share": share, "--sleep": sleep} | {
+            f"--{role}": value for role, value in roles.items()
+        }
+        named = [name for name, value in given.items() if value is not None]
+        if named:
+            raise UsageError(f"{named[0]} probes an RL iteration: add --rlhf ppo or --rlhf grpo")
+        return None
+    if share is None:
+        raise UsageError("--rlhf needs --rollout-share: the engine's share to hold, e.g. 0.5")
+    shares = parse_shares(share)
+    if len(shares) != 1:
+        raise UsageError(f"--rollout-share {share}: a probe holds one share, e.g. 0.5")
+    if algorithm not in ("ppo", "grpo"):
+        raise UsageError(f"--rlhf {algorithm!r}: use ppo or grpo")
+
+    def role(name: str, default: str | None) -> str | None:
+        value = roles[name]
+        if value is None:
+            return default
+        return None if value.strip().lower() == "none" else value
+
+    return RLHFProbe(
+        algorithm=Algorithm(algorithm),
+        reference=role("reference", model),
+        critic=role("critic", model if algorithm == "ppo" else None),
+        reward=role("reward", model),
+        share=shares[0],
+        sleep=bool(sleep),
+    )
 
 
 ALLOWED = ("lora",)
@@ -511,30 +607,9 @@ def plan(
             help="Try the trainer's CPU offload rungs (default: yes; with --rlhf: no).",
         ),
     ] = None,
-    rlhf: Annotated[
-        str | None,
-        typer.Option(
-            help="Plan an RL iteration instead, ppo or grpo: --model is the policy, beside "
-            "its reference, critic and reward models and a rollout engine on the same GPUs.",
-            rich_help_panel="RLHF",
-        ),
-    ] = None,
-    rollout_share: Annotated[
-        str | None,
-        typer.Option(
-            help="The rollout engine's share of each GPU (vLLM's gpu_memory_utilization): "
-            "0.5, 50% or a list, 0.4,0.6 (default: 0.3 to 0.9).",
-            rich_help_panel="RLHF",
-        ),
-    ] = None,
-    sleep: Annotated[
-        bool | None,
-        typer.Option(
-            "--sleep/--no-sleep",
-            help="The engine sleeps while the models score and train (default: both tried).",
-            rich_help_panel="RLHF",
-        ),
-    ] = None,
+    rlhf: RlhfOption = None,
+    rollout_share: RolloutShareOption = None,
+    sleep: SleepOption = None,
     frozen: Annotated[
         str | None,
         typer.Option(
@@ -543,23 +618,9 @@ def plan(
             rich_help_panel="RLHF",
         ),
     ] = None,
-    reference: Annotated[
-        str | None,
-        typer.Option(
-            help="The reference model (default: the policy's shape; none).", rich_help_panel="RLHF"
-        ),
-    ] = None,
-    critic: Annotated[
-        str | None,
-        typer.Option(help="PPO's critic (default: the policy's shape).", rich_help_panel="RLHF"),
-    ] = None,
-    reward: Annotated[
-        str | None,
-        typer.Option(
-            help="The reward model (default: the policy's shape; none for a rule-based reward).",
-            rich_help_panel="RLHF",
-        ),
-    ] = None,
+    reference: ReferenceOption = None,
+    critic: CriticOption = None,
+    reward: RewardOption = None,
     rollout_batch: Annotated[
         int | None,
         typer.Option(

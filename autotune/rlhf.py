@@ -21,10 +21,12 @@ from autotune.models import ModelSpec
 
 __all__ = [
     "GRPO_HAS_NO_CRITIC",
+    "PPO_NEEDS_A_CRITIC",
     "SHARES",
     "Algorithm",
     "Placement",
     "RLHFModels",
+    "RLHFProbe",
     "RLHFWorkload",
     "check_share",
     "parse_placements",
@@ -35,6 +37,7 @@ GRPO_HAS_NO_CRITIC = (
     "GRPO has no critic (its advantages come from each prompt's group of samples): leave out "
     "--critic, or use --rlhf ppo"
 )
+PPO_NEEDS_A_CRITIC = "PPO trains a critic: leave out --critic none, or use --rlhf grpo"
 SHARES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 """The engine shares a plan tries when none is given (vLLM's default is 0.9)."""
 
@@ -133,7 +136,7 @@ def check_models(algorithm: Algorithm, models: RLHFModels) -> None:
     if algorithm is Algorithm.GRPO and models.critic is not None:
         raise ConfigError(GRPO_HAS_NO_CRITIC)
     if algorithm is Algorithm.PPO and models.critic is None:
-        raise ConfigError("PPO trains a critic: leave out --critic none, or use --rlhf grpo")
+        raise ConfigError(PPO_NEEDS_A_CRITIC)
     vocab = models.policy.vocab_size
     ref = models.reference
     if ref is not None and ref.vocab_size != vocab:
@@ -195,3 +198,44 @@ def parse_placements(text: str | None) -> tuple[Placement, ...]:
                 "(offloaded between uses) or gpu,host"
             ) from None
     return tuple(dict.fromkeys(found))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RLHFProbe:
+    """What a probe of an RL iteration adds to a training probe (``ProbeSpec.rlhf``): the
+    other models, by preset name or config.json path (None: absent), and the engine's layout.
+    The policy is the probe's model; the trainer its configuration."""
+
+    algorithm: Algorithm
+    reference: str | None
+    critic: str | None
+    reward: str | None
+    share: float
+    """The engine's share of the device: held as one allocated block of ``share`` times the
+    device's memory (the emulated cap, or the GPU's), an emulated reservation (vLLM does not
+    run in a probe)."""
+    sleep: bool = False
+    """Whether the engine's reservation is freed during scoring and training."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
+        check_share(self.share)
+        if self.algorithm is Algorithm.GRPO and self.critic is not None:
+            raise ConfigError(GRPO_HAS_NO_CRITIC)
+        if self.algorithm is Algorithm.PPO and self.critic is None:
+            raise ConfigError(PPO_NEEDS_A_CRITIC)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "algorithm": self.algorithm.value,
+            "reference": self.reference,
+            "critic": self.critic,
+            "reward": self.reward,
+            "share": self.share,
+            "sleep": self.sleep,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> RLHFProbe:
+        known = {"algorithm", "reference", "critic", "reward", "share", "sleep"}
+        return cls(**{k: v for k, v in data.items() if k in known})  # type: ignore[arg-type]

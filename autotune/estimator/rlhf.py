@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.config import LADDER_ONLY, Attention, Engine, Precision, TrainConfig
+from autotune.estimator.activations import activation_profile
 from autotune.estimator.memory import MemoryEstimate, estimate_memory, state_layout
 from autotune.estimator.plan import (
     DEVICE_RESERVE_BYTES,
@@ -48,7 +49,7 @@ from autotune.estimator.plan import (
     default_precision,
     usable_bytes,
 )
-from autotune.estimator.timing import predict_step_time
+from autotune.estimator.timing import StepTime, predict_step_time
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
 from autotune.rlhf import Placement, RLHFWorkload
@@ -65,6 +66,7 @@ __all__ = [
     "EngineEstimate",
     "RLHFRow",
     "engine_estimate",
+    "estimate_rlhf",
     "kv_bytes_per_token",
     "plan_rlhf",
 ]
@@ -117,6 +119,9 @@ class EngineEstimate:
     """What is left of the share for the KV cache (negative: the share cannot hold the rest)."""
     sequence_kv_bytes: int
     """One sequence of ``seq_len`` tokens in whole KV blocks."""
+    emulated: bool = False
+    """The CPU's emulated device: the engine is only its reservation (a probe holds it as one
+    block), nothing inside it is modelled, and it keeps nothing asleep."""
 
     @property
     def sequences(self) -> int:
@@ -125,8 +130,14 @@ class EngineEstimate:
 
     @property
     def starts(self) -> bool:
-        """vLLM starts only when the cache holds one sequence of ``max_model_len``."""
-        return self.sequences >= 1
+        """vLLM starts only when the cache holds one sequence of ``max_model_len`` (an
+        emulated reservation always "starts")."""
+        return self.emulated or self.sequences >= 1
+
+    @property
+    def asleep_bytes(self) -> int:
+        """What the engine keeps on the device while it sleeps."""
+        return 0 if self.emulated else ENGINE_ASLEEP_BYTES
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -141,12 +152,16 @@ class EngineEstimate:
 
 
 def engine_estimate(model: ModelSpec, gpu: GpuSpec, share: float, seq_len: int) -> EngineEstimate:
-    """The engine's memory at ``share`` of ``gpu`` for sequences of ``seq_len`` tokens."""
+    """The engine's memory at ``share`` of ``gpu`` for sequences of ``seq_len`` tokens (on the
+    CPU's emulated device: the reservation alone)."""
     share_bytes = int(share * gpu.memory_bytes)
-    weights = 2 * model.num_params
+    emulated = not caching_allocator(gpu)
+    weights = 0 if emulated else 2 * model.num_params
     d, i = model.hidden_size, model.intermediate_size
     workspace = (
-        ENGINE_PROFILE_TOKENS * (4 * d + 3 * i) * 2
+        0
+        if emulated
+        else ENGINE_PROFILE_TOKENS * (4 * d + 3 * i) * 2
         + ENGINE_MAX_SEQS * model.vocab_size * 4
         + ENGINE_GRAPH_BYTES
     )
@@ -158,6 +173,7 @@ def engine_estimate(model: ModelSpec, gpu: GpuSpec, share: float, seq_len: int) 
         workspace_bytes=workspace,
         kv_bytes=share_bytes - weights - workspace,
         sequence_kv_bytes=blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(model),
+        emulated=emulated,
     )
 
 
@@ -299,13 +315,187 @@ def _frozen_bytes(model: ModelSpec, config: TrainConfig, world: int) -> int:
     return compute * model.num_params // (world if _sharded(config) else 1)
 
 
-def _forward_bytes(model: ModelSpec, tokens: int, logits: bool) -> int:
-    """A scoring forward's transient at ``tokens`` tokens: a block's working set in bf16 and,
-    for a model with a vocabulary head, its logits (:data:`SCORING_LOGIT_BYTES`); a value or
-    reward head's output is a scalar a token."""
+def _weight_copies(model: ModelSpec, config: TrainConfig, seq_len: int) -> float:
+    """The compute-dtype copies of a trained model's weights autocast holds by the end of a
+    forward (its cache keeps each cast weight until the forward returns), as the training
+    estimate counts them."""
+    prof = activation_profile(model, config, seq_len)
+    return model.num_layers * prof.layer_weight_copy_bytes + prof.head_weight_copy_bytes
+
+
+def _forward_bytes(model: ModelSpec, tokens: int, logits: bool, copies: float = 0.0) -> int:
+    """A scoring forward's transient at ``tokens`` tokens: a block's working set in bf16, or,
+    once the blocks are done and their tensors freed, the head's: the final hidden state in
+    fp32 and, for a model with a vocabulary head, its logits (:data:`SCORING_LOGIT_BYTES`;
+    a value or reward head's output is a scalar a token), whichever is larger; plus
+    ``copies``, the compute-dtype copies of the weights autocast keeps until the forward
+    returns (a trained model of an engine that autocasts per op)."""
     d, i = model.hidden_size, model.intermediate_size
-    head = tokens * model.vocab_size * SCORING_LOGIT_BYTES if logits else 0
-    return tokens * (4 * d + 3 * i) * 2 + head
+    block = tokens * (4 * d + 3 * i) * 2
+    head = tokens * d * 4 + (tokens * model.vocab_size * SCORING_LOGIT_BYTES if logits else 0)
+    return int(copies) + max(block, head)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Trainer:
+    """The trainer's side of an iteration at one micro-batch: what does not depend on the
+    engine's layout."""
+
+    config: TrainConfig
+    micro_batch_size: int
+    grad_accum: int
+    states: int
+    """The trained models' states kept between steps."""
+    frozen: dict[str, int]
+    """Each frozen model's weights on a GPU."""
+    policy: MemoryEstimate
+    training: int
+    """The training phase's peak without the engine and the frozen models."""
+    forward: int
+    """The largest scoring forward's transient."""
+    training_s: float
+    scoring_s: float
+
+
+def _trainer(
+    work: RLHFWorkload, gpu: GpuSpec, config: TrainConfig, mbs: int, gpus_per_node: int
+) -> _Trainer:
+    models, world = work.models, work.world_size
+    batch = Workload(seq_len=work.seq_len, global_batch=work.rollout_batch, world_size=world)
+    accum = batch.grad_accum(mbs)
+    trained = models.trained()
+    states = {role: _states(m, config, world) for role, m in trained}
+    peaks = {
+        role: estimate_memory(
+            m,
+            config,
+            micro_batch_size=mbs,
+            seq_len=work.seq_len,
+            world_size=world,
+            cuda_allocator=caching_allocator(gpu),
+        )
+        for role, m in trained
+    }
+    # One trained model's training peak with the other's states beside it.
+    training = max(
+        peaks[role].device_bytes + sum(v for r, v in states.items() if r != role) for role in peaks
+    )
+    tokens = mbs * work.seq_len
+    scorers = [
+        (m, role == "policy", _weight_copies(m, config, work.seq_len)) for role, m in trained
+    ]
+    scorers += [(m, role == "reference", 0.0) for role, m in models.frozen()]
+
+    def step(model: ModelSpec, chosen: TrainConfig, grad_accum: int) -> StepTime:
+        return predict_step_time(
+            model,
+            chosen,
+            gpu,
+            micro_batch_size=mbs,
+            seq_len=work.seq_len,
+            grad_accum=grad_accum,
+            world_size=world,
+            gpus_per_node=gpus_per_node,
+        )
+
+    forward_only = dataclasses.replace(config, ac_every=0)
+    return _Trainer(
+        config=config,
+        micro_batch_size=mbs,
+        grad_accum=accum,
+        states=sum(states.values()),
+        frozen={role: _frozen_bytes(m, config, world) for role, m in models.frozen()},
+        policy=peaks["policy"],
+        training=training,
+        forward=max(_forward_bytes(m, tokens, logits, copies) for m, logits, copies in scorers),
+        training_s=sum(step(m, config, accum).step_s for _, m in trained),
+        # A forward is a third of a step's compute without recomputation.
+        scoring_s=sum(step(m, forward_only, 1).compute_s / 3.0 * accum for m, _, _ in scorers),
+    )
+
+
+def _row(
+    work: RLHFWorkload,
+    gpu: GpuSpec,
+    trainer: _Trainer,
+    engine: EngineEstimate,
+    rollout_s: float,
+    *,
+    sleep: bool,
+    place: Placement,
+    capacity: int,
+) -> RLHFRow:
+    """One layout at the trainer's micro-batch."""
+    held = engine.asleep_bytes if sleep else engine.share_bytes
+    resident = sum(trainer.frozen.values()) if place is Placement.RESIDENT else 0
+    # An offloaded frozen model is on the GPU for its own forward only.
+    loaded = 0 if place is Placement.RESIDENT else max(trainer.frozen.values(), default=0)
+    link = gpu.host_link_bandwidth * HOST_COPY_EFFICIENCY
+    switch = 2.0 * engine.weight_bytes / link if sleep else 0.0
+    if place is Placement.OFFLOAD:
+        switch += sum(trainer.frozen.values()) / link
+    parts = {
+        "rollout": {
+            "engine": engine.share_bytes,
+            "trained states": trainer.states,
+            "frozen": resident,
+        },
+        "scoring": {
+            "engine": held,
+            "trained states": trainer.states,
+            "frozen": resident + loaded,
+            "forward": trainer.forward,
+        },
+        "training": {"engine": held, "frozen": resident, "training": trainer.training},
+    }
+    phases = {phase: sum(v.values()) for phase, v in parts.items()}
+    return RLHFRow(
+        config=trainer.config,
+        share=engine.share,
+        sleep=sleep,
+        frozen=place,
+        micro_batch_size=trainer.micro_batch_size,
+        grad_accum=trainer.grad_accum,
+        capacity_bytes=capacity,
+        engine=engine,
+        parts=parts,
+        seconds={
+            "rollout": rollout_s,
+            "scoring": trainer.scoring_s,
+            "training": trainer.training_s,
+            "switch": switch,
+        },
+        samples=work.rollout_batch,
+        seq_len=work.seq_len,
+        max_share=_max_share(gpu, capacity, engine, phases, sleep),
+        training=trainer.policy,
+    )
+
+
+def estimate_rlhf(
+    work: RLHFWorkload,
+    gpu: GpuSpec,
+    config: TrainConfig,
+    *,
+    share: float,
+    sleep: bool,
+    frozen: Placement,
+    micro_batch_size: int,
+    gpus_per_node: int = 8,
+    reserve: int = DEVICE_RESERVE_BYTES,
+) -> RLHFRow:
+    """One layout of the iteration at one micro-batch: each phase's memory and time."""
+    engine = engine_estimate(work.models.policy, gpu, share, work.seq_len)
+    return _row(
+        work,
+        gpu,
+        _trainer(work, gpu, config, micro_batch_size, gpus_per_node),
+        engine,
+        rollout_seconds(work.models.policy, gpu, engine, work),
+        sleep=sleep,
+        place=frozen,
+        capacity=usable_bytes(gpu, reserve=reserve),
+    )
 
 
 def plan_rlhf(
@@ -321,7 +511,8 @@ def plan_rlhf(
     gpus_per_node: int = 8,
     reserve: int = DEVICE_RESERVE_BYTES,
 ) -> list[RLHFRow]:
-    """Every layout of the iteration, most samples per second first, then the nearest misses.
+    """Every layout of the iteration, each at its best micro-batch, most samples per second
+    first, then the nearest misses.
 
     Args:
         work: The models, lengths, rollout batch and GPUs.
@@ -337,11 +528,8 @@ def plan_rlhf(
     """
     models, world = work.models, work.world_size
     capacity = usable_bytes(gpu, reserve=reserve)
-    allocator = caching_allocator(gpu)
     batch = Workload(seq_len=work.seq_len, global_batch=work.rollout_batch, world_size=world)
     sizes = micro_batch_options(batch)
-    shares, sleeps, placements = tuple(shares), tuple(sleeps), tuple(placements)
-    link = gpu.host_link_bandwidth * HOST_COPY_EFFICIENCY
     engines_at = {s: engine_estimate(models.policy, gpu, s, work.seq_len) for s in shares}
     rollout_s = {s: rollout_seconds(models.policy, gpu, e, work) for s, e in engines_at.items()}
     rows: list[RLHFRow] = []
@@ -354,115 +542,25 @@ def plan_rlhf(
         offload=offload,
         knobs=LADDER_ONLY,
     ):
-        trained = models.trained()
-        states = {role: _states(m, config, world) for role, m in trained}
-        frozen = {role: _frozen_bytes(m, config, world) for role, m in models.frozen()}
-        scoring_config = dataclasses.replace(config, ac_every=0)
-        by_size = {}
-        for mbs in sizes:
-            accum = batch.grad_accum(mbs)
-            peaks = {
-                role: estimate_memory(
-                    m,
-                    config,
-                    micro_batch_size=mbs,
-                    seq_len=work.seq_len,
-                    world_size=world,
-                    cuda_allocator=allocator,
-                )
-                for role, m in trained
-            }
-            # One trained model's training peak with the other's states beside it.
-            training = max(
-                peaks[role].device_bytes + sum(v for r, v in states.items() if r != role)
-                for role in peaks
-            )
-            tokens = mbs * work.seq_len
-            scorers = [(role, m, role in ("policy", "reference")) for role, m in trained]
-            scorers += [(role, m, role == "reference") for role, m in models.frozen()]
-            forward = max(_forward_bytes(m, tokens, logits) for _, m, logits in scorers)
-            times = {
-                role: predict_step_time(
-                    m,
-                    config,
+        trainers = [_trainer(work, gpu, config, mbs, gpus_per_node) for mbs in sizes]
+        for share, sleep, place in _layouts(tuple(engines_at), tuple(sleeps), tuple(placements)):
+            candidates = [
+                _row(
+                    work,
                     gpu,
-                    micro_batch_size=mbs,
-                    seq_len=work.seq_len,
-                    grad_accum=accum,
-                    world_size=world,
-                    gpus_per_node=gpus_per_node,
-                )
-                for role, m in trained
-            }
-            scoring = sum(
-                predict_step_time(
-                    m,
-                    scoring_config,
-                    gpu,
-                    micro_batch_size=mbs,
-                    seq_len=work.seq_len,
-                    world_size=world,
-                    gpus_per_node=gpus_per_node,
-                ).compute_s
-                / 3.0
-                * accum
-                for _, m, _ in scorers
-            )
-            by_size[mbs] = (accum, peaks["policy"], training, forward, times, scoring)
-        for share, sleep, place in _layouts(shares, sleeps, placements):
-            engine = engines_at[share]
-            held = ENGINE_ASLEEP_BYTES if sleep else engine.share_bytes
-            resident_frozen = sum(frozen.values()) if place is Placement.RESIDENT else 0
-            largest_frozen = max(frozen.values(), default=0)
-            trained_states = sum(states.values())
-            switch = 2.0 * engine.weight_bytes / link if sleep else 0.0
-            if place is Placement.OFFLOAD:
-                switch += sum(frozen.values()) / link
-            best = None
-            for mbs in sizes:
-                accum, policy_peak, training, forward, times, scoring = by_size[mbs]
-                # An offloaded frozen model is on the GPU for its own forward only.
-                loaded = 0 if place is Placement.RESIDENT else largest_frozen
-                parts = {
-                    "rollout": {
-                        "engine": engine.share_bytes,
-                        "trained states": trained_states,
-                        "frozen": resident_frozen,
-                    },
-                    "scoring": {
-                        "engine": held,
-                        "trained states": trained_states,
-                        "frozen": resident_frozen + loaded,
-                        "forward": forward,
-                    },
-                    "training": {"engine": held, "frozen": resident_frozen, "training": training},
-                }
-                phases = {phase: sum(v.values()) for phase, v in parts.items()}
-                seconds = {
-                    "rollout": rollout_s[share],
-                    "scoring": scoring,
-                    "training": sum(t.step_s for t in times.values()),
-                    "switch": switch,
-                }
-                row = RLHFRow(
-                    config=config,
-                    share=share,
+                    trainer,
+                    engines_at[share],
+                    rollout_s[share],
                     sleep=sleep,
-                    frozen=place,
-                    micro_batch_size=mbs,
-                    grad_accum=accum,
-                    capacity_bytes=capacity,
-                    engine=engine,
-                    parts=parts,
-                    seconds=seconds,
-                    samples=work.rollout_batch,
-                    seq_len=work.seq_len,
-                    max_share=_max_share(gpu, capacity, engine, phases, sleep),
-                    training=policy_peak,
+                    place=place,
+                    capacity=capacity,
                 )
-                if best is None or _better(row, best):
+                for trainer in trainers
+            ]
+            best = candidates[0]
+            for row in candidates[1:]:
+                if _better(row, best):
                     best = row
-            assert best is not None
             rows.append(best)
     return sorted(
         rows,
@@ -511,7 +609,8 @@ def _max_share(
         elif used > capacity:
             return None
     top = min(room) / gpu.memory_bytes
-    needs = engine.weight_bytes + engine.workspace_bytes + engine.sequence_kv_bytes
+    needs = 0 if engine.emulated else engine.weight_bytes + engine.workspace_bytes
+    needs += 0 if engine.emulated else engine.sequence_kv_bytes
     least = needs / gpu.memory_bytes
     share = math.floor(top * 100) / 100
     if share < least or share <= 0:

@@ -40,6 +40,10 @@ class Stage(enum.StrEnum):
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
+    ROLLOUT = "rollout"
+    """An RL iteration's rollout: the engine's share taken beside the trainer's states."""
+    SCORING = "scoring"
+    """An RL iteration's scoring forwards (the frozen models, the critic's values)."""
 
 
 # Fallback substrings, for OOMs that arrive as a plain RuntimeError or only as text

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.config import ConfigError, Engine, Precision, TrainConfig
+from autotune.rlhf import RLHFProbe
 from autotune.script import ScriptJob
 
 __all__ = ["ProbeSpec", "ProbeTemplate"]
@@ -57,12 +58,17 @@ class ProbeSpec:
     """The workload's global batch (sequences). A job's run at a size accumulates as training
     does, up to 2 micro-steps: a micro-step's gradients are then alive through the next
     one's forward, as in training (at 1 the optimizer step frees them first)."""
+    rlhf: RLHFProbe | None = None
+    """An RL iteration instead of a training step: the other models and the rollout engine's
+    reservation (``autotune/probe/rlhf.py``); None: training alone."""
 
     def __post_init__(self) -> None:
         if isinstance(self.config, dict):
             object.__setattr__(self, "config", TrainConfig.from_dict(self.config))
         if isinstance(self.script, dict):
             object.__setattr__(self, "script", ScriptJob.from_dict(self.script))
+        if isinstance(self.rlhf, dict):
+            object.__setattr__(self, "rlhf", RLHFProbe.from_dict(self.rlhf))
         object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
         if not self.micro_batch_sizes or any(m < 1 for m in self.micro_batch_sizes):
             raise ConfigError("micro-batch sizes must be positive integers, e.g. --micro-batch 4")
@@ -90,6 +96,17 @@ class ProbeSpec:
             raise ConfigError("--device-memory must be a positive size, like 20GiB")
         if self.timeout_s <= 0:
             raise ConfigError("the probe timeout must be positive, like 10m")
+        if self.rlhf is not None:
+            if self.world_size != 1:
+                raise ConfigError(
+                    "a probe of an RL iteration runs on one rank (its frozen models are not "
+                    "sharded over ranks yet): use --gpus 1, or plan more with autotune plan --rlhf"
+                )
+            if self.script is not None:
+                raise ConfigError(
+                    "--rlhf probes autotune's stand-in models; your script builds its own: "
+                    "leave out --script with --rlhf"
+                )
 
     @property
     def world_size(self) -> int:
@@ -107,6 +124,7 @@ class ProbeSpec:
         data["config"] = self.config.to_dict()
         data["micro_batch_sizes"] = list(self.micro_batch_sizes)
         data["script"] = None if self.script is None else self.script.to_dict()
+        data["rlhf"] = None if self.rlhf is None else self.rlhf.to_dict()
         return data
 
     @classmethod

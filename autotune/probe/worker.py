@@ -213,6 +213,40 @@ class _StepLoop:
         }
 
 
+class _IterationLoop:
+    """An RL iteration's warm-up and timed steps at one micro-batch size
+    (:mod:`autotune.probe.rlhf`); ``stage`` says where it is."""
+
+    def __init__(self, spec: ProbeSpec, model: ModelSpec, rank: _Rank, iteration: Any) -> None:
+        self.spec = spec
+        self.model = model
+        self.rank = rank
+        self.iteration = iteration
+
+    @property
+    def stage(self) -> Stage:
+        stage: Stage = self.iteration.stage
+        return stage
+
+    def run(self, micro_batch_size: int, meter: MemoryMeter) -> dict[str, Any]:
+        spec = self.spec
+        batches = [
+            synthetic_batch(
+                self.model,
+                micro_batch_size,
+                spec.seq_len,
+                seed=spec.seed + self.rank.rank + 1000 * micro,
+                device=str(self.rank.device),
+            )
+            for micro in range(spec.grad_accum)
+        ]
+        _inject_fault(self.rank.rank, spec.config)
+        raw: dict[str, Any] = self.iteration.run(
+            batches, spec.timed_steps, spec.warmup_steps, meter
+        )
+        return raw
+
+
 def _size_result(
     spec: ProbeSpec,
     model: ModelSpec,
@@ -270,6 +304,8 @@ class _Built:
     model: ModelSpec
     trainee: Trainee
     peak_flops: float | None
+    iteration: Any = None
+    """An RL iteration's other models and engine reservation (``autotune.probe.rlhf``)."""
 
 
 def _limit_memory(
@@ -348,7 +384,13 @@ def _build(probe: _Probe) -> _Built | None:
     try:
         model = resolve_model(spec.model)
         began = now()
-        trainee = build_trainee(_engine_context(spec, model, rank))
+        context = _engine_context(spec, model, rank)
+        trainee = build_trainee(context)
+        iteration = None
+        if spec.rlhf is not None:
+            from autotune.probe.rlhf import build_iteration
+
+            iteration = build_iteration(context, spec.rlhf, trainee, spec.device_memory_bytes)
         synchronize(rank.device)
         peak_flops, gpu_name = _peak_flops(spec, rank.device)
         report.update(
@@ -358,7 +400,7 @@ def _build(probe: _Probe) -> _Built | None:
             peak_flops=peak_flops,
             num_params=model.num_params,
         )
-        return _Built(model=model, trainee=trainee, peak_flops=peak_flops)
+        return _Built(model=model, trainee=trainee, peak_flops=peak_flops, iteration=iteration)
     except Exception as error:
         failure = _failure(error, Stage.BUILD)
         report.update(traceback=traceback.format_exc())
@@ -370,7 +412,14 @@ def _record_size(probe: _Probe, built: _Built, mbs: int, raw: dict[str, Any]) ->
     """Add a measured micro-batch size to the report (and say it on rank 0)."""
     sizes: list[dict[str, Any]] = probe.report.data["sizes"]
     result = _size_result(probe.spec, built.model, mbs, raw, built.peak_flops)
-    sizes.append({**result, **probe.meter.read()})
+    reading = probe.meter.read()
+    if "rlhf" in raw:
+        # The iteration read each phase's peak apart: the size's is the largest.
+        phases = raw["rlhf"]
+        result["rlhf"] = phases
+        reading["peak_allocated_bytes"] = max(phases["phase_peak_bytes"].values())
+        reading["peak_reserved_bytes"] = max(phases["phase_reserved_bytes"].values())
+    sizes.append({**result, **reading})
     probe.report.write()
     if probe.rank.rank == 0:
         last = sizes[-1]
@@ -383,6 +432,8 @@ def _record_size(probe: _Probe, built: _Built, mbs: int, raw: dict[str, Any]) ->
 
 def _record_failure(probe: _Probe, built: _Built, mbs: int, failure: _Failure) -> None:
     """Free what the failed size held, then add it to the report as failed."""
+    if built.iteration is not None:
+        built.iteration.discard()
     _free_after_failure(built.trainee, probe.rank.device)
     probe.report.data["sizes"].append(
         {
@@ -396,7 +447,9 @@ def _record_failure(probe: _Probe, built: _Built, mbs: int, failure: _Failure) -
     _fail(probe.report, failure)
 
 
-def _measure_size(probe: _Probe, built: _Built, loop: _StepLoop, mbs: int) -> _Failure | None:
+def _measure_size(
+    probe: _Probe, built: _Built, loop: _StepLoop | _IterationLoop, mbs: int
+) -> _Failure | None:
     """Measure one micro-batch size into the report; how it failed, or None."""
     try:
         raw = loop.run(mbs, probe.meter)
@@ -413,7 +466,11 @@ def _measure_size(probe: _Probe, built: _Built, loop: _StepLoop, mbs: int) -> _F
 
 def _measure(probe: _Probe, built: _Built) -> int:
     """Measure each micro-batch size; on one rank an OOM skips the sizes above it."""
-    loop = _StepLoop(probe.spec, built.model, probe.rank, built.trainee)
+    loop: _StepLoop | _IterationLoop = (
+        _StepLoop(probe.spec, built.model, probe.rank, built.trainee)
+        if built.iteration is None
+        else _IterationLoop(probe.spec, built.model, probe.rank, built.iteration)
+    )
     failed_size: int | None = None
     for mbs in probe.spec.micro_batch_sizes:
         if failed_size is not None and mbs >= failed_size:

@@ -1,0 +1,265 @@
+"""One rank of a probe of an RL iteration (``ProbeSpec.rlhf``): real models, an emulated engine.
+
+The trained models (the policy, the probe's model, and PPO's critic) are built by the
+probe's engine as any trainee; the frozen ones (reference, reward) are built beside them on
+the device in the compute dtype, without gradients. Each step of the probe is one iteration
+on the synthetic batch:
+
+- **rollout**: the rollout engine's share of the device is taken as one allocated block
+  (``share`` times the device's memory: the emulated cap, or the GPU's). This is an
+  **emulated reservation**: vLLM does not run in a probe, nothing is generated (the batch's
+  token ids stand for the responses), but the memory it would claim is really held, so the
+  phases after it run out of memory where they would beside a real engine.
+- **scoring**: without gradients, each model's forward over the batch at the micro-batch: the
+  policy's and the reference's log-probabilities (bf16 logits, their fp32 copy, the fp32
+  log-softmax), the critic's and reward model's value from the base model's last hidden
+  states (a value head's one output, the mean over the hidden size, standing for a trained
+  head).
+- **training**: the policy's optimizer step over the batch (its language-model loss: the same
+  logits and log-softmax a PPO or GRPO loss takes, not its arithmetic), then the critic's.
+
+A sleeping engine's block is freed after the rollout and taken again at the next one. Each
+phase's peak is read apart (``SizeResult.extra["rlhf"]``); the size's peak is the largest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.config import Precision, TrainConfig
+from autotune.models import ModelSpec, resolve_model
+from autotune.probe.engines import EngineContext, Trainee, build_trainee
+from autotune.probe.engines.base import autocast_context, torch_dtype
+from autotune.probe.memory import MemoryMeter
+from autotune.probe.metrics import now, synchronize
+from autotune.probe.modeling import build_model, materialize
+from autotune.probe.outcome import Stage
+from autotune.rlhf import RLHFProbe
+
+__all__ = ["Iteration", "build_iteration", "reservation_bytes"]
+
+PHASES = ("rollout", "scoring", "training")
+
+
+def reservation_bytes(rlhf: RLHFProbe, device: torch.device, cap: int | None) -> int:
+    """The engine's share in bytes: of the emulated cap where there is one, else of the GPU's
+    memory (vLLM's ``gpu_memory_utilization`` is a fraction of the whole memory)."""
+    if cap is not None:
+        total = cap
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        raise ValueError("an RL iteration's probe on the CPU needs --device-memory")
+    return int(rlhf.share * total)
+
+
+@dataclass(kw_only=True)
+class Iteration:
+    """The models and the engine's reservation of one rank's RL iteration."""
+
+    rlhf: RLHFProbe
+    config: TrainConfig
+    device: torch.device
+    policy: Trainee
+    critic: Trainee | None
+    frozen: dict[str, nn.Module]
+    reserve_bytes: int
+    stage: Stage = Stage.ROLLOUT
+    _block: torch.Tensor | None = field(default=None, repr=False)
+
+    def hold(self) -> None:
+        """The engine takes its share (again, after a sleep)."""
+        if self._block is None:
+            self._block = torch.empty(self.reserve_bytes, dtype=torch.uint8, device=self.device)
+
+    def release(self) -> None:
+        """The engine sleeps: its share is freed."""
+        self._block = None
+
+    def discard(self) -> None:
+        """After a failed size: the engine's block and the critic's gradients freed (the
+        policy's are the probe's to free)."""
+        self.release()
+        if self.critic is not None:
+            self.critic.discard_gradients()
+
+    def scorers(self) -> list[tuple[str, nn.Module, bool]]:
+        """Each model that scores the batch: (role, module, whether it gives log-probabilities
+        over a vocabulary rather than a value)."""
+        found: list[tuple[str, nn.Module, bool]] = [("policy", self.policy.model, True)]
+        if "reference" in self.frozen:
+            found.append(("reference", self.frozen["reference"], True))
+        if self.critic is not None:
+            found.append(("critic", self.critic.model, False))
+        if "reward" in self.frozen:
+            found.append(("reward", self.frozen["reward"], False))
+        return found
+
+    def score(self, input_ids: torch.Tensor) -> float:
+        """The scoring forwards of one micro-batch; a checksum of what they gave."""
+        total = 0.0
+        autocast = (
+            autocast_context(self.config, self.device)
+            if self.config.precision.is_mixed
+            else contextlib.nullcontext()
+        )
+        with torch.no_grad(), autocast:
+            for _, module, logprobs in self.scorers():
+                if logprobs:
+                    logits = module(input_ids=input_ids).logits
+                    logp = logits.float().log_softmax(-1)
+                    del logits
+                    total += float(logp.gather(-1, input_ids.unsqueeze(-1)).sum())
+                    del logp
+                else:
+                    hidden = _base(module)(input_ids=input_ids).last_hidden_state
+                    total += float(hidden.float().mean(-1).sum())
+                    del hidden
+        return total
+
+    def train(self, batches: list[torch.Tensor], timed: bool, times: dict[str, list]) -> float:
+        """One optimizer step of each trained model over the micro-batches; the policy's last
+        loss. The policy's micro-steps and step are timed into ``times``."""
+        loss_value = 0.0
+        for role, trainee in (("policy", self.policy), ("critic", self.critic)):
+            if trainee is None:
+                continue
+            for index, batch in enumerate(batches):
+                sync = index == len(batches) - 1
+                synchronize(self.device)
+                began = now()
+                self.stage = Stage.FORWARD
+                loss = trainee.forward(batch, sync=sync)
+                self.stage = Stage.BACKWARD
+                trainee.backward(loss, sync=sync)
+                synchronize(self.device)
+                if role == "policy":
+                    loss_value = float(loss.detach().float().item())
+                    if timed:
+                        times["micro"].append(now() - began)
+                del loss
+            self.stage = Stage.OPTIMIZER
+            began = now()
+            trainee.optimizer_step()
+            synchronize(self.device)
+            if role == "policy" and timed:
+                times["optimizer"].append(now() - began)
+        return loss_value
+
+    def run(
+        self, batches: list[torch.Tensor], steps: int, warmup: int, meter: MemoryMeter
+    ) -> dict[str, Any]:
+        """``warmup + steps`` iterations; the step loop's record (the policy's training times
+        and losses) with each phase's peak bytes and median seconds under ``rlhf``."""
+        peaks = dict.fromkeys(PHASES, 0)
+        reserved = dict.fromkeys(PHASES, 0)
+        seconds: dict[str, list[float]] = {p: [] for p in PHASES}
+        times: dict[str, list] = {"micro": [], "optimizer": []}
+        losses: list[float] = []
+        start = window = now()
+        for step in range(warmup + steps):
+            timed = step >= warmup
+            if step == warmup:
+                synchronize(self.device)
+                window = now()
+            for phase in PHASES:
+                meter.reset()
+                began = now()
+                if phase == "rollout":
+                    self.stage = Stage.ROLLOUT
+                    self.hold()
+                elif phase == "scoring":
+                    self.stage = Stage.SCORING
+                    for batch in batches:
+                        self.score(batch)
+                else:
+                    losses.append(self.train(batches, timed, times))
+                synchronize(self.device)
+                if timed:
+                    seconds[phase].append(now() - began)
+                reading = meter.read()
+                for into, key in (
+                    (peaks, "peak_allocated_bytes"),
+                    (reserved, "peak_reserved_bytes"),
+                ):
+                    into[phase] = max(into[phase], int(reading.get(key) or 0))
+                if phase == "rollout" and self.rlhf.sleep:
+                    self.release()  # the engine sleeps once its rollout is done
+        end = now()
+        self.release()
+        return {
+            "losses": losses,
+            "micro_times": times["micro"],
+            "optimizer_times": times["optimizer"],
+            "warmup_s": window - start,
+            "timed_s": end - window,
+            "rlhf": {
+                "phase_peak_bytes": peaks,
+                "phase_reserved_bytes": reserved,
+                "phase_s": {p: sorted(v)[len(v) // 2] for p, v in seconds.items() if v},
+                "reservation_bytes": self.reserve_bytes,
+                **self.rlhf.to_dict(),
+            },
+        }
+
+
+def _base(module: nn.Module) -> nn.Module:
+    """The transformer under a causal LM's head (through DDP's or DeepSpeed's wrapper)."""
+    inner = getattr(module, "module", module)
+    base = inner.base_model
+    assert isinstance(base, nn.Module)
+    return base
+
+
+def _frozen(spec: ModelSpec, config: TrainConfig, device: torch.device, seed: int) -> nn.Module:
+    """A frozen model on ``device`` in the compute dtype, without gradients."""
+    model = build_model(spec, config, checkpointing=False)
+    materialize(model, device, seed=seed)
+    dtype = torch.float32 if config.precision is Precision.FP32 else torch_dtype(config.precision)
+    model.to(dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def build_iteration(
+    ctx: EngineContext, rlhf: RLHFProbe, policy: Trainee, cap: int | None
+) -> Iteration:
+    """The critic (built by the probe's engine), the frozen models and the reservation's
+    size, beside the policy the probe built."""
+    critic = None
+    if rlhf.critic is not None:
+        critic_spec = resolve_model(rlhf.critic)
+        critic = build_trainee(
+            EngineContext(
+                model=critic_spec,
+                config=ctx.config,
+                device=ctx.device,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                micro_batch_size=ctx.micro_batch_size,
+                grad_accum=ctx.grad_accum,
+                lr=ctx.lr,
+                seed=ctx.seed + 1,
+            )
+        )
+    frozen_config = TrainConfig(precision=ctx.config.precision, attention=ctx.config.attention)
+    frozen = {
+        role: _frozen(resolve_model(name), frozen_config, ctx.device, ctx.seed + 2 + i)
+        for i, (role, name) in enumerate((("reference", rlhf.reference), ("reward", rlhf.reward)))
+        if name is not None
+    }
+    return Iteration(
+        rlhf=rlhf,
+        config=ctx.config,
+        device=ctx.device,
+        policy=policy,
+        critic=critic,
+        frozen=frozen,
+        reserve_bytes=reservation_bytes(rlhf, ctx.device, cap),
+    )
