@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         probe,
         trials,
         tune,
+        tune_rlhf,
         write_report,
     )
     from autotune.script import JobConfig, job_config
@@ -56,6 +57,7 @@ __all__ = [
     "probe",
     "trials",
     "tune",
+    "tune_rlhf",
     "write_report",
 ]
 

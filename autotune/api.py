@@ -69,6 +69,7 @@ from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.rlhf import (
     GRPO_HAS_NO_CRITIC,
     Algorithm,
+    Placement,
     RLHFModels,
     RLHFProbe,
     RLHFWorkload,
@@ -99,6 +100,8 @@ from autotune.units import format_bytes, parse_duration, parse_fraction, parse_s
 if TYPE_CHECKING:
     from autotune.jobs import Freshness, Job
     from autotune.search.controller import Controller, Event, RunSummary
+    from autotune.search.rlhf import RLHFSummary
+    from autotune.study.rlhf import RLHFTrial
     from autotune.study.store import TrialStore
 
 # NOTE: the study (Optuna, SQLAlchemy) and the search are imported inside the functions that
@@ -120,6 +123,7 @@ __all__ = [
     "probe",
     "trials",
     "tune",
+    "tune_rlhf",
     "write_report",
 ]
 
@@ -517,6 +521,188 @@ def plan_rlhf(
         reserve=_reserve(reserve, target),
     )
     return RLHFPlan(workload=work, gpu=target, rows=rows, seconds=time.perf_counter() - started)
+
+
+def tune_rlhf(
+    algorithm: str | Algorithm,
+    model: str,
+    *,
+    device: str = "auto",
+    device_memory: str | int | None = None,
+    gpus: int | None = None,
+    seq_len: int | None = None,
+    response_len: int | None = None,
+    rollout_batch: int | None = None,
+    reference: str | None = None,
+    critic: str | None = None,
+    reward: str | None = None,
+    rollout_share: str | float | None = None,
+    sleep: bool | None = None,
+    engines: Iterable[Engine] | None = None,
+    precision: Precision | None = None,
+    budget: str | float = "30m",
+    storage: str = DEFAULT_STORAGE,
+    trials_dir: str | Path = "trials",
+    max_probes: int = 12,
+    on_probe: Callable[[RLHFTrial, RLHFRow, RLHFTrial | None], None] | None = None,
+) -> RLHFSummary:
+    """Search an RL iteration's layouts with real probes (:mod:`autotune.search.rlhf`): the
+    planner's rows for one GPU, each probed as an iteration (:func:`probe` with ``rlhf``),
+    every probe a trial of the workload's RLHF study, resumed from it.
+
+    On one rank for now (the probe's frozen models are not sharded over ranks), with the
+    frozen models on the device; the trainer's engines default to ``single``. Where the engine
+    is emulated (every probe: vLLM does not run in one), an iteration's speed counts the
+    probe's measured scoring and training and the predicted rollout and switch.
+
+    Args:
+        algorithm, model, reference, critic, reward, seq_len, response_len, rollout_batch,
+            rollout_share, sleep, engines, precision: As for :func:`plan_rlhf`.
+        device: ``cuda``, ``cpu`` (real CPU probes under ``device_memory``) or ``auto``.
+        device_memory: The emulated cap per rank (required on the CPU).
+        gpus: Ranks: 1.
+        budget: Wall-clock budget (``"30m"``).
+        storage: The study's storage URL.
+        trials_dir: Where probe folders go (``trials_dir/rlhf/N``).
+        max_probes: Probes at most this run.
+        on_probe: Called after each probe with its trial, its predicted row and the best.
+    """
+    from autotune.search.rlhf import RLHFSummary, measured_speed
+    from autotune.search.rlhf import search as search_rlhf
+    from autotune.study.rlhf import RLHFStudy, RLHFTrial
+
+    if (gpus or 1) != 1:
+        raise ConfigError(
+            "run --rlhf probes on one rank (its frozen models are not sharded over ranks "
+            "yet): use --gpus 1, or plan more GPUs with autotune plan --rlhf"
+        )
+    budget_s = _seconds(budget, "the budget")
+    kind = device
+    if kind == "auto":
+        kind = "cuda" if detect_gpus() else "cpu"
+    if kind not in ("cuda", "cpu"):
+        raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
+    cap = _bytes(device_memory, "--device-memory")
+    if kind == "cpu" and cap is None:
+        raise ConfigError(
+            "--rlhf on the CPU needs --device-memory, e.g. 64MiB: the engine's share is a "
+            "share of it"
+        )
+    target = cpu_device_spec(cap) if kind == "cpu" and cap else _gpu(None)[0]
+    if kind == "cuda" and cap is not None:
+        target = dataclasses.replace(target, memory_bytes=cap)
+    found = plan_rlhf(
+        algorithm,
+        model,
+        gpu=target,
+        gpus=1,
+        seq_len=seq_len,
+        response_len=response_len,
+        rollout_batch=rollout_batch,
+        reference=reference,
+        critic=critic,
+        reward=reward,
+        rollout_share=rollout_share,
+        sleep=sleep,
+        frozen=Placement.RESIDENT.value,
+        engines=list(engines) if engines is not None else [Engine.SINGLE],
+        precision=precision,
+        reserve=0 if kind == "cpu" or cap is not None else DEVICE_RESERVE_BYTES,
+    )
+    work, models = found.workload, found.workload.models
+
+    def role(given: str | None, default: str | None) -> str | None:
+        """A role's model as the probe names it: as given, or the policy's."""
+        if given is None:
+            return default
+        return None if _absent(given) else given
+
+    names = {
+        "reference": role(reference, model),
+        "critic": role(critic, model if work.algorithm is Algorithm.PPO else None),
+        "reward": role(reward, model),
+    }
+    study = RLHFStudy(
+        {
+            "algorithm": work.algorithm.value,
+            "policy": models.policy.name,
+            "models": names,
+            "seq_len": work.seq_len,
+            "response_len": work.response_len,
+            "rollout_batch": work.rollout_batch,
+            "hardware": f"1x{target.key}" + (f"-cap{cap}" if cap else ""),
+            "device": kind,
+        },
+        storage=storage,
+    )
+    local = LocalDevice(kind, warm=False)
+    started = time.monotonic()
+    durations: list[float] = []
+
+    def run_one(row: RLHFRow) -> RLHFTrial:
+        spec = ProbeSpec(
+            model=model,
+            config=row.config,
+            micro_batch_sizes=(row.micro_batch_size,),
+            seq_len=work.seq_len,
+            grad_accum=row.grad_accum,
+            device=kind,
+            device_memory_bytes=cap,
+            warmup_steps=1,
+            timed_steps=1,
+            timeout_s=max(60.0, budget_s),
+            rlhf=RLHFProbe(
+                algorithm=work.algorithm,
+                reference=names["reference"],
+                critic=names["critic"],
+                reward=names["reward"],
+                share=row.share,
+                sleep=row.sleep,
+            ),
+        )
+        for step in local.setup(spec):
+            step.run()
+        began = time.monotonic()
+        result = local.launch(spec, new_probe_dir(Path(trials_dir), "rlhf"))
+        durations.append(time.monotonic() - began)
+        size = result.sizes[0] if result.sizes else None
+        outcome = size.outcome.value if size is not None else result.outcome.value
+        phases = size.extra.get("rlhf", {}) if size is not None else {}
+        speed = 0.0
+        if size is not None and size.outcome.value == "ok" and phases:
+            speed = measured_speed(row, phases["phase_s"], emulated=True)
+        trial = study.record(
+            RLHFTrial(
+                config=row.config,
+                share=row.share,
+                sleep=row.sleep,
+                micro_batch_size=row.micro_batch_size,
+                outcome=outcome,
+                samples_per_second=speed,
+                stage=None if size is None or size.stage is None else str(size.stage),
+                phases=phases.get("phase_peak_bytes", {}),
+                seconds=phases.get("phase_s", {}),
+                probe_dir=str(result.probe_dir),
+            )
+        )
+        if on_probe is not None:
+            on_probe(trial, row, study.best())
+        return trial
+
+    try:
+        trials, made, why = search_rlhf(
+            found.rows,
+            study.trials(),
+            run_one,
+            budget_left=lambda: budget_s - (time.monotonic() - started),
+            cost=lambda row: max(durations, default=0.0),
+            max_probes=max_probes,
+        )
+    finally:
+        local.close()
+    return RLHFSummary(
+        study=study.name, trials=trials, probes=made, stop_reason=why, best=study.best()
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -227,6 +227,20 @@ RewardOption = Annotated[
         rich_help_panel="RLHF",
     ),
 ]
+RolloutBatchOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Sequences an iteration generates and trains on, all GPUs (default: 2 per GPU).",
+        rich_help_panel="RLHF",
+    ),
+]
+ResponseLenOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Tokens generated per sequence (default: half of --seq-len).",
+        rich_help_panel="RLHF",
+    ),
+]
 EngineOption = Annotated[
     str | None, typer.Option(help="Only these engines, comma-separated: fsdp,deepspeed.")
 ]
@@ -621,20 +635,8 @@ def plan(
     reference: ReferenceOption = None,
     critic: CriticOption = None,
     reward: RewardOption = None,
-    rollout_batch: Annotated[
-        int | None,
-        typer.Option(
-            help="Sequences an iteration generates and trains on, all GPUs (default: 2 per GPU).",
-            rich_help_panel="RLHF",
-        ),
-    ] = None,
-    response_len: Annotated[
-        int | None,
-        typer.Option(
-            help="Tokens generated per sequence (default: half of --seq-len).",
-            rich_help_panel="RLHF",
-        ),
-    ] = None,
+    rollout_batch: RolloutBatchOption = None,
+    response_len: ResponseLenOption = None,
     top: Annotated[int, typer.Option(help="Rows to show (0: all).")] = 15,
     json_output: JsonOption = False,
 ) -> None:
@@ -758,6 +760,45 @@ def _plan_rlhf(
     console.print(rlhf_plan_table(found.rows, title=title, top=top, seconds=found.seconds))
 
 
+def _run_rlhf(algorithm: str, model: str, *, json_output: bool, **options: Any) -> None:
+    """``autotune run --rlhf``: probe layouts of an RL iteration, a line a probe, then the
+    best (or the summary as JSON)."""
+    from autotune import api
+
+    _quiet_optuna()
+    shown = errors if json_output else console
+
+    def said(trial: Any, row: Any, best: Any) -> None:
+        what = (
+            f"{trial.samples_per_second:,.2f} samples/s"
+            if trial.feasible
+            else f"[red]{trial.outcome}[/] at {trial.stage or '?'}"
+        )
+        lead = f"best {best.samples_per_second:,.2f} samples/s" if best else "nothing fits yet"
+        shown.print(
+            f"probe: {trial.config.label()}, share {trial.share:.0%}"
+            f"{', asleep' if trial.sleep else ''}, micro-batch {trial.micro_batch_size} "
+            f"(predicted {'fits' if row.fits else 'may fit'}): {what}; {lead}"
+        )
+
+    summary = api.tune_rlhf(algorithm, model, on_probe=said, **options)
+    if json_output:
+        _print_json(summary.to_dict())
+        return
+    count = f"{summary.probes} probe{'' if summary.probes == 1 else 's'}"
+    console.print(f"stopped: {summary.stop_reason}; {count} this run; study {summary.study}")
+    best = summary.best
+    if best is None:
+        console.print("[red]no layout fitted: lower --rollout-share, or let --sleep[/]")
+        raise typer.Exit(1)
+    console.print(
+        f"best: {best.config.label()}, rollout share {best.share:.0%}"
+        f"{', engine asleep while training' if best.sleep else ''}, micro-batch "
+        f"{best.micro_batch_size}: {best.samples_per_second:,.2f} samples/s (rollout "
+        "predicted: the engine is emulated)"
+    )
+
+
 @command()
 def run(
     model: Annotated[
@@ -861,10 +902,67 @@ def run(
     framework: FrameworkOption = None,
     batch_flag: BatchFlagOption = None,
     script_args: ScriptArgs = None,
+    rlhf: RlhfOption = None,
+    rollout_share: RolloutShareOption = None,
+    sleep: SleepOption = None,
+    reference: ReferenceOption = None,
+    critic: CriticOption = None,
+    reward: RewardOption = None,
+    rollout_batch: RolloutBatchOption = None,
+    response_len: ResponseLenOption = None,
     json_output: Annotated[bool, typer.Option("--json", help="Machine-readable summary.")] = False,
 ) -> None:
-    """Find the fastest configuration that fits: probe, escalate, record every trial."""
+    """Find the fastest configuration that fits: probe, escalate, record every trial.
+
+    With --rlhf: the fastest layout of an RL iteration (engine share, sleep, trainer), each
+    probe an iteration with the engine's share held."""
     from autotune import api
+
+    rl_options = {
+        "--rollout-share": rollout_share,
+        "--sleep": sleep,
+        "--reference": reference,
+        "--critic": critic,
+        "--reward": reward,
+        "--rollout-batch": rollout_batch,
+        "--response-len": response_len,
+    }
+    if rlhf is None:
+        named = [name for name, value in rl_options.items() if value is not None]
+        if named:
+            raise UsageError(f"{named[0]} tunes an RL iteration: add --rlhf ppo or --rlhf grpo")
+    else:
+        not_rl = {
+            "--jobs": jobs,
+            "--script": script,
+            "--simulate": simulate,
+            "--global-batch": global_batch,
+            "--loss": loss,
+            "--optimizer": optimizer,
+            "--allow": allow,
+            "--nodes": nodes,
+            "--hosts": hosts,
+        }
+        named = [name for name, value in not_rl.items() if value is not None]
+        if named:
+            what = "use --rollout-batch" if named[0] == "--global-batch" else "leave it out"
+            raise UsageError(f"{named[0]} is not tuned with --rlhf: {what}")
+        _run_rlhf(
+            rlhf,
+            model or "llama-7b",
+            device=device,
+            device_memory=device_memory,
+            gpus=gpus,
+            seq_len=seq_len,
+            engines=_parse_engines(engine),
+            precision=precision,
+            budget=budget,
+            storage=storage,
+            trials_dir=trials_dir,
+            json_output=json_output,
+            **{name.lstrip("-").replace("-", "_"): v for name, v in rl_options.items()},
+        )
+        return
     from autotune.report.live import RunView, speed_text
     from autotune.report.tables import ranking_table, ranks_text
     from autotune.study.measurement import prediction_gap
