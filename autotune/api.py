@@ -77,6 +77,7 @@ from autotune.rlhf import (
     parse_placements,
     parse_shares,
 )
+from autotune.rlhf_launch import RLFormat, RLHFLaunch, render_rlhf
 from autotune.script import (
     FRAMEWORK_ENGINES,
     Framework,
@@ -117,6 +118,7 @@ __all__ = [
     "Tuning",
     "best",
     "export",
+    "export_rlhf",
     "plan",
     "plan_rlhf",
     "prepare",
@@ -626,6 +628,7 @@ def tune_rlhf(
         {
             "algorithm": work.algorithm.value,
             "policy": models.policy.name,
+            "policy_model": model,
             "models": names,
             "seq_len": work.seq_len,
             "response_len": work.response_len,
@@ -702,6 +705,89 @@ def tune_rlhf(
         local.close()
     return RLHFSummary(
         study=study.name, trials=trials, probes=made, stop_reason=why, best=study.best()
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLHFExport:
+    """An RLHF study's best layout in an RL framework's options."""
+
+    study: str
+    trial: RLHFTrial
+    launch: RLHFLaunch
+    format: RLFormat
+    text: str
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "study": self.study,
+            "trial": self.trial.number,
+            "format": self.format.value,
+            "layout": self.trial.to_dict(),
+            "text": self.text,
+            "notes": list(self.notes),
+        }
+
+
+def export_rlhf(
+    fmt: str,
+    *,
+    model: str | None = None,
+    study: str | None = None,
+    storage: str = DEFAULT_STORAGE,
+) -> RLHFExport:
+    """The best layout of an RLHF study (``run --rlhf``) as TRL's ``GRPOConfig`` fields,
+    OpenRLHF's flags or verl's overrides: the study named, else the newest of ``model``'s
+    (the policy), else the newest.
+
+    Raises:
+        ConfigError: No such study, nothing fitted in it, or a format that cannot express it.
+    """
+    from autotune.study.rlhf import RLHFStudy
+
+    chosen_format = RLFormat(fmt)
+    studies = RLHFStudy.existing(storage)
+    if study is not None:
+        studies = [s for s in studies if s.name == study]
+    elif model is not None:
+        name = resolve_model(model).name
+        studies = [s for s in studies if s.workload.get("policy") == name]
+    if not studies:
+        what = f"study {study!r}" if study else f"RLHF study of {model}" if model else "RLHF study"
+        raise ConfigError(
+            f"no {what} in {masked(storage)}: run autotune run --rlhf first, or pass --storage"
+        )
+    found = studies[-1]
+    best = found.best()
+    if best is None:
+        raise ConfigError(
+            f"no layout of {found.name} fitted: nothing to export; lower --rollout-share or "
+            "let the engine --sleep, and run again"
+        )
+    w = found.workload
+    roles = w.get("models", {})
+    policy = str(w.get("policy_model", w["policy"]))
+    launch = RLHFLaunch(
+        algorithm=Algorithm(w["algorithm"]),
+        policy=policy,
+        reference=roles.get("reference"),
+        critic=roles.get("critic"),
+        reward=roles.get("reward"),
+        hidden_size=resolve_model(policy).hidden_size,
+        config=best.config,
+        micro_batch_size=best.micro_batch_size,
+        grad_accum=max(1, int(w["rollout_batch"]) // best.micro_batch_size),
+        world_size=1,
+        seq_len=int(w["seq_len"]),
+        response_len=int(w["response_len"]),
+        rollout_batch=int(w["rollout_batch"]),
+        share=best.share,
+        sleep=best.sleep,
+    )
+    text, notes = render_rlhf(launch, chosen_format)
+    return RLHFExport(
+        study=found.name, trial=best, launch=launch, format=chosen_format, text=text, notes=notes
     )
 
 

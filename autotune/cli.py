@@ -1225,7 +1225,8 @@ def export(
         typer.Option(
             "--format",
             "-f",
-            help="deepspeed, accelerate, hf, torchrun or fsdp.",
+            help="deepspeed, accelerate, hf, torchrun or fsdp; for a run --rlhf study: trl, "
+            "openrlhf or verl.",
             show_default=False,
         ),
     ],
@@ -1251,12 +1252,38 @@ def export(
     DeepSpeed JSON, accelerate YAML, TrainingArguments, a torchrun line, or FSDP2 code."""
     from autotune import api
     from autotune.launch import Format
+    from autotune.rlhf_launch import RLFormat
 
-    if format not in set(Format):
-        choices = ", ".join(f.value for f in Format)
+    if format not in set(Format) | set(RLFormat):
+        choices = ", ".join([*(f.value for f in Format), *(f.value for f in RLFormat)])
         raise UsageError(f"unknown export format {format!r}: use one of {choices}")
     if output is not None and output.exists() and not force:
         raise UsageError(f"{output} exists: add --force to overwrite it, or pick another -o")
+    if format in set(RLFormat):
+        if trial is not None or engine is not None or gpu is not None:
+            raise UsageError(
+                f"--format {format} exports an RLHF study's best layout: leave out --trial, "
+                "--engine and --gpu (name the study with --study or its policy with --model)"
+            )
+        _quiet_optuna()
+        rl = api.export_rlhf(format, model=model, study=study, storage=storage)
+        if output is not None:
+            api.write_new_file(output, rl.text, force=force)
+        if json_output:
+            _print_json({**rl.to_dict(), "output": str(output) if output else None})
+            return
+        for note in rl.notes:
+            errors.print(f"note: {note}", markup=False, highlight=False)
+        if output is None:
+            sys.stdout.write(rl.text)
+        else:
+            errors.print(
+                f"wrote {output}: {format} for {rl.trial.config.label()}, rollout share "
+                f"{rl.trial.share:.0%} (trial {rl.trial.number} of {rl.study})",
+                markup=False,
+                highlight=False,
+            )
+        return
     found = api.export(
         format, model=model, gpu=gpu, study=study, storage=storage, trial=trial, engine=engine
     )

@@ -221,6 +221,8 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         ("run", "--model", "tiny", "--device", "cpu", "--rlhf", "ppo"),
         "--rlhf on the CPU needs --device-memory",
     ),
+    (("export", "--format", "trl", "--model", "tiny"), "run autotune run --rlhf first"),
+    (("export", "--format", "verl", "--trial", "3"), "--format verl exports an RLHF study's"),
     (("plan", "--gpu", "h100", "--allow", "qlora"), "--allow qlora: use --allow lora"),
     (("plan", "--gpu", "h100", "--allow", "lora", "--lora-rank", "0"), "--lora-rank 0: use 1"),
     (("probe", "--loss", "liger"), "liger"),

@@ -21,6 +21,7 @@ import optuna
 
 from autotune.config import TrainConfig
 from autotune.study.fingerprint import software_versions
+from autotune.study.reader import holds_no_database, refuse_foreign_sqlite, sqlite_path
 from autotune.study.store import _optuna_quiet, open_storage
 
 __all__ = ["RLHF_ATTR", "RLHFStudy", "RLHFTrial"]
@@ -99,7 +100,19 @@ class RLHFTrial:
 class RLHFStudy:
     """The study of one RLHF workload (its models, lengths, batch, GPUs and software)."""
 
-    def __init__(self, workload: Mapping[str, Any], *, storage: str) -> None:
+    def __init__(
+        self,
+        workload: Mapping[str, Any],
+        *,
+        storage: str,
+        study: optuna.Study | None = None,
+    ) -> None:
+        """Open (or create) the study of ``workload``; ``study``: one already loaded."""
+        if study is not None:
+            self.workload = dict(study.user_attrs[RLHF_ATTR])
+            self.name = study.study_name
+            self.study = study
+            return
         self.workload = {**workload, "software": software_versions()}
         digest = hashlib.sha256(json.dumps(self.workload, sort_keys=True).encode()).hexdigest()[:10]
         self.name = (
@@ -114,6 +127,23 @@ class RLHFStudy:
             )
         if RLHF_ATTR not in self.study.user_attrs:
             self.study.set_user_attr(RLHF_ATTR, self.workload)
+
+    @classmethod
+    def existing(cls, storage: str) -> list[RLHFStudy]:
+        """Every RLHF study in ``storage``, oldest first (none in a SQLite file that does not
+        exist, which is not created)."""
+        path = sqlite_path(storage)
+        if path is not None and holds_no_database(path):
+            return []
+        if path is not None:
+            refuse_foreign_sqlite(path)
+        url = open_storage(storage, read_only=True)
+        found = []
+        for summary in optuna.get_all_study_summaries(url, include_best_trial=False):
+            if RLHF_ATTR in summary.user_attrs:
+                study = optuna.load_study(study_name=summary.study_name, storage=url)
+                found.append(cls({}, storage=storage, study=study))
+        return found
 
     def trials(self) -> list[RLHFTrial]:
         """Every recorded probe, oldest first."""

@@ -1,0 +1,122 @@
+"""``autotune export --format trl|openrlhf|verl``: an RLHF study's best layout in the RL
+frameworks' options. TRL's is read by TRL's own ``GRPOConfig`` (TRL is installed here), which
+derives its generation batch from the fields: it must come out as the study's rollout batch.
+OpenRLHF and verl need Ray and vLLM, which do not install here: their text is checked for
+the layout's values.
+
+The studies here are written through the study's own API with the layout a search would
+record (a real ``run --rlhf`` is ``tests/search/test_rlhf_run.py``'s)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autotune import api
+from autotune.cli import app
+from autotune.config import ConfigError, Engine, TrainConfig
+from autotune.study.rlhf import RLHFStudy, RLHFTrial
+
+WORKLOAD = {
+    "algorithm": "grpo",
+    "policy": "tiny",
+    "policy_model": "tiny",
+    "models": {"reference": "tiny", "critic": None, "reward": None},
+    "seq_len": 256,
+    "response_len": 192,
+    "rollout_batch": 8,
+    "hardware": "1xcpu-cap64MiB",
+    "device": "cpu",
+}
+
+
+def study_with(tmp_path: Path, config: TrainConfig, **workload: object) -> str:
+    storage = f"sqlite:///{tmp_path}/t.db"
+    study = RLHFStudy({**WORKLOAD, **workload}, storage=storage)
+    for share, outcome, speed in ((0.9, "oom", 0.0), (0.6, "ok", 3.5), (0.5, "ok", 3.1)):
+        study.record(
+            RLHFTrial(
+                config=config,
+                share=share,
+                sleep=True,
+                micro_batch_size=2,
+                outcome=outcome,
+                samples_per_second=speed,
+            )
+        )
+    return storage
+
+
+def export(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, ["export", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrainConfig(ac_every=1),
+        TrainConfig(engine=Engine.DEEPSPEED, zero_stage=3, ac_every=2),
+    ],
+    ids=lambda c: c.label(),
+)
+def test_trl_reads_the_grpo_export(tmp_path: Path, config: TrainConfig) -> None:
+    from trl import GRPOConfig
+
+    storage = study_with(tmp_path, config)
+    code, out, err = export("--format", "trl", "--model", "tiny", "--storage", storage)
+    assert code == 0, err
+    fields = json.loads(out)
+    parsed = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, **fields)
+    assert parsed.use_vllm and parsed.vllm_mode == "colocate"
+    assert parsed.vllm_gpu_memory_utilization == 0.6  # the best layout's, not the OOM's 0.9
+    assert parsed.vllm_enable_sleep_mode is True
+    assert parsed.per_device_train_batch_size == 2
+    assert parsed.gradient_accumulation_steps == 4
+    # TRL derives one generation's batch: the study's rollout batch.
+    assert parsed.generation_batch_size == WORKLOAD["rollout_batch"]
+    assert parsed.generation_batch_size % parsed.num_generations == 0
+    assert parsed.max_completion_length == 192 and parsed.vllm_max_model_length == 256
+    assert parsed.gradient_checkpointing
+    if config.engine is Engine.DEEPSPEED:
+        assert parsed.deepspeed["zero_optimization"]["stage"] == 3
+    assert "num_generations" in err  # the group is the user's: a note says so
+
+
+def test_openrlhf_and_verl_carry_the_layout(tmp_path: Path) -> None:
+    storage = study_with(
+        tmp_path,
+        TrainConfig(engine=Engine.DEEPSPEED, zero_stage=3, ac_every=1),
+        algorithm="ppo",
+        models={"reference": "tiny", "critic": "tiny", "reward": "tiny"},
+    )
+    code, out, err = export("--format", "openrlhf", "--model", "tiny", "--storage", storage)
+    assert code == 0, err
+    for flag in (
+        "--colocate_all_models",
+        "--vllm_gpu_memory_utilization 0.6",
+        "--vllm_enable_sleep",
+        "--zero_stage 3",
+        "--micro_train_batch_size 2",
+        "--rollout_batch_size 8",
+        "--critic_pretrain tiny",
+        "--gradient_checkpointing",
+    ):
+        assert flag in out, flag
+    code, out, err = export("--format", "verl", "--model", "tiny", "--storage", storage)
+    assert code == 0, err
+    for item in (
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.rollout.free_cache_engine=True",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "critic.model.path=tiny",
+    ):
+        assert item in out, item
+    assert "FSDP" in err  # verl's workers are FSDP's: a note says what changed
+    # TRL has no PPO trainer (the command line's one line and exit 2: tests/test_bad_input.py).
+    with pytest.raises(ConfigError, match="TRL has no PPO trainer"):
+        api.export_rlhf("trl", model="tiny", storage=storage)
