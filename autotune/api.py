@@ -69,7 +69,6 @@ from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.rlhf import (
     GRPO_HAS_NO_CRITIC,
     Algorithm,
-    Placement,
     RLHFModels,
     RLHFProbe,
     RLHFWorkload,
@@ -540,6 +539,7 @@ def tune_rlhf(
     reward: str | None = None,
     rollout_share: str | float | None = None,
     sleep: bool | None = None,
+    frozen: str | None = None,
     engines: Iterable[Engine] | None = None,
     precision: Precision | None = None,
     budget: str | float = "30m",
@@ -552,8 +552,8 @@ def tune_rlhf(
     planner's rows for one GPU, each probed as an iteration (:func:`probe` with ``rlhf``),
     every probe a trial of the workload's RLHF study, resumed from it.
 
-    On one rank for now (the probe's frozen models are not sharded over ranks), with the
-    frozen models on the device; the trainer's engines default to ``single``. Where the engine
+    On one rank for now (the probe's frozen models are not sharded over ranks); the trainer's
+    engines default to ``single``. Where the engine
     is emulated (every probe: vLLM does not run in one), an iteration's speed counts the
     probe's measured scoring and training and the predicted rollout and switch.
 
@@ -606,7 +606,7 @@ def tune_rlhf(
         reward=reward,
         rollout_share=rollout_share,
         sleep=sleep,
-        frozen=Placement.RESIDENT.value,
+        frozen=frozen,
         engines=list(engines) if engines is not None else [Engine.SINGLE],
         precision=precision,
         reserve=0 if kind == "cpu" or cap is not None else DEVICE_RESERVE_BYTES,
@@ -661,6 +661,7 @@ def tune_rlhf(
                 reward=names["reward"],
                 share=row.share,
                 sleep=row.sleep,
+                frozen=row.frozen,
             ),
         )
         for step in local.setup(spec):
@@ -679,6 +680,7 @@ def tune_rlhf(
                 config=row.config,
                 share=row.share,
                 sleep=row.sleep,
+                frozen=row.frozen,
                 micro_batch_size=row.micro_batch_size,
                 outcome=outcome,
                 samples_per_second=speed,
@@ -784,6 +786,7 @@ def export_rlhf(
         rollout_batch=int(w["rollout_batch"]),
         share=best.share,
         sleep=best.sleep,
+        frozen=best.frozen,
     )
     text, notes = render_rlhf(launch, chosen_format)
     return RLHFExport(

@@ -241,6 +241,14 @@ ResponseLenOption = Annotated[
         rich_help_panel="RLHF",
     ),
 ]
+FrozenOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Where the frozen models wait: gpu, host (offloaded between uses); plan and run: "
+        "gpu,host too (default: both; probe: gpu).",
+        rich_help_panel="RLHF",
+    ),
+]
 EngineOption = Annotated[
     str | None, typer.Option(help="Only these engines, comma-separated: fsdp,deepspeed.")
 ]
@@ -421,6 +429,7 @@ def probe(
     rlhf: RlhfOption = None,
     rollout_share: RolloutShareOption = None,
     sleep: SleepOption = None,
+    frozen: FrozenOption = None,
     reference: ReferenceOption = None,
     critic: CriticOption = None,
     reward: RewardOption = None,
@@ -485,7 +494,14 @@ def probe(
     elif model is None:
         model = "tiny"
     iteration = _rlhf_probe(
-        rlhf, model, rollout_share, sleep, reference=reference, critic=critic, reward=reward
+        rlhf,
+        model,
+        rollout_share,
+        sleep,
+        frozen,
+        reference=reference,
+        critic=critic,
+        reward=reward,
     )
     with running:
         result = api.probe(
@@ -522,14 +538,15 @@ def _rlhf_probe(
     model: str | None,
     share: str | None,
     sleep: bool | None,
+    frozen: str | None,
     **roles: str | None,
 ) -> Any:
     """``probe --rlhf``'s iteration (an ``autotune.rlhf.RLHFProbe``), or None without it;
     one line for an RLHF option without ``--rlhf``."""
-    from autotune.rlhf import Algorithm, RLHFProbe, parse_shares
+    from autotune.rlhf import Algorithm, RLHFProbe, parse_placements, parse_shares
 
     if algorithm is None:
-        given = {"--rollout-share": share, "--sleep": sleep} | {
+        given = {"--rollout-share": share, "--sleep": sleep, "--frozen": frozen} | {
             f"--{role}": value for role, value in roles.items()
         }
         named = [name for name, value in given.items() if value is not None]
@@ -543,6 +560,9 @@ def _rlhf_probe(
         raise UsageError(f"--rollout-share {share}: a probe holds one share, e.g. 0.5")
     if algorithm not in ("ppo", "grpo"):
         raise UsageError(f"--rlhf {algorithm!r}: use ppo or grpo")
+    places = parse_placements(frozen or "gpu")
+    if len(places) != 1:
+        raise UsageError(f"--frozen {frozen}: a probe keeps them in one place, gpu or host")
 
     def role(name: str, default: str | None) -> str | None:
         value = roles[name]
@@ -557,6 +577,7 @@ def _rlhf_probe(
         reward=role("reward", model),
         share=shares[0],
         sleep=bool(sleep),
+        frozen=places[0],
     )
 
 
@@ -624,14 +645,7 @@ def plan(
     rlhf: RlhfOption = None,
     rollout_share: RolloutShareOption = None,
     sleep: SleepOption = None,
-    frozen: Annotated[
-        str | None,
-        typer.Option(
-            help="Where the frozen models wait: gpu, host (offloaded between uses) or "
-            "gpu,host (default).",
-            rich_help_panel="RLHF",
-        ),
-    ] = None,
+    frozen: FrozenOption = None,
     reference: ReferenceOption = None,
     critic: CriticOption = None,
     reward: RewardOption = None,
@@ -777,7 +791,9 @@ def _run_rlhf(algorithm: str, model: str, *, json_output: bool, **options: Any) 
         lead = f"best {best.samples_per_second:,.2f} samples/s" if best else "nothing fits yet"
         shown.print(
             f"probe: {trial.config.label()}, share {trial.share:.0%}"
-            f"{', asleep' if trial.sleep else ''}, micro-batch {trial.micro_batch_size} "
+            f"{', asleep' if trial.sleep else ''}"
+            f"{', frozen on the host' if trial.frozen.value == 'host' else ''}, micro-batch "
+            f"{trial.micro_batch_size} "
             f"(predicted {'fits' if row.fits else 'may fit'}): {what}; {lead}"
         )
 
@@ -905,6 +921,7 @@ def run(
     rlhf: RlhfOption = None,
     rollout_share: RolloutShareOption = None,
     sleep: SleepOption = None,
+    frozen: FrozenOption = None,
     reference: ReferenceOption = None,
     critic: CriticOption = None,
     reward: RewardOption = None,
@@ -921,6 +938,7 @@ def run(
     rl_options = {
         "--rollout-share": rollout_share,
         "--sleep": sleep,
+        "--frozen": frozen,
         "--reference": reference,
         "--critic": critic,
         "--reward": reward,

@@ -216,9 +216,12 @@ class RLHFProbe:
     run in a probe)."""
     sleep: bool = False
     """Whether the engine's reservation is freed during scoring and training."""
+    frozen: Placement = Placement.RESIDENT
+    """Where the frozen models wait between their forwards."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
+        object.__setattr__(self, "frozen", Placement(self.frozen))
         check_share(self.share)
         if self.algorithm is Algorithm.GRPO and self.critic is not None:
             raise ConfigError(GRPO_HAS_NO_CRITIC)
@@ -233,9 +236,10 @@ class RLHFProbe:
             "reward": self.reward,
             "share": self.share,
             "sleep": self.sleep,
+            "frozen": self.frozen.value,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> RLHFProbe:
-        known = {"algorithm", "reference", "critic", "reward", "share", "sleep"}
+        known = {"algorithm", "reference", "critic", "reward", "share", "sleep", "frozen"}
         return cls(**{k: v for k, v in data.items() if k in known})  # type: ignore[arg-type]

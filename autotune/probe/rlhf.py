@@ -25,11 +25,13 @@ phase's peak is read apart (``SizeResult.extra["rlhf"]``); the size's peak is th
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.config import Precision, TrainConfig
 from autotune.models import ModelSpec, resolve_model
@@ -39,7 +41,7 @@ from autotune.probe.memory import MemoryMeter
 from autotune.probe.metrics import now, synchronize
 from autotune.probe.modeling import build_model, materialize
 from autotune.probe.outcome import Stage
-from autotune.rlhf import RLHFProbe
+from autotune.rlhf import Placement, RLHFProbe
 
 __all__ = ["Iteration", "build_iteration", "reservation_bytes"]
 
@@ -109,17 +111,14 @@ class Iteration:
             else contextlib.nullcontext()
         )
         with torch.no_grad(), autocast:
-            for _, module, logprobs in self.scorers():
-                if logprobs:
-                    logits = module(input_ids=input_ids).logits
-                    logp = logits.float().log_softmax(-1)
-                    del logits
-                    total += float(logp.gather(-1, input_ids.unsqueeze(-1)).sum())
-                    del logp
-                else:
-                    hidden = _base(module)(input_ids=input_ids).last_hidden_state
-                    total += float(hidden.float().mean(-1).sum())
-                    del hidden
+            for role, module, logprobs in self.scorers():
+                loading = (
+                    _on_device(module, self.device)
+                    if role in self.frozen and self.rlhf.frozen is Placement.OFFLOAD
+                    else contextlib.nullcontext()
+                )
+                with loading:
+                    total += _score(module, input_ids, logprobs)
         return total
 
     def train(self, batches: list[torch.Tensor], timed: bool, times: dict[str, list]) -> float:
@@ -208,6 +207,56 @@ class Iteration:
         }
 
 
+def _score(module: nn.Module, input_ids: torch.Tensor, logprobs: bool) -> float:
+    """One model's scoring forward: the log-probabilities of the tokens from its logits, or a
+    value from its base model's last hidden states; a checksum of what it gave."""
+    if logprobs:
+        logits = module(input_ids=input_ids).logits
+        logp = logits.float().log_softmax(-1)
+        del logits
+        return float(logp.gather(-1, input_ids.unsqueeze(-1)).sum())
+    hidden = _base(module)(input_ids=input_ids).last_hidden_state
+    return float(hidden.float().mean(-1).sum())
+
+
+@contextlib.contextmanager
+def _on_device(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """A frozen model waiting on the host, on the device for one forward. On a GPU its
+    weights move there and back; on the CPU's emulated device they are copied into counted
+    tensors for the forward (the host copies stay uncounted)."""
+    params = list(model.parameters())
+    if device.type == "cuda":
+        model.to(device)
+        try:
+            yield
+        finally:
+            model.to("cpu")
+        return
+    # The host copies are touched only with the counters stepped aside: an op on them inside
+    # the counters (even a view) would count their storage as the device's.
+    with _disable_current_modes():
+        kept = [p.data for p in params]
+    for param, host in zip(params, kept, strict=True):
+        param.data = host.clone()  # counted: now on the emulated device
+    try:
+        yield
+    finally:
+        with _disable_current_modes():
+            for param, host in zip(params, kept, strict=True):
+                param.data = host
+
+
+def _to_host(model: nn.Module, device: torch.device) -> None:
+    """Send a frozen model's weights to the host: to CPU memory off a GPU; on the CPU's
+    emulated device, into copies the counters do not see."""
+    if device.type == "cuda":
+        model.to("cpu")
+        return
+    with _disable_current_modes():
+        for param in model.parameters():
+            param.data = param.data.clone()
+
+
 def _base(module: nn.Module) -> nn.Module:
     """The transformer under a causal LM's head (through DDP's or DeepSpeed's wrapper)."""
     inner = getattr(module, "module", module)
@@ -254,6 +303,9 @@ def build_iteration(
         for i, (role, name) in enumerate((("reference", rlhf.reference), ("reward", rlhf.reward)))
         if name is not None
     }
+    if rlhf.frozen is Placement.OFFLOAD:
+        for model in frozen.values():
+            _to_host(model, ctx.device)
     return Iteration(
         rlhf=rlhf,
         config=ctx.config,

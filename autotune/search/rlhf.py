@@ -40,7 +40,7 @@ def may_fit(row: RLHFRow, error: float = PRIOR_ERROR) -> bool:
 
 
 def _key(row: RLHFRow) -> tuple[object, ...]:
-    return (row.config, row.share, row.sleep, row.micro_batch_size)
+    return (row.config, row.share, row.sleep, row.frozen, row.micro_batch_size)
 
 
 def _ruled_out(row: RLHFRow, trials: Sequence[RLHFTrial]) -> bool:
@@ -49,6 +49,7 @@ def _ruled_out(row: RLHFRow, trials: Sequence[RLHFTrial]) -> bool:
         t.outcome == "oom"
         and t.config == row.config
         and t.sleep == row.sleep
+        and t.frozen == row.frozen
         and t.micro_batch_size <= row.micro_batch_size
         and t.share <= row.share
         for t in trials

@@ -20,6 +20,7 @@ from typing import Any
 import optuna
 
 from autotune.config import TrainConfig
+from autotune.rlhf import Placement
 from autotune.study.fingerprint import software_versions
 from autotune.study.reader import holds_no_database, refuse_foreign_sqlite, sqlite_path
 from autotune.study.store import _optuna_quiet, open_storage
@@ -41,6 +42,8 @@ class RLHFTrial:
     outcome: str
     """``ok``, ``oom``, or another probe outcome."""
     samples_per_second: float
+    frozen: Placement = Placement.RESIDENT
+    """Where the frozen models waited."""
     stage: str | None = None
     phases: Mapping[str, int] = field(default_factory=dict)
     """Each phase's measured peak bytes."""
@@ -55,7 +58,7 @@ class RLHFTrial:
         return self.outcome == "ok" and self.samples_per_second > 0
 
     def key(self) -> tuple[Any, ...]:
-        return (self.config, self.share, self.sleep, self.micro_batch_size)
+        return (self.config, self.share, self.sleep, self.frozen, self.micro_batch_size)
 
     def to_attrs(self) -> dict[str, Any]:
         return {
@@ -63,6 +66,7 @@ class RLHFTrial:
             "label": self.config.label(),
             "rollout_share": self.share,
             "sleep": self.sleep,
+            "frozen": self.frozen.value,
             "micro_batch_size": self.micro_batch_size,
             "outcome": self.outcome,
             "stage": self.stage,
@@ -86,6 +90,7 @@ class RLHFTrial:
             config=TrainConfig.from_dict(attrs["config"]),
             share=float(attrs["rollout_share"]),
             sleep=bool(attrs["sleep"]),
+            frozen=Placement(attrs.get("frozen", Placement.RESIDENT.value)),
             micro_batch_size=int(attrs["micro_batch_size"]),
             outcome=str(attrs["outcome"]),
             samples_per_second=float(trial.value or 0.0),

@@ -2,8 +2,9 @@
 
 PPO of the tiny llama (policy, reference, critic, reward: four models on one rank) under a
 52 MiB emulated device, the engine awake through training (``--no-sleep``, as in the founding
-case), one sequence of 256 tokens an iteration. Equally fast layouts go larger share first;
-the estimator's prior error lets 0.9 be tried (predicted just over), and reality agrees it
+case) and the frozen models on the device (``--frozen gpu``), one sequence of 256 tokens an
+iteration. Equally fast layouts go larger share first; the estimator's prior error lets 0.9
+be tried (predicted just over), and reality agrees it
 does not fit: the probe runs out of memory for real, the OOM is a trial, and the search moves
 to 0.8, which fits. A rerun finds both in the study and probes nothing.
 """
@@ -32,6 +33,7 @@ ARGS = dict(
     seq_len=256,
     rollout_batch=1,
     sleep=False,
+    frozen="gpu",
     budget="5m",
 )
 
@@ -97,6 +99,8 @@ def test_the_search_tries_the_largest_share_that_may_fit_then_the_one_that_fits(
         "--rollout-batch",
         "1",
         "--no-sleep",
+        "--frozen",
+        "gpu",
         "--json",
     ]
     again = CliRunner().invoke(
