@@ -90,11 +90,11 @@ def run_rlhf(tmp_path: Path, model: str, rlhf: RLHFProbe, sizes: tuple[int, ...]
 def test_ppo_with_four_models_beside_the_engine_share_matches_each_phase(tmp_path: Path) -> None:
     """PPO: policy and critic trained, reference and reward frozen in bf16, all on the device
     with half of it held for the engine. Each phase's measured peak, less the engine's block,
-    within 8 % of the prediction (measured: +1.7 % and +4.4 % for scoring; the rollout's,
-    the models' states and weights, within 0.5 %)."""
+    within 8 % of the prediction at 4 sequences (measured: +4.4 % for scoring, the largest; the
+    other sizes of docs/rlhf.md's table were measured once)."""
     rlhf = iteration("tiny", "ppo", 0.5)
-    result = run_rlhf(tmp_path, "tiny", rlhf, (1, 4))
-    assert [s.outcome for s in result.sizes] == [Outcome.OK, Outcome.OK], result.sizes
+    result = run_rlhf(tmp_path, "tiny", rlhf, (4,))
+    assert [s.outcome for s in result.sizes] == [Outcome.OK], result.sizes
     for size in result.sizes:
         measured = size.extra["rlhf"]
         held = measured["reservation_bytes"]
