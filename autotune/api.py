@@ -69,12 +69,15 @@ from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.rlhf import (
     GRPO_HAS_NO_CRITIC,
     Algorithm,
+    Placement,
     RLHFModels,
     RLHFProbe,
     RLHFWorkload,
     check_models,
+    is_absent,
     parse_placements,
     parse_shares,
+    role_names,
 )
 from autotune.rlhf_launch import RLFormat, RLHFLaunch, render_rlhf
 from autotune.script import (
@@ -432,12 +435,7 @@ def _role_model(value: str | ModelSpec | None, default: ModelSpec | None) -> Mod
         return value
     if value is None:
         return default
-    return None if _absent(value) else resolve_model(value)
-
-
-def _absent(value: str | ModelSpec) -> bool:
-    """Whether a role's model is given as ``none``: absent."""
-    return isinstance(value, str) and value.strip().lower() == "none"
+    return None if is_absent(value) else resolve_model(value)
 
 
 def plan_rlhf(
@@ -488,7 +486,7 @@ def plan_rlhf(
         algo = Algorithm(algorithm)
     except ValueError:
         raise ConfigError(f"--rlhf {algorithm!r}: use ppo or grpo") from None
-    if algo is Algorithm.GRPO and critic is not None and not _absent(critic):
+    if algo is Algorithm.GRPO and critic is not None and not is_absent(critic):
         raise ConfigError(GRPO_HAS_NO_CRITIC)
     policy = model if isinstance(model, ModelSpec) else resolve_model(model)
     target, here = _gpu(gpu)
@@ -552,8 +550,8 @@ def tune_rlhf(
     planner's rows for one GPU, each probed as an iteration (:func:`probe` with ``rlhf``),
     every probe a trial of the workload's RLHF study, resumed from it.
 
-    On one rank for now (the probe's frozen models are not sharded over ranks); the trainer's
-    engines default to ``single``. Where the engine
+    On one node; the trainer's engines default to ``single`` on one GPU, FSDP2 and DDP on
+    several (``engines``); the frozen models wait on the host only on one rank. Where the engine
     is emulated (every probe: vLLM does not run in one), an iteration's speed counts the
     probe's measured scoring and training and the predicted rollout and switch.
 
@@ -562,7 +560,7 @@ def tune_rlhf(
             rollout_share, sleep, engines, precision: As for :func:`plan_rlhf`.
         device: ``cuda``, ``cpu`` (real CPU probes under ``device_memory``) or ``auto``.
         device_memory: The emulated cap per rank (required on the CPU).
-        gpus: Ranks: 1.
+        gpus: Ranks (GPUs, or CPU processes each under ``device_memory``), on this node.
         budget: Wall-clock budget (``"30m"``).
         storage: The study's storage URL.
         trials_dir: Where probe folders go (``trials_dir/rlhf/N``).
@@ -573,10 +571,11 @@ def tune_rlhf(
     from autotune.search.rlhf import search as search_rlhf
     from autotune.study.rlhf import RLHFStudy, RLHFTrial
 
-    if (gpus or 1) != 1:
+    world = _count(gpus, "--gpus") or 1
+    if world > 1 and frozen is not None and Placement.OFFLOAD in parse_placements(frozen):
         raise ConfigError(
-            "run --rlhf probes on one rank (its frozen models are not sharded over ranks "
-            "yet): use --gpus 1, or plan more GPUs with autotune plan --rlhf"
+            "--frozen host is probed on one rank (its weights are not moved to the host in "
+            "shards yet): use --frozen gpu with --gpus, or --gpus 1"
         )
     budget_s = _seconds(budget, "the budget")
     kind = device
@@ -597,7 +596,7 @@ def tune_rlhf(
         algorithm,
         model,
         gpu=target,
-        gpus=1,
+        gpus=world,
         seq_len=seq_len,
         response_len=response_len,
         rollout_batch=rollout_batch,
@@ -606,24 +605,14 @@ def tune_rlhf(
         reward=reward,
         rollout_share=rollout_share,
         sleep=sleep,
-        frozen=frozen,
-        engines=list(engines) if engines is not None else [Engine.SINGLE],
+        frozen=frozen if world == 1 else Placement.RESIDENT.value,
+        engines=list(engines) if engines is not None else _rlhf_engines(world),
         precision=precision,
         reserve=0 if kind == "cpu" or cap is not None else DEVICE_RESERVE_BYTES,
     )
     work, models = found.workload, found.workload.models
 
-    def role(given: str | None, default: str | None) -> str | None:
-        """A role's model as the probe names it: as given, or the policy's."""
-        if given is None:
-            return default
-        return None if _absent(given) else given
-
-    names = {
-        "reference": role(reference, model),
-        "critic": role(critic, model if work.algorithm is Algorithm.PPO else None),
-        "reward": role(reward, model),
-    }
+    names = role_names(work.algorithm, model, reference=reference, critic=critic, reward=reward)
     study = RLHFStudy(
         {
             "algorithm": work.algorithm.value,
@@ -633,7 +622,7 @@ def tune_rlhf(
             "seq_len": work.seq_len,
             "response_len": work.response_len,
             "rollout_batch": work.rollout_batch,
-            "hardware": f"1x{target.key}" + (f"-cap{cap}" if cap else ""),
+            "hardware": f"{world}x{target.key}" + (f"-cap{cap}" if cap else ""),
             "device": kind,
         },
         storage=storage,
@@ -649,6 +638,7 @@ def tune_rlhf(
             micro_batch_sizes=(row.micro_batch_size,),
             seq_len=work.seq_len,
             grad_accum=row.grad_accum,
+            num_processes=world,
             device=kind,
             device_memory_bytes=cap,
             warmup_steps=1,
@@ -730,6 +720,12 @@ class RLHFExport:
             "text": self.text,
             "notes": list(self.notes),
         }
+
+
+def _rlhf_engines(world: int) -> list[Engine]:
+    """The trainer engines ``run --rlhf`` tries unless told: one process on one GPU; FSDP2 and
+    DDP over several (their probes start in seconds; DeepSpeed's build ops first)."""
+    return [Engine.SINGLE] if world == 1 else [Engine.FSDP, Engine.DDP]
 
 
 def export_rlhf(

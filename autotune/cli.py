@@ -543,7 +543,7 @@ def _rlhf_probe(
 ) -> Any:
     """``probe --rlhf``'s iteration (an ``autotune.rlhf.RLHFProbe``), or None without it;
     one line for an RLHF option without ``--rlhf``."""
-    from autotune.rlhf import Algorithm, RLHFProbe, parse_placements, parse_shares
+    from autotune.rlhf import Algorithm, RLHFProbe, parse_placements, parse_shares, role_names
 
     if algorithm is None:
         given = {"--rollout-share": share, "--sleep": sleep, "--frozen": frozen} | {
@@ -564,17 +564,12 @@ def _rlhf_probe(
     if len(places) != 1:
         raise UsageError(f"--frozen {frozen}: a probe keeps them in one place, gpu or host")
 
-    def role(name: str, default: str | None) -> str | None:
-        value = roles[name]
-        if value is None:
-            return default
-        return None if value.strip().lower() == "none" else value
-
+    models = role_names(Algorithm(algorithm), model or "tiny", **roles)
     return RLHFProbe(
         algorithm=Algorithm(algorithm),
-        reference=role("reference", model),
-        critic=role("critic", model if algorithm == "ppo" else None),
-        reward=role("reward", model),
+        reference=models["reference"],
+        critic=models["critic"],
+        reward=models["reward"],
         share=shares[0],
         sleep=bool(sleep),
         frozen=places[0],

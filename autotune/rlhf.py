@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from autotune.config import ConfigError
+from autotune.config import ConfigError, Engine, TrainConfig
 from autotune.models import ModelSpec
 
 __all__ = [
@@ -29,8 +29,11 @@ __all__ = [
     "RLHFProbe",
     "RLHFWorkload",
     "check_share",
+    "is_absent",
     "parse_placements",
     "parse_shares",
+    "role_names",
+    "sharded",
 ]
 
 GRPO_HAS_NO_CRITIC = (
@@ -152,6 +155,41 @@ def check_models(algorithm: Algorithm, models: RLHFModels) -> None:
                 f"the policy {models.policy.name}'s {vocab:,}: it cannot read the policy's "
                 f"token ids; use a {role} model of the policy's tokenizer"
             )
+
+
+def is_absent(value: object) -> bool:
+    """Whether a role's model is given as ``none``: absent (a rule-based reward, say)."""
+    return isinstance(value, str) and value.strip().lower() == "none"
+
+
+def role_names(
+    algorithm: Algorithm,
+    policy: str,
+    *,
+    reference: str | None,
+    critic: str | None,
+    reward: str | None,
+) -> dict[str, str | None]:
+    """Each role's model as the user named it (a preset or a config.json path): as given,
+    the policy's where not given (GRPO: no critic), None where given as ``none``."""
+
+    def named(given: str | None, default: str | None) -> str | None:
+        if given is None:
+            return default
+        return None if is_absent(given) else given
+
+    return {
+        "reference": named(reference, policy),
+        "critic": named(critic, policy if algorithm is Algorithm.PPO else None),
+        "reward": named(reward, policy),
+    }
+
+
+def sharded(config: TrainConfig) -> bool:
+    """Whether a trainer of ``config`` shards its parameters over its ranks (ZeRO-3, FSDP's
+    full shard): its frozen models' weights are sharded alike (OpenRLHF's and verl's engines
+    for the reference)."""
+    return config.engine in (Engine.DEEPSPEED, Engine.FSDP) and config.zero_stage == 3
 
 
 def check_share(share: float) -> float:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+# numpy's OpenBLAS on one thread before anything imports numpy (the Makefile sets it too):
+# two test workers each spinning two BLAS threads on two cores slowed the search's small
+# Gaussian-process solves fifteenfold.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import json
 import signal
 import subprocess
 import time

@@ -52,7 +52,7 @@ from autotune.estimator.plan import (
 from autotune.estimator.timing import StepTime, predict_step_time
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
-from autotune.rlhf import Placement, RLHFWorkload
+from autotune.rlhf import Placement, RLHFWorkload, sharded
 from autotune.space import Workload, configurations, micro_batch_options
 from autotune.units import format_bytes
 
@@ -305,12 +305,6 @@ class RLHFRow:
         }
 
 
-def _sharded(config: TrainConfig) -> bool:
-    """Whether the trainer shards parameters (ZeRO-3, FSDP full shard): its frozen models'
-    weights are sharded alike (OpenRLHF's and verl's engines for the reference)."""
-    return config.engine in (Engine.DEEPSPEED, Engine.FSDP) and config.zero_stage == 3
-
-
 def _states(model: ModelSpec, config: TrainConfig, world: int) -> int:
     """What a trained model keeps on a GPU between its steps."""
     layout = state_layout(model, config, world)
@@ -320,13 +314,27 @@ def _states(model: ModelSpec, config: TrainConfig, world: int) -> int:
 def _frozen_bytes(model: ModelSpec, config: TrainConfig, world: int) -> int:
     """A frozen model's weights on a GPU, in the compute dtype."""
     compute = 4 if config.precision is Precision.FP32 else 2
-    return compute * model.num_params // (world if _sharded(config) else 1)
+    return compute * model.num_params // (world if sharded(config) else 1)
 
 
-def _weight_copies(model: ModelSpec, config: TrainConfig, seq_len: int) -> float:
-    """The compute-dtype copies of a trained model's weights autocast holds by the end of a
-    forward (its cache keeps each cast weight until the forward returns), as the training
-    estimate counts them."""
+def _scoring_weights(
+    model: ModelSpec, config: TrainConfig, world: int, seq_len: int, *, trained: bool
+) -> float:
+    """Weights a scoring forward holds beyond the model's resident ones, by its head: sharded
+    over ranks, the gathered root unit (embeddings, final norm, head) and two blocks (the one
+    at work and the one prefetched), in the compute dtype; FSDP2 without re-sharding keeps
+    every gathered block; a trained model of an engine that autocasts per op, the copies of
+    its weights autocast's cache keeps until the forward returns (as the training estimate
+    counts them)."""
+    compute = 4 if config.precision is Precision.FP32 else 2
+    per_layer = model.num_block_params / model.num_layers
+    root = model.num_params - model.num_block_params
+    if world > 1 and sharded(config):
+        return compute * (root + 2 * per_layer)
+    if world > 1 and config.engine is Engine.FSDP and trained:
+        return compute * model.num_params  # ZeRO-2: gathered blocks stay gathered
+    if not trained:
+        return 0.0
     prof = activation_profile(model, config, seq_len)
     return model.num_layers * prof.layer_weight_copy_bytes + prof.head_weight_copy_bytes
 
@@ -337,7 +345,7 @@ def _forward_bytes(model: ModelSpec, tokens: int, logits: bool, copies: float = 
     fp32 and, for a model with a vocabulary head, its logits (:data:`SCORING_LOGIT_BYTES`;
     a value or reward head's output is a scalar a token), whichever is larger; plus
     ``copies``, the compute-dtype copies of the weights autocast keeps until the forward
-    returns (a trained model of an engine that autocasts per op)."""
+    returns, or the sharded weights gathered for it (:func:`_scoring_weights`)."""
     d, i = model.hidden_size, model.intermediate_size
     block = tokens * (4 * d + 3 * i) * 2
     head = tokens * d * 4 + (tokens * model.vocab_size * SCORING_LOGIT_BYTES if logits else 0)
@@ -390,9 +398,13 @@ def _trainer(
     )
     tokens = mbs * work.seq_len
     scorers = [
-        (m, role == "policy", _weight_copies(m, config, work.seq_len)) for role, m in trained
+        (m, role == "policy", _scoring_weights(m, config, world, work.seq_len, trained=True))
+        for role, m in trained
     ]
-    scorers += [(m, role == "reference", 0.0) for role, m in models.frozen()]
+    scorers += [
+        (m, role == "reference", _scoring_weights(m, config, world, work.seq_len, trained=False))
+        for role, m in models.frozen()
+    ]
 
     def step(model: ModelSpec, chosen: TrainConfig, grad_accum: int) -> StepTime:
         return predict_step_time(

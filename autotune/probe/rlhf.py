@@ -12,9 +12,9 @@ on the synthetic batch:
   phases after it run out of memory where they would beside a real engine.
 - **scoring**: without gradients, each model's forward over the batch at the micro-batch: the
   policy's and the reference's log-probabilities (bf16 logits, their fp32 copy, the fp32
-  log-softmax), the critic's and reward model's value from the base model's last hidden
-  states (a value head's one output, the mean over the hidden size, standing for a trained
-  head).
+  log-softmax), the critic's and reward model's value from the final norm's output (a value
+  head's one output, the mean over the hidden size, standing for a trained head; the model
+  runs whole, with logits for the last token alone).
 - **training**: the policy's optimizer step over the batch (its language-model loss: the same
   logits and log-softmax a PPO or GRPO loss takes, not its arithmetic), then the critic's.
 
@@ -39,9 +39,9 @@ from autotune.probe.engines import EngineContext, Trainee, build_trainee
 from autotune.probe.engines.base import autocast_context, torch_dtype
 from autotune.probe.memory import MemoryMeter
 from autotune.probe.metrics import now, synchronize
-from autotune.probe.modeling import build_model, materialize
+from autotune.probe.modeling import build_model, decoder_blocks, materialize
 from autotune.probe.outcome import Stage
-from autotune.rlhf import Placement, RLHFProbe
+from autotune.rlhf import Placement, RLHFProbe, sharded
 
 __all__ = ["Iteration", "build_iteration", "reservation_bytes"]
 
@@ -209,14 +209,21 @@ class Iteration:
 
 def _score(module: nn.Module, input_ids: torch.Tensor, logprobs: bool) -> float:
     """One model's scoring forward: the log-probabilities of the tokens from its logits, or a
-    value from its base model's last hidden states; a checksum of what it gave."""
+    value from its final norm's output; a checksum of what it gave."""
     if logprobs:
         logits = module(input_ids=input_ids).logits
         logp = logits.float().log_softmax(-1)
         del logits
         return float(logp.gather(-1, input_ids.unsqueeze(-1)).sum())
-    hidden = _base(module)(input_ids=input_ids).last_hidden_state
-    return float(hidden.float().mean(-1).sum())
+    # A value head reads the final norm's output: the model runs whole (so an engine's hooks,
+    # FSDP2's root gather among them, see the call) with logits for the last token alone.
+    captured: list[torch.Tensor] = []
+    handle = _final_norm(module).register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        module(input_ids=input_ids, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return float(captured[0].float().mean(-1).sum())
 
 
 @contextlib.contextmanager
@@ -257,20 +264,34 @@ def _to_host(model: nn.Module, device: torch.device) -> None:
             param.data = param.data.clone()
 
 
-def _base(module: nn.Module) -> nn.Module:
-    """The transformer under a causal LM's head (through DDP's or DeepSpeed's wrapper)."""
-    inner = getattr(module, "module", module)
-    base = inner.base_model
-    assert isinstance(base, nn.Module)
-    return base
+def _final_norm(module: nn.Module) -> nn.Module:
+    """The norm before a causal LM's head (through DDP's or DeepSpeed's wrapper)."""
+    base = getattr(module, "module", module).base_model
+    norm = getattr(base, "norm", None) or getattr(base, "ln_f", None)
+    assert isinstance(norm, nn.Module), type(base).__name__
+    return norm
 
 
-def _frozen(spec: ModelSpec, config: TrainConfig, device: torch.device, seed: int) -> nn.Module:
-    """A frozen model on ``device`` in the compute dtype, without gradients."""
+def _frozen(
+    spec: ModelSpec, config: TrainConfig, device: torch.device, seed: int, *, shard: bool
+) -> nn.Module:
+    """A frozen model on ``device`` in the compute dtype, without gradients; ``shard``: its
+    weights sharded over the ranks with FSDP2 (each block a unit, the root another, gathered
+    for the forward and freed after it), as a trainer that shards its own parameters keeps its
+    reference (verl's FSDP workers; OpenRLHF's ZeRO-3 engine holds the same bytes)."""
     model = build_model(spec, config, checkpointing=False)
-    materialize(model, device, seed=seed)
     dtype = torch.float32 if config.precision is Precision.FP32 else torch_dtype(config.precision)
-    model.to(dtype)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        model.to(dtype)  # on meta: no memory yet
+        for block in decoder_blocks(model):
+            fully_shard(block, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True)
+        materialize(model, device, seed=seed)
+    else:
+        materialize(model, device, seed=seed)
+        model.to(dtype)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -299,7 +320,13 @@ def build_iteration(
         )
     frozen_config = TrainConfig(precision=ctx.config.precision, attention=ctx.config.attention)
     frozen = {
-        role: _frozen(resolve_model(name), frozen_config, ctx.device, ctx.seed + 2 + i)
+        role: _frozen(
+            resolve_model(name),
+            frozen_config,
+            ctx.device,
+            ctx.seed + 2 + i,
+            shard=ctx.world_size > 1 and sharded(ctx.config),
+        )
         for i, (role, name) in enumerate((("reference", rlhf.reference), ("reward", rlhf.reward)))
         if name is not None
     }

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.config import ConfigError, Engine, Precision, TrainConfig
-from autotune.rlhf import RLHFProbe
+from autotune.rlhf import Placement, RLHFProbe
 from autotune.script import ScriptJob
 
 __all__ = ["ProbeSpec", "ProbeTemplate"]
@@ -97,11 +97,13 @@ class ProbeSpec:
         if self.timeout_s <= 0:
             raise ConfigError("the probe timeout must be positive, like 10m")
         if self.rlhf is not None:
-            if self.world_size != 1:
+            if self.world_size != 1 and self.rlhf.frozen is Placement.OFFLOAD:
                 raise ConfigError(
-                    "a probe of an RL iteration runs on one rank (its frozen models are not "
-                    "sharded over ranks yet): use --gpus 1, or plan more with autotune plan --rlhf"
+                    "--frozen host is probed on one rank (its weights are not moved to the host "
+                    "in shards yet): use --frozen gpu with several ranks, or --gpus 1"
                 )
+            if self.nodes != 1:
+                raise ConfigError("a probe of an RL iteration runs on one node: leave out --nodes")
             if self.script is not None:
                 raise ConfigError(
                     "--rlhf probes autotune's stand-in models; your script builds its own: "

@@ -145,3 +145,12 @@ def test_variant_trains(
     """Other precisions, eager attention, GPT-2 and Qwen2 (tied head, qkv bias) train too."""
     result = run_probe(config, model=model, num_processes=num_processes)
     _assert_trains(result, num_processes)
+
+
+def test_deepspeed_zero3_builds_in_a_fresh_interpreter(run_probe: RunProbe) -> None:
+    """A rank started fresh (``autotune probe``, ``--no-warm``), not forked from the warm
+    process that imported everything: ZeRO-3's zero.Init must not be the first to import
+    torch._dynamo (its polyfill of Tensor.__new__ then meets zero.Init's and raises)."""
+    config = TrainConfig(engine=Engine.DEEPSPEED, zero_stage=3)
+    result = run_probe(config, num_processes=2, spawner="subprocess")
+    assert result.outcome is Outcome.OK, probe_failure_text(result)

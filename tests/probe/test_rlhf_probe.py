@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from autotune import api
-from autotune.config import ConfigError, TrainConfig
+from autotune.config import ConfigError, Engine, TrainConfig
 from autotune.estimator.rlhf import RLHFRow, estimate_rlhf
 from autotune.hardware import cpu_device_spec
 from autotune.models import resolve_model
@@ -32,8 +32,10 @@ CAP = 64 * 1024**2
 SEQ = 256
 
 
-def predicted(model: str, rlhf: RLHFProbe, mbs: int) -> RLHFRow:
-    """The estimator's phases for the probe's iteration at ``mbs`` (one rank, one micro-step)."""
+def predicted(
+    model: str, rlhf: RLHFProbe, mbs: int, config: TrainConfig | None = None, world: int = 1
+) -> RLHFRow:
+    """The estimator's phases for the probe's iteration at ``mbs`` (one micro-step a rank)."""
     spec = resolve_model(model)
     models = RLHFModels(
         policy=spec,
@@ -46,13 +48,13 @@ def predicted(model: str, rlhf: RLHFProbe, mbs: int) -> RLHFRow:
         models=models,
         seq_len=SEQ,
         response_len=SEQ // 2,
-        rollout_batch=mbs,
-        world_size=1,
+        rollout_batch=mbs * world,
+        world_size=world,
     )
     return estimate_rlhf(
         work,
         cpu_device_spec(CAP),
-        TrainConfig(),
+        config or TrainConfig(),
         share=rlhf.share,
         sleep=rlhf.sleep,
         frozen=rlhf.frozen,
@@ -72,11 +74,19 @@ def iteration(model: str, algorithm: str, share: float, sleep: bool = False) -> 
     )
 
 
-def run_rlhf(tmp_path: Path, model: str, rlhf: RLHFProbe, sizes: tuple[int, ...]) -> Any:
+def run_rlhf(
+    tmp_path: Path,
+    model: str,
+    rlhf: RLHFProbe,
+    sizes: tuple[int, ...],
+    config: TrainConfig | None = None,
+    world: int = 1,
+) -> Any:
     return api.probe(
         model,
-        TrainConfig(),
+        config or TrainConfig(),
         micro_batch_sizes=sizes,
+        gpus=world,
         seq_len=SEQ,
         device="cpu",
         device_memory=CAP,
@@ -87,28 +97,38 @@ def run_rlhf(tmp_path: Path, model: str, rlhf: RLHFProbe, sizes: tuple[int, ...]
     )
 
 
-def test_ppo_with_four_models_beside_the_engine_share_matches_each_phase(tmp_path: Path) -> None:
+SHARDED = TrainConfig(engine=Engine.FSDP, zero_stage=3)
+
+
+@pytest.mark.parametrize(
+    ("config", "world", "mbs", "scoring_error"),
+    [(TrainConfig(), 1, 4, 0.08), (SHARDED, 2, 2, 0.12)],
+    ids=["single", "fsdp-z3-2-ranks"],
+)
+def test_ppo_with_four_models_beside_the_engine_share_matches_each_phase(
+    tmp_path: Path, config: TrainConfig, world: int, mbs: int, scoring_error: float
+) -> None:
     """PPO: policy and critic trained, reference and reward frozen in bf16, all on the device
-    with half of it held for the engine. Each phase's measured peak, less the engine's block,
-    within 8 % of the prediction at 4 sequences (measured: +4.4 % for scoring, the largest; the
-    other sizes of docs/rlhf.md's table were measured once)."""
+    with half of it held for the engine; on two ranks with FSDP2's full shard, the frozen
+    models sharded too. Each phase's measured peak, less the engine's block, against the
+    prediction: the rollout and training within 2 %, scoring within 8 % on one rank (measured
+    +4.4 %) and 12 % on two (measured +9.5 %: the gathered weights are a bound)."""
     rlhf = iteration("tiny", "ppo", 0.5)
-    result = run_rlhf(tmp_path, "tiny", rlhf, (4,))
-    assert [s.outcome for s in result.sizes] == [Outcome.OK], result.sizes
-    for size in result.sizes:
-        measured = size.extra["rlhf"]
-        held = measured["reservation_bytes"]
-        assert held == CAP // 2
-        row = predicted("tiny", rlhf, size.micro_batch_size)
-        assert row.fits
-        peaks = measured["phase_peak_bytes"]
-        for phase in ("rollout", "scoring", "training"):
-            ours, theirs = peaks[phase] - held, row.phases[phase] - row.parts[phase]["engine"]
-            assert ours > 0 and abs(theirs / ours - 1) < 0.08, (phase, size.micro_batch_size)
-        assert abs(row.phases["rollout"] / peaks["rollout"] - 1) < 0.001
-        # The size's peak is the iteration's: the training phase, on top of the engine.
-        assert size.peak_allocated_bytes == max(peaks.values()) == peaks["training"]
-        assert all(loss == loss for loss in size.losses)  # finite, not NaN
+    result = run_rlhf(tmp_path, "tiny", rlhf, (mbs,), config, world)
+    (size,) = result.sizes
+    assert size.outcome is Outcome.OK, result.sizes
+    measured = size.extra["rlhf"]
+    held = measured["reservation_bytes"]
+    assert held == CAP // 2
+    row = predicted("tiny", rlhf, mbs, config, world)
+    assert row.fits
+    peaks = measured["phase_peak_bytes"]
+    for phase, error in (("rollout", 0.02), ("scoring", scoring_error), ("training", 0.02)):
+        ours, theirs = peaks[phase] - held, row.phases[phase] - row.parts[phase]["engine"]
+        assert ours > 0 and abs(theirs / ours - 1) < error, (phase, ours, theirs)
+    # The size's peak is the iteration's: the training phase, on top of the engine.
+    assert size.peak_allocated_bytes == max(peaks.values()) == peaks["training"]
+    assert all(loss == loss for loss in size.losses)  # finite, not NaN
 
 
 def test_grpo_with_the_engine_asleep_frees_its_share_after_the_rollout(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -97,6 +98,11 @@ def build_deepspeed(ctx: EngineContext) -> Trainee:
         # model, so no meta detour is needed.
         # The checkpoint wrappers are added after: zero.Init patches the constructor of every
         # module built inside it, and the wrapper's attribute forwarding loops under that patch.
+        # torch._dynamo imported first: imported inside zero.Init (transformers' modeling
+        # modules import it), its polyfill of Tensor.__new__ meets zero.Init's patched one
+        # and raises (DeepSpeed 0.19 with torch 2.13, in a fresh interpreter).
+        importlib.import_module("torch._dynamo")
+
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = build_model(ctx.model, ctx.config, meta=False, checkpointing=False)
         _initialize_partitioned(model)
