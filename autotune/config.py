@@ -57,6 +57,11 @@ class Precision(enum.StrEnum):
         peak FLOP/s and of the torch dtype a probe computes in."""
         return self.value.removesuffix("-mixed")
 
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of an element in :attr:`compute_dtype`: 4 in fp32, else 2."""
+        return 4 if self is Precision.FP32 else 2
+
 
 class Offload(enum.StrEnum):
     """Which model states live in host memory instead of device memory."""

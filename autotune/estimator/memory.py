@@ -146,7 +146,7 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
     # Bytes of a weight and of each Adam moment: pure bf16 keeps both in bf16; every other
     # precision keeps fp32 masters (the compute copy is bf16/fp16, or the weight itself in fp32).
     master = 2.0 if config.precision is Precision.BF16 else 4.0
-    compute = 4.0 if config.precision is Precision.FP32 else 2.0
+    compute = float(config.precision.compute_bytes)
     engine, stage, offload = config.engine, config.zero_stage, config.offload
     zero = dict(
         resident_buffers=0.0,
@@ -248,7 +248,7 @@ def _lora_layout(model: ModelSpec, config: TrainConfig, zero: dict[str, float]) 
     adapters (peft makes them fp32 whatever the base's dtype) with their fp32 gradients and
     Adam moments: 16 bytes an adapter parameter; DDP's buckets hold the adapters' gradients
     alone. A block's backward makes its adapters' gradients, the largest an r × in matrix."""
-    frozen = 4.0 if config.precision is Precision.FP32 else 2.0
+    frozen = float(config.precision.compute_bytes)
     rank = config.lora_rank
     per_layer = float(model.lora_block_params(rank))
     adapters = float(model.lora_params(rank))

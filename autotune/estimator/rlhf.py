@@ -313,7 +313,7 @@ def _states(model: ModelSpec, config: TrainConfig, world: int) -> int:
 
 def _frozen_bytes(model: ModelSpec, config: TrainConfig, world: int) -> int:
     """A frozen model's weights on a GPU, in the compute dtype."""
-    compute = 4 if config.precision is Precision.FP32 else 2
+    compute = config.precision.compute_bytes
     return compute * model.num_params // (world if sharded(config) else 1)
 
 
@@ -326,7 +326,7 @@ def _scoring_weights(
     every gathered block; a trained model of an engine that autocasts per op, the copies of
     its weights autocast's cache keeps until the forward returns (as the training estimate
     counts them)."""
-    compute = 4 if config.precision is Precision.FP32 else 2
+    compute = config.precision.compute_bytes
     per_layer = model.num_block_params / model.num_layers
     root = model.num_params - model.num_block_params
     if world > 1 and sharded(config):

@@ -727,7 +727,7 @@ def _fsdp(step: _Step) -> _Result:
     shard and steps Adam on the host."""
     config, work, fabric, layers = step.config, step.work, step.fabric, step.shape.layers
     pure = config.precision is Precision.BF16
-    param_bytes = 4.0 if config.precision is Precision.FP32 else 2.0
+    param_bytes = float(config.precision.compute_bytes)
     grad_bytes = 2.0 if pure else 4.0
     shard_bytes = 2.0 if pure else 4.0
     block, root, n = step.block, step.root, step.ranks
@@ -762,7 +762,7 @@ def _deepspeed(step: _Step) -> _Result:
     communication, buckets of d² elements, 16-bit communication, CPU Adam for offload."""
     config, work, fabric, layers = step.config, step.work, step.fabric, step.shape.layers
     psi, shard, n, link = float(step.shape.params), step.shard, step.ranks, step.deepspeed_link
-    comm_bytes = 4.0 if config.precision is Precision.FP32 else 2.0
+    comm_bytes = float(config.precision.compute_bytes)
     bucket = float(step.shape.hidden**2)  # reduce_bucket_size = allgather_bucket_size = d²
     buckets = max(1, math.ceil(psi / bucket))
     cpu_adam = config.offload is not Offload.NONE

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autotune.config import Precision, TrainConfig
+from autotune.config import TrainConfig
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.engines import EngineContext, Trainee, build_trainee
 from autotune.probe.engines.base import autocast_context, torch_dtype
@@ -280,7 +280,7 @@ def _frozen(
     for the forward and freed after it), as a trainer that shards its own parameters keeps its
     reference (verl's FSDP workers; OpenRLHF's ZeRO-3 engine holds the same bytes)."""
     model = build_model(spec, config, checkpointing=False)
-    dtype = torch.float32 if config.precision is Precision.FP32 else torch_dtype(config.precision)
+    dtype = torch_dtype(config.precision)
     if shard:
         from torch.distributed.fsdp import fully_shard
 
