@@ -67,12 +67,12 @@ from autotune.probe.nodes import Nodes, nodes_from_environment
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.rlhf import (
-    GRPO_HAS_NO_CRITIC,
     Algorithm,
     Placement,
     RLHFModels,
     RLHFProbe,
     RLHFWorkload,
+    check_critic,
     check_models,
     is_absent,
     parse_placements,
@@ -429,6 +429,11 @@ class RLHFPlan:
         }
 
 
+RLHF_CPU_NEEDS_A_CAP = (
+    "--rlhf on the CPU needs --device-memory, e.g. 64MiB: the engine's share is a share of it"
+)
+
+
 def _role_model(value: str | ModelSpec | None, default: ModelSpec | None) -> ModelSpec | None:
     """A role's model: as given (a preset, a config.json, ``none``), else ``default``."""
     if isinstance(value, ModelSpec):
@@ -487,7 +492,7 @@ def plan_rlhf(
     except ValueError:
         raise ConfigError(f"--rlhf {algorithm!r}: use ppo or grpo") from None
     if algo is Algorithm.GRPO and critic is not None and not is_absent(critic):
-        raise ConfigError(GRPO_HAS_NO_CRITIC)
+        check_critic(algo, True)  # before the critic is looked up: one line, not a lookup's
     policy = model if isinstance(model, ModelSpec) else resolve_model(model)
     target, here = _gpu(gpu)
     world = _count(gpus, "--gpus") or here
@@ -585,10 +590,7 @@ def tune_rlhf(
         raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
     cap = _bytes(device_memory, "--device-memory")
     if kind == "cpu" and cap is None:
-        raise ConfigError(
-            "--rlhf on the CPU needs --device-memory, e.g. 64MiB: the engine's share is a "
-            "share of it"
-        )
+        raise ConfigError(RLHF_CPU_NEEDS_A_CAP)
     target = cpu_device_spec(cap) if kind == "cpu" and cap else _gpu(None)[0]
     if kind == "cuda" and cap is not None:
         target = dataclasses.replace(target, memory_bytes=cap)
@@ -1746,16 +1748,13 @@ def _check_rlhf_probe(policy: ModelSpec, rlhf: RLHFProbe, spec: ProbeSpec) -> No
         rlhf.algorithm,
         RLHFModels(
             policy=policy,
-            reference=None if rlhf.reference is None else resolve_model(rlhf.reference),
-            critic=None if rlhf.critic is None else resolve_model(rlhf.critic),
-            reward=None if rlhf.reward is None else resolve_model(rlhf.reward),
+            reference=_role_model(rlhf.reference, None),
+            critic=_role_model(rlhf.critic, None),
+            reward=_role_model(rlhf.reward, None),
         ),
     )
     if spec.device == "cpu" and spec.device_memory_bytes is None:
-        raise ConfigError(
-            "--rlhf on the CPU needs --device-memory, e.g. 64MiB: the engine's share is a "
-            "share of it"
-        )
+        raise ConfigError(RLHF_CPU_NEEDS_A_CAP)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -533,6 +533,31 @@ def probe(
     raise typer.Exit(0 if result.ok_sizes() else 1)
 
 
+def _rlhf_options(
+    rlhf: str | None,
+    verbs: tuple[str, str],
+    options: Mapping[str, object],
+    others: Mapping[str, object],
+    why: str = "",
+) -> dict[str, Any]:
+    """The RLHF ``options`` as keyword arguments, once checked: one line for one given
+    without ``--rlhf`` (``--frozen plans an RL iteration: ...``), or, with it, for one of the
+    ``others`` it does not take (``--loss is not planned with --rlhf: leave it out``).
+    ``verbs``: what the command does with an iteration, and its past participle."""
+    if rlhf is None:
+        named = [name for name, value in options.items() if value is not None]
+        if named:
+            raise UsageError(
+                f"{named[0]} {verbs[0]} an RL iteration: add --rlhf ppo or --rlhf grpo"
+            )
+    else:
+        named = [name for name, value in others.items() if value is not None]
+        if named:
+            what = "use --rollout-batch" if named[0] == "--global-batch" else "leave it out"
+            raise UsageError(f"{named[0]} is not {verbs[1]} with --rlhf{why}: {what}")
+    return {name.lstrip("-").replace("-", "_"): value for name, value in options.items()}
+
+
 def _rlhf_probe(
     algorithm: str | None,
     model: str | None,
@@ -545,13 +570,9 @@ def _rlhf_probe(
     one line for an RLHF option without ``--rlhf``."""
     from autotune.rlhf import Algorithm, RLHFProbe, parse_placements, parse_shares, role_names
 
+    given = {"--rollout-share": share, "--sleep": sleep, "--frozen": frozen}
+    _rlhf_options(algorithm, ("probes", ""), given | {f"--{r}": v for r, v in roles.items()}, {})
     if algorithm is None:
-        given = {"--rollout-share": share, "--sleep": sleep, "--frozen": frozen} | {
-            f"--{role}": value for role, value in roles.items()
-        }
-        named = [name for name, value in given.items() if value is not None]
-        if named:
-            raise UsageError(f"{named[0]} probes an RL iteration: add --rlhf ppo or --rlhf grpo")
         return None
     if share is None:
         raise UsageError("--rlhf needs --rollout-share: the engine's share to hold, e.g. 0.5")
@@ -656,34 +677,28 @@ def plan(
 
     if top < 0:
         raise UsageError(f"--top {top}: use a number of rows, or 0 for all")
-    rl_only = {
-        "--rollout-share": rollout_share,
-        "--sleep": sleep,
-        "--frozen": frozen,
-        "--reference": reference,
-        "--critic": critic,
-        "--reward": reward,
-        "--rollout-batch": rollout_batch,
-        "--response-len": response_len,
-    }
-    if rlhf is None:
-        given = [name for name, value in rl_only.items() if value is not None]
-        if given:
-            raise UsageError(f"{given[0]} plans an RL iteration: add --rlhf ppo or --rlhf grpo")
-    else:
-        not_rl = {
+    rl_options = _rlhf_options(
+        rlhf,
+        ("plans", "planned"),
+        {
+            "--rollout-share": rollout_share,
+            "--sleep": sleep,
+            "--frozen": frozen,
+            "--reference": reference,
+            "--critic": critic,
+            "--reward": reward,
+            "--rollout-batch": rollout_batch,
+            "--response-len": response_len,
+        },
+        {
             "--global-batch": global_batch,
             "--loss": loss,
             "--optimizer": optimizer,
             "--allow": allow,
-        }
-        given = [name for name, value in not_rl.items() if value is not None]
-        if given:
-            what = "use --rollout-batch" if given[0] == "--global-batch" else "leave it out"
-            raise UsageError(
-                f"{given[0]} is not planned with --rlhf (its trainer climbs the ladder's rungs "
-                f"alone): {what}"
-            )
+        },
+        why=" (its trainer climbs the ladder's rungs alone)",
+    )
+    if rlhf is not None:
         _plan_rlhf(
             rlhf,
             model,
@@ -697,7 +712,7 @@ def plan(
             reserve=reserve,
             top=top,
             json_output=json_output,
-            **{name.lstrip("-").replace("-", "_"): value for name, value in rl_only.items()},
+            **rl_options,
         )
         return
     found = api.plan(
@@ -773,6 +788,7 @@ def _run_rlhf(algorithm: str, model: str, *, json_output: bool, **options: Any) 
     """``autotune run --rlhf``: probe layouts of an RL iteration, a line a probe, then the
     best (or the summary as JSON)."""
     from autotune import api
+    from autotune.rlhf import Placement
 
     _quiet_optuna()
     shown = errors if json_output else console
@@ -787,7 +803,7 @@ def _run_rlhf(algorithm: str, model: str, *, json_output: bool, **options: Any) 
         shown.print(
             f"probe: {trial.config.label()}, share {trial.share:.0%}"
             f"{', asleep' if trial.sleep else ''}"
-            f"{', frozen on the host' if trial.frozen.value == 'host' else ''}, micro-batch "
+            f"{', frozen on the host' if trial.frozen is Placement.OFFLOAD else ''}, micro-batch "
             f"{trial.micro_batch_size} "
             f"(predicted {'fits' if row.fits else 'may fit'}): {what}; {lead}"
         )
@@ -930,22 +946,20 @@ def run(
     probe an iteration with the engine's share held."""
     from autotune import api
 
-    rl_options = {
-        "--rollout-share": rollout_share,
-        "--sleep": sleep,
-        "--frozen": frozen,
-        "--reference": reference,
-        "--critic": critic,
-        "--reward": reward,
-        "--rollout-batch": rollout_batch,
-        "--response-len": response_len,
-    }
-    if rlhf is None:
-        named = [name for name, value in rl_options.items() if value is not None]
-        if named:
-            raise UsageError(f"{named[0]} tunes an RL iteration: add --rlhf ppo or --rlhf grpo")
-    else:
-        not_rl = {
+    rl_options = _rlhf_options(
+        rlhf,
+        ("tunes", "tuned"),
+        {
+            "--rollout-share": rollout_share,
+            "--sleep": sleep,
+            "--frozen": frozen,
+            "--reference": reference,
+            "--critic": critic,
+            "--reward": reward,
+            "--rollout-batch": rollout_batch,
+            "--response-len": response_len,
+        },
+        {
             "--jobs": jobs,
             "--script": script,
             "--simulate": simulate,
@@ -955,11 +969,9 @@ def run(
             "--allow": allow,
             "--nodes": nodes,
             "--hosts": hosts,
-        }
-        named = [name for name, value in not_rl.items() if value is not None]
-        if named:
-            what = "use --rollout-batch" if named[0] == "--global-batch" else "leave it out"
-            raise UsageError(f"{named[0]} is not tuned with --rlhf: {what}")
+        },
+    )
+    if rlhf is not None:
         _run_rlhf(
             rlhf,
             model or "llama-7b",
@@ -973,7 +985,7 @@ def run(
             storage=storage,
             trials_dir=trials_dir,
             json_output=json_output,
-            **{name.lstrip("-").replace("-", "_"): v for name, v in rl_options.items()},
+            **rl_options,
         )
         return
     from autotune.report.live import RunView, speed_text

@@ -13,6 +13,7 @@ and time. Pure: no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ __all__ = [
     "RLHFModels",
     "RLHFProbe",
     "RLHFWorkload",
+    "check_critic",
     "check_share",
     "is_absent",
     "parse_placements",
@@ -136,10 +138,7 @@ def check_models(algorithm: Algorithm, models: RLHFModels) -> None:
     Raises:
         ConfigError: A critic for GRPO, no critic for PPO, or vocabularies that cannot pair.
     """
-    if algorithm is Algorithm.GRPO and models.critic is not None:
-        raise ConfigError(GRPO_HAS_NO_CRITIC)
-    if algorithm is Algorithm.PPO and models.critic is None:
-        raise ConfigError(PPO_NEEDS_A_CRITIC)
+    check_critic(algorithm, models.critic is not None)
     vocab = models.policy.vocab_size
     ref = models.reference
     if ref is not None and ref.vocab_size != vocab:
@@ -155,6 +154,14 @@ def check_models(algorithm: Algorithm, models: RLHFModels) -> None:
                 f"the policy {models.policy.name}'s {vocab:,}: it cannot read the policy's "
                 f"token ids; use a {role} model of the policy's tokenizer"
             )
+
+
+def check_critic(algorithm: Algorithm, has_critic: bool) -> None:
+    """Refuse, in one line, a critic for GRPO or none for PPO."""
+    if algorithm is Algorithm.GRPO and has_critic:
+        raise ConfigError(GRPO_HAS_NO_CRITIC)
+    if algorithm is Algorithm.PPO and not has_critic:
+        raise ConfigError(PPO_NEEDS_A_CRITIC)
 
 
 def is_absent(value: object) -> bool:
@@ -261,23 +268,17 @@ class RLHFProbe:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
         object.__setattr__(self, "frozen", Placement(self.frozen))
         check_share(self.share)
-        if self.algorithm is Algorithm.GRPO and self.critic is not None:
-            raise ConfigError(GRPO_HAS_NO_CRITIC)
-        if self.algorithm is Algorithm.PPO and self.critic is None:
-            raise ConfigError(PPO_NEEDS_A_CRITIC)
+        check_critic(self.algorithm, self.critic is not None)
 
     def to_dict(self) -> dict[str, object]:
+        """JSON-able (enums as their values); :meth:`from_dict` reads it back."""
         return {
-            "algorithm": self.algorithm.value,
-            "reference": self.reference,
-            "critic": self.critic,
-            "reward": self.reward,
-            "share": self.share,
-            "sleep": self.sleep,
-            "frozen": self.frozen.value,
+            f.name: (v.value if isinstance(v, enum.Enum) else v)
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> RLHFProbe:
-        known = {"algorithm", "reference", "critic", "reward", "share", "sleep", "frozen"}
+        known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})  # type: ignore[arg-type]

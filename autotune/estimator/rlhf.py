@@ -35,6 +35,7 @@ of vLLM has set them yet (docs/rlhf.md lists what to measure).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -552,6 +553,7 @@ def plan_rlhf(
     sizes = micro_batch_options(batch)
     engines_at = {s: engine_estimate(models.policy, gpu, s, work.seq_len) for s in shares}
     rollout_s = {s: rollout_seconds(models.policy, gpu, e, work) for s, e in engines_at.items()}
+    sleeps, placements = tuple(sleeps), tuple(placements)  # walked once a configuration
     rows: list[RLHFRow] = []
     for config in configurations(
         world_size=world,
@@ -563,7 +565,7 @@ def plan_rlhf(
         knobs=LADDER_ONLY,
     ):
         trainers = [_trainer(work, gpu, config, mbs, gpus_per_node) for mbs in sizes]
-        for share, sleep, place in _layouts(tuple(engines_at), tuple(sleeps), tuple(placements)):
+        for share, sleep, place in itertools.product(engines_at, sleeps, placements):
             candidates = [
                 _row(
                     work,
@@ -577,11 +579,11 @@ def plan_rlhf(
                 )
                 for trainer in trainers
             ]
-            best = candidates[0]
-            for row in candidates[1:]:
-                if _better(row, best):
-                    best = row
-            rows.append(best)
+            # A fitting size before any that does not, then the fastest; a layout that fits
+            # nowhere is shown at its smallest miss (the first of equals, as sizes grow).
+            rows.append(
+                max(candidates, key=lambda r: (r.fits, r.samples_per_second, -sum(r.over.values())))
+            )
     return sorted(rows, key=_rank)
 
 
@@ -593,22 +595,6 @@ def _rank(row: RLHFRow) -> tuple[float, ...]:
     if row.fits:
         return (0, -round(row.samples_per_second, 6), -row.share, max(row.phases.values()))
     return (1, sum(row.over.values()), -(row.max_share or 0))
-
-
-def _layouts(
-    shares: tuple[float, ...], sleeps: tuple[bool, ...], placements: tuple[Placement, ...]
-) -> list[tuple[float, bool, Placement]]:
-    return [(s, z, p) for s in shares for z in sleeps for p in placements]
-
-
-def _better(row: RLHFRow, than: RLHFRow) -> bool:
-    """A fitting row beats one that does not, then more samples a second, then the smaller
-    miss (the micro-batch a row that fits nowhere is shown at)."""
-    if row.fits != than.fits:
-        return row.fits
-    if row.fits:
-        return row.samples_per_second > than.samples_per_second
-    return sum(row.over.values()) < sum(than.over.values())
 
 
 def _max_share(
@@ -629,9 +615,8 @@ def _max_share(
         elif used > capacity:
             return None
     top = min(room) / gpu.memory_bytes
-    needs = 0 if engine.emulated else engine.weight_bytes + engine.workspace_bytes
-    needs += 0 if engine.emulated else engine.sequence_kv_bytes
-    least = needs / gpu.memory_bytes
+    needs = engine.weight_bytes + engine.workspace_bytes + engine.sequence_kv_bytes
+    least = 0.0 if engine.emulated else needs / gpu.memory_bytes
     share = math.floor(top * 100) / 100
     if share < least or share <= 0:
         return None

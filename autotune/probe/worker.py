@@ -24,7 +24,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -42,6 +42,9 @@ from autotune.probe.metrics import now, probe_throughput, synchronize
 from autotune.probe.outcome import Outcome, Stage, is_oom_error
 from autotune.probe.report import RankReport
 from autotune.probe.spec import ProbeSpec
+
+if TYPE_CHECKING:
+    from autotune.probe.rlhf import Iteration
 
 
 @dataclass(kw_only=True, slots=True)
@@ -217,7 +220,9 @@ class _IterationLoop:
     """An RL iteration's warm-up and timed steps at one micro-batch size
     (:mod:`autotune.probe.rlhf`); ``stage`` says where it is."""
 
-    def __init__(self, spec: ProbeSpec, model: ModelSpec, rank: _Rank, iteration: Any) -> None:
+    def __init__(
+        self, spec: ProbeSpec, model: ModelSpec, rank: _Rank, iteration: Iteration
+    ) -> None:
         self.spec = spec
         self.model = model
         self.rank = rank
@@ -225,8 +230,7 @@ class _IterationLoop:
 
     @property
     def stage(self) -> Stage:
-        stage: Stage = self.iteration.stage
-        return stage
+        return self.iteration.stage
 
     def run(self, micro_batch_size: int, meter: MemoryMeter) -> dict[str, Any]:
         spec = self.spec
@@ -241,10 +245,7 @@ class _IterationLoop:
             for micro in range(spec.grad_accum)
         ]
         _inject_fault(self.rank.rank, spec.config)
-        raw: dict[str, Any] = self.iteration.run(
-            batches, spec.timed_steps, spec.warmup_steps, meter
-        )
-        return raw
+        return self.iteration.run(batches, spec.timed_steps, spec.warmup_steps, meter)
 
 
 def _size_result(
@@ -304,7 +305,7 @@ class _Built:
     model: ModelSpec
     trainee: Trainee
     peak_flops: float | None
-    iteration: Any = None
+    iteration: Iteration | None = None
     """An RL iteration's other models and engine reservation (``autotune.probe.rlhf``)."""
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from autotune.estimator.rlhf import RLHFRow
 from autotune.search.ladder import PRIOR_ERROR
-from autotune.study.rlhf import RLHFTrial
+from autotune.study.rlhf import RLHFTrial, layout_key
 
 __all__ = ["RLHFSummary", "may_fit", "measured_speed", "propose"]
 
@@ -37,10 +37,6 @@ def may_fit(row: RLHFRow, error: float = PRIOR_ERROR) -> bool:
         if engine + (used - engine) * (1.0 - error) > row.capacity_bytes:
             return False
     return True
-
-
-def _key(row: RLHFRow) -> tuple[object, ...]:
-    return (row.config, row.share, row.sleep, row.frozen, row.micro_batch_size)
 
 
 def _ruled_out(row: RLHFRow, trials: Sequence[RLHFTrial]) -> bool:
@@ -59,7 +55,7 @@ def _ruled_out(row: RLHFRow, trials: Sequence[RLHFTrial]) -> bool:
 def calibration(rows: Sequence[RLHFRow], trials: Sequence[RLHFTrial]) -> float:
     """How measured speeds compare with their predictions: the largest ratio seen (1 before
     any), so a candidate's bound errs high."""
-    predicted = {_key(r): r.speed for r in rows}
+    predicted = {layout_key(r): r.speed for r in rows}
     ratios = [
         t.samples_per_second / predicted[t.key()]
         for t in trials
@@ -74,7 +70,7 @@ def propose(rows: Sequence[RLHFRow], trials: Sequence[RLHFTrial]) -> RLHFRow | N
     best = max((t.samples_per_second for t in trials if t.feasible), default=0.0)
     scale = calibration(rows, trials)
     candidates = [
-        r for r in rows if _key(r) not in tried and may_fit(r) and not _ruled_out(r, trials)
+        r for r in rows if layout_key(r) not in tried and may_fit(r) and not _ruled_out(r, trials)
     ]
     candidates.sort(key=lambda r: (-round(r.speed, 6), -r.share))
     for row in candidates:

@@ -25,7 +25,7 @@ from autotune.study.fingerprint import software_versions
 from autotune.study.reader import holds_no_database, refuse_foreign_sqlite, sqlite_path
 from autotune.study.store import _optuna_quiet, open_storage
 
-__all__ = ["RLHF_ATTR", "RLHFStudy", "RLHFTrial"]
+__all__ = ["RLHF_ATTR", "RLHFStudy", "RLHFTrial", "layout_key"]
 
 RLHF_ATTR = "autotune_rlhf"
 """The study user attribute that holds an RLHF study's workload."""
@@ -58,7 +58,7 @@ class RLHFTrial:
         return self.outcome == "ok" and self.samples_per_second > 0
 
     def key(self) -> tuple[Any, ...]:
-        return (self.config, self.share, self.sleep, self.frozen, self.micro_batch_size)
+        return layout_key(self)
 
     def to_attrs(self) -> dict[str, Any]:
         return {
@@ -100,6 +100,13 @@ class RLHFTrial:
             probe_dir=str(attrs.get("probe_dir", "")),
             number=trial.number,
         )
+
+
+def layout_key(layout: RLHFTrial | Any) -> tuple[Any, ...]:
+    """What tells one layout from another, of a trial or of a planned row alike: the trainer's
+    configuration, the engine's share and sleep, where the frozen models wait, the
+    micro-batch."""
+    return (layout.config, layout.share, layout.sleep, layout.frozen, layout.micro_batch_size)
 
 
 class RLHFStudy:
