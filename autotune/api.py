@@ -624,6 +624,7 @@ def tune_rlhf(
             "seq_len": work.seq_len,
             "response_len": work.response_len,
             "rollout_batch": work.rollout_batch,
+            "gpus": world,
             "hardware": f"{world}x{target.key}" + (f"-cap{cap}" if cap else ""),
             "device": kind,
         },
@@ -768,6 +769,7 @@ def export_rlhf(
     w = found.workload
     roles = w.get("models", {})
     policy = str(w.get("policy_model", w["policy"]))
+    world = int(w.get("gpus", 1))
     launch = RLHFLaunch(
         algorithm=Algorithm(w["algorithm"]),
         policy=policy,
@@ -777,8 +779,8 @@ def export_rlhf(
         hidden_size=resolve_model(policy).hidden_size,
         config=best.config,
         micro_batch_size=best.micro_batch_size,
-        grad_accum=max(1, int(w["rollout_batch"]) // best.micro_batch_size),
-        world_size=1,
+        grad_accum=max(1, int(w["rollout_batch"]) // (best.micro_batch_size * world)),
+        world_size=world,
         seq_len=int(w["seq_len"]),
         response_len=int(w["response_len"]),
         rollout_batch=int(w["rollout_batch"]),

@@ -120,3 +120,18 @@ def test_openrlhf_and_verl_carry_the_layout(tmp_path: Path) -> None:
     # TRL has no PPO trainer (the command line's one line and exit 2: tests/test_bad_input.py).
     with pytest.raises(ConfigError, match="TRL has no PPO trainer"):
         api.export_rlhf("trl", model="tiny", storage=storage)
+
+
+def test_a_study_over_two_gpus_exports_their_accumulation(tmp_path: Path) -> None:
+    """A search over 2 ranks: 8 sequences an iteration at 2 a rank is 2 micro-steps, on two
+    GPUs, in every format."""
+    storage = study_with(tmp_path, TrainConfig(engine=Engine.FSDP, zero_stage=3), gpus=2)
+    code, out, err = export("--format", "trl", "--model", "tiny", "--storage", storage)
+    assert code == 0, err
+    fields = json.loads(out)
+    assert fields["per_device_train_batch_size"] == 2
+    assert fields["gradient_accumulation_steps"] == fields["steps_per_generation"] == 2
+    code, out, err = export("--format", "openrlhf", "--model", "tiny", "--storage", storage)
+    assert code == 0 and "--vllm_num_engines 2" in out, err
+    code, out, err = export("--format", "verl", "--model", "tiny", "--storage", storage)
+    assert code == 0 and "trainer.n_gpus_per_node=2" in out, err
