@@ -15,7 +15,6 @@ message says what to do. Nothing here imports torch: only the ranks of a real pr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import importlib.util
@@ -62,6 +61,7 @@ from autotune.hardware import (
 from autotune.jobs import JobResult
 from autotune.launch import Format, Launch, knob_notes, render
 from autotune.models import ModelSpec, resolve_model
+from autotune.outputs import check_output, write_new_file
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.nodes import Nodes, nodes_from_environment
 from autotune.probe.result import ProbeResult
@@ -1945,8 +1945,7 @@ def write_report(
     from autotune.report.html import read_trial_times, render_html
 
     path = Path(output)
-    if path.exists() and not force:
-        raise ConfigError(f"{path} exists: add --force to overwrite it, or pick another -o")
+    check_output(path, force=force)
     budget_s = None if budget is None else _seconds(budget, "the budget")
     found = _one_study(storage, model, gpu, study, None)
     spec = _model_of(found.fingerprint.model, model)
@@ -1967,38 +1966,6 @@ def write_report(
     )
     write_new_file(path, text, force=force)
     return Report(path=path, study=found.study_name)
-
-
-def write_new_file(path: Path, text: str, *, force: bool = False) -> None:
-    """Write an output file (``-o``) whole or not at all: the text goes to a temporary file
-    beside it, which then takes the name (a link, which fails on an existing file, unless
-    ``force``; a rename with it). An existing file is never overwritten without ``force``,
-    even one that appeared since it was last checked, and a full disk leaves no empty or
-    partial file behind.
-
-    Raises:
-        ConfigError: When ``path`` exists without ``force``, or cannot be written.
-    """
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with open(descriptor, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        if force:
-            os.replace(temporary, path)
-        else:
-            os.link(temporary, path)  # atomic, and refuses an existing name
-    except FileExistsError:
-        raise ConfigError(
-            f"{path} exists: add --force to overwrite it, or pick another -o"
-        ) from None
-    except OSError as error:
-        raise ConfigError(f"cannot write {path}: {error.strerror or error}") from None
-    finally:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
 
 
 def _trial(found: StudyResult, number: int) -> Measurement:

@@ -1282,8 +1282,8 @@ def export(
     if format not in set(Format) | set(RLFormat):
         choices = ", ".join([*(f.value for f in Format), *(f.value for f in RLFormat)])
         raise UsageError(f"unknown export format {format!r}: use one of {choices}")
-    if output is not None and output.exists() and not force:
-        raise UsageError(f"{output} exists: add --force to overwrite it, or pick another -o")
+    if output is not None:
+        api.check_output(output, force=force)
     if format in set(RLFormat):
         if trial is not None or engine is not None or gpu is not None:
             raise UsageError(
@@ -1352,8 +1352,6 @@ def report(
     configuration and its launch, and every probe."""
     from autotune import api
 
-    if output.exists() and not force:
-        raise UsageError(f"{output} exists: add --force to overwrite it, or pick another -o")
     done = api.write_report(
         output, model=model, gpu=gpu, study=study, storage=storage, budget=budget, force=force
     )

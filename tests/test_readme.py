@@ -73,3 +73,11 @@ def test_the_readme_transcript_is_what_make_run_prints(tmp_path: Path) -> None:
     for line in readme:  # every other kind of line is one the run printed too
         if line.startswith(("probe ", "  #", "  ")) and "tok/s" in line:
             assert _shape(line) in shapes, line
+
+
+def test_the_set_up_commands_are_on_the_readmes_first_screen() -> None:
+    """A new user finds the two set-up commands without scrolling: both lines, as commands
+    in a code block, within the README's first 60 lines."""
+    first_screen = (ROOT / "README.md").read_text().splitlines()[:60]
+    commands = {line.split("#", 1)[0].strip() for line in first_screen}
+    assert {"make run", "make test"} <= commands

@@ -272,11 +272,20 @@ class RLHFRow:
             if self.max_share is not None
             else ""
         )
-        if not self.engine.starts:
-            short = self.engine.sequence_kv_bytes - max(0, self.engine.kv_bytes)
+        engine = self.engine
+        if not engine.starts:
+            short = format_bytes(engine.sequence_kv_bytes - engine.kv_bytes)
+            if engine.kv_bytes < 0:
+                return (
+                    f"rollout: the engine's {self.share:.0%} ({format_bytes(engine.share_bytes)}) "
+                    f"is {short} short: its weights ({format_bytes(engine.weight_bytes)}) and "
+                    f"workspace ({format_bytes(engine.workspace_bytes)}) come before the KV "
+                    f"cache of one {self.seq_len}-token sequence "
+                    f"({format_bytes(engine.sequence_kv_bytes)}){cure}"
+                )
             return (
                 f"rollout: the engine's {self.share:.0%} leaves no KV cache for one "
-                f"{self.seq_len}-token sequence ({format_bytes(short)} short){cure}"
+                f"{self.seq_len}-token sequence ({short} short){cure}"
             )
         for phase, over in self.over.items():
             return f"{phase}: {format_bytes(over)} over{cure}"

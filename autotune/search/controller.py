@@ -40,10 +40,10 @@ from autotune.devices.base import Clock, Device, SetupResult
 from autotune.estimator.cost import build_seconds, probe_seconds
 from autotune.estimator.plan import PlanRow
 from autotune.models import resolve_model
-from autotune.probe.launcher import folder_hint, new_probe_dir
-from autotune.probe.outcome import Outcome
+from autotune.probe.launcher import folder_fault, folder_hint, new_probe_dir
+from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult
-from autotune.probe.spec import ProbeTemplate
+from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.search.ladder import Proposal, propose
 from autotune.space import micro_batch_options
 from autotune.study.measurement import Measurement
@@ -481,7 +481,7 @@ class Controller:
                 return None
             announce()
             self._probing = True  # until the probe returns: an interruption leaves it set
-            result = self.device.launch(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))
+            result = self._launch(spec, probe_dir, trials)
             self._probing = False
         except KeyboardInterrupt:
             self.store.interrupt(trials, probe_dir, "interrupted")
@@ -510,6 +510,23 @@ class Controller:
                 self.store.interrupt(trials, probe_dir, "its result could not be recorded")
             raise
         return result
+
+    def _launch(self, spec: ProbeSpec, probe_dir: Path, trials: list[Trial]) -> ProbeResult:
+        """The device's answer to ``spec``; a probe folder the device itself cannot write (a
+        full disk under the simulated or replayed device, which write their results there
+        too) is the tuner's fault, as the launcher reports it for real ranks."""
+        try:
+            return self.device.launch(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))
+        except OSError as error:
+            return ProbeResult(
+                spec=spec,
+                probe_dir=probe_dir,
+                outcome=Outcome.ERROR,
+                stage=Stage.STARTUP,
+                message=str(error),
+                device=spec.device,
+                tuner_fault=folder_fault(probe_dir, error.strerror or str(error)),
+            )
 
 
 class _Stop(Exception):
