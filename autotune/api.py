@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import errno
 import importlib.util
 import os
 import re
@@ -62,7 +63,7 @@ from autotune.jobs import JobResult
 from autotune.launch import Format, Launch, knob_notes, render
 from autotune.models import ModelSpec, resolve_model
 from autotune.outputs import check_output, write_new_file
-from autotune.probe.launcher import new_probe_dir
+from autotune.probe.launcher import folder_hint, new_probe_dir
 from autotune.probe.nodes import Nodes, nodes_from_environment
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
@@ -904,7 +905,30 @@ def _cores_for(device: Device, given: int | None) -> int | None:
     return given if given is not None else os.cpu_count()
 
 
-def prepare(
+def prepare(model: str | None, **options: Any) -> Tuning:
+    """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
+
+    Opens (or creates) the study, so a bad storage URL fails here.
+    """
+    tuning = _prepare(model, **options)
+    if tuning is None:
+        raise AssertionError("only a check_only preparation stops before its tuning")
+    return tuning
+
+
+def _check(model: str | None, **options: Any) -> None:
+    """Check a run's options as :func:`prepare` does (every check in its one home), opening,
+    creating and starting nothing: the storage is checked by its URL and, for a SQLite file,
+    by what the file holds (never created); the trials folder by what is in its way.
+
+    Raises:
+        ConfigError: What :func:`prepare` would refuse. Whether anything fits is not asked
+            (:class:`~autotune.config.NothingFits` is a run's answer, not bad input).
+    """
+    _prepare(model, check_only=True, **options)
+
+
+def _prepare(
     model: str | None,
     *,
     budget: str | float = "30m",
@@ -938,11 +962,9 @@ def prepare(
     optimizers: str | Iterable[Optimizer | str] | None = None,
     lora_rank: int | None = None,
     activation_offload: bool = False,
-) -> Tuning:
-    """Assemble a tuning run without starting it (see :func:`tune` for the arguments).
-
-    Opens (or creates) the study, so a bad storage URL fails here.
-    """
+    check_only: bool = False,
+) -> Tuning | None:
+    """:func:`prepare`, or with ``check_only`` :func:`_check` (None)."""
     job = _script_job(script, framework, script_args, batch_flag, simulate=simulate, device=device)
     asked = (parse_losses(losses), op_checkpointing, parse_optimizers(optimizers))
     # A script's own loss and optimizer, before anything opens.
@@ -1050,6 +1072,13 @@ def prepare(
         knobs=knobs,
         planned_out=True,  # the search revives a knob whose twin's prediction fails
     )
+    if check_only:
+        from autotune.study.reader import check_storage
+
+        check_storage(storage)
+        _check_trials_dir(Path(trials_dir))
+        chosen.close()
+        return None
     _check_something_fits(rows, spec, world, capacity, on_cpu=on_cpu)
     from autotune.study.store import TrialStore
 
@@ -1300,8 +1329,34 @@ def _nodes(
     return nodes_from_environment(os.environ, nodes=nodes, hosts=listed)
 
 
-_FOLDER_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9._-]{1,128}$")
-"""One folder name: no separator, not ``.`` or ``..``."""
+def _check_trials_dir(trials_dir: Path) -> None:
+    """Refuse a trials folder no probe folder can be made in, making nothing: a file in the
+    way (the folder itself, or one above it), or a folder that cannot be written. (A run
+    finds out at its first probe; a job file's workloads are checked before the first runs.)
+
+    Raises:
+        ConfigError: ``no probe folder can be made in DIR (Not a directory): a file is in the
+            way: give --trials-dir a folder``, or the like.
+    """
+    existing = trials_dir.absolute()
+    try:
+        while not existing.exists():
+            existing = existing.parent
+    except OSError as error:  # a folder above it cannot be read
+        why = error.strerror or str(error)
+    else:
+        if not existing.is_dir():
+            why = os.strerror(errno.ENOTDIR)
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            why = os.strerror(errno.EACCES)
+        else:
+            return
+    raise ConfigError(f"no probe folder can be made in {trials_dir} ({why}): {folder_hint(why)}")
+
+
+_FOLDER_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9._-]{1,128}")
+"""One folder name: no separator, no line break, not ``.`` or ``..`` (the whole name must
+match: ``fullmatch``)."""
 
 
 def _count(value: int | None, option: str) -> int | None:
@@ -1464,8 +1519,9 @@ def tune_jobs(
 
     A workload is skipped, with the reason, while its study's fingerprint (versions, GPU,
     driver, GPU and node count) is unchanged and holds a configuration that fits, no older
-    than ``max_age``. One that cannot run is recorded as failed and the next one goes on;
-    Ctrl-C or SIGTERM stops the running probe and the whole job.
+    than ``max_age``. Every workload is checked before the first one runs; one that still
+    cannot run (nothing fits, its database is locked) is recorded as failed and the next one
+    goes on; Ctrl-C or SIGTERM stops the running probe and the whole job.
 
     Args:
         path: The job file (YAML, a ``workloads:`` list; see :mod:`autotune.jobs`).
@@ -1479,30 +1535,25 @@ def tune_jobs(
             for every workload that does not set them.
 
     Raises:
-        ConfigError: When the job file is bad (one line naming file, line and field):
-            nothing is run then.
+        ConfigError: When the job file is bad (one line naming file, line and field), or a
+            workload's options are ones ``run`` refuses (one line naming file, line and
+            workload; every workload is checked as :func:`prepare` checks it, its storage
+            and trials folder too, before the first one runs): nothing is run then.
     """
     from autotune.jobs import freshness, read_jobs
     from autotune.study.reader import read_studies
 
     limit = None if max_age is None else _seconds(max_age, "--max-age")
     jobs = read_jobs(Path(path), defaults)
+    for job in jobs:
+        model, options = _job_arguments(job)
+        try:
+            _check(model, **options)
+        except ValueError as error:  # ConfigError, or a model that cannot be read
+            raise ConfigError(f"{path}:{job.line}: workload {job.index}: {error}") from None
     results = []
     for job in jobs:
-        options = dict(job.options)
-        model = options.pop("model")
-        if "engine" in options:
-            options["engines"] = [Engine(name) for name in options.pop("engine").split(",")]
-        if "loss" in options:
-            options["losses"] = options.pop("loss")
-        if "ac_ops" in options:
-            options["op_checkpointing"] = options.pop("ac_ops")
-        if "act_offload" in options:
-            options["activation_offload"] = options.pop("act_offload")
-        if "optimizer" in options:
-            options["optimizers"] = options.pop("optimizer")
-        if "args" in options:
-            options["script_args"] = options.pop("args")
+        model, options = _job_arguments(job)
         storage = options.get("storage", DEFAULT_STORAGE)
         try:
             studies = read_studies(storage, last=0)
@@ -1546,6 +1597,25 @@ def tune_jobs(
         if result.status == "interrupted":
             break
     return results
+
+
+def _job_arguments(job: Job) -> tuple[str, dict[str, Any]]:
+    """A workload's model and :func:`prepare`'s options, from its fields (``run``'s options)."""
+    options = dict(job.options)
+    model = str(options.pop("model"))
+    if "engine" in options:
+        options["engines"] = [Engine(name) for name in options.pop("engine").split(",")]
+    if "loss" in options:
+        options["losses"] = options.pop("loss")
+    if "ac_ops" in options:
+        options["op_checkpointing"] = options.pop("ac_ops")
+    if "act_offload" in options:
+        options["activation_offload"] = options.pop("act_offload")
+    if "optimizer" in options:
+        options["optimizers"] = options.pop("optimizer")
+    if "args" in options:
+        options["script_args"] = options.pop("args")
+    return model, options
 
 
 def _studies(
@@ -1685,7 +1755,7 @@ def probe(
             f"{shape.num_layers} checkpoints only its first block: use --ac every-"
             f"{shape.num_layers} or less"
         )
-    if not _FOLDER_NAME.match(folder):
+    if _FOLDER_NAME.fullmatch(folder) is None:
         raise ConfigError(
             f"--study {folder!r} is not a folder name: use letters, digits, '.', '_' or '-' "
             "(it is made under --trials-dir, never elsewhere)"
@@ -1860,8 +1930,8 @@ def _render(found: StudyResult, launch: Launch, fmt: Format) -> str:
     script = found.fingerprint.script
     if fmt is not Format.COMMAND or script is None:
         return render(launch, fmt)
-    command = job_command(
-        ScriptJob.from_dict(script), launch, cpu=found.fingerprint.device == "cpu"
+    command = job_command(  # its secrets read from variables the user sets
+        ScriptJob.from_dict(script).for_shell(), launch, cpu=found.fingerprint.device == "cpu"
     )
     return shell_text(command, launch, launch.summary())
 

@@ -12,7 +12,9 @@ are named as ``autotune run``'s options (``model``, ``seq_len``, ``global_batch`
       - model: qwen2.5-1.5b
         engine: fsdp,deepspeed
 
-Options given on the command line apply to every workload that does not set them.
+Options given on the command line apply to every workload that does not set them. Values are
+written out: YAML's anchors and aliases (``&x``, ``*x``) are refused, and ``hosts`` is a list
+of host names, each checked as ``--hosts`` checks it.
 
 A workload is tuned again only when its study has no result for what is installed now (the
 study's fingerprint: torch, DeepSpeed and transformers versions, the GPU, its driver, the
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +46,8 @@ from autotune.config import (
 )
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
-from autotune.script import Framework, ScriptJob
+from autotune.probe.nodes import check_host
+from autotune.script import Framework, ScriptJob, masked_args
 from autotune.study.fingerprint import Fingerprint, Objective
 from autotune.study.measurement import Measurement, StudyResult
 from autotune.study.urls import masked
@@ -121,13 +124,23 @@ class Job:
         """``llama-7b seq 4096 gbs 256`` and whatever else the workload set itself."""
         parts = [self.model]
         for key in sorted(self.own - {"model"}):
-            value = _text(self.options[key])
-            parts.append(f"{key.replace('_', '-')} {masked(value) if key == 'storage' else value}")
+            value = _text(_shown(key, self.options[key]))
+            parts.append(f"{key.replace('_', '-')} {value}")
         return " ".join(parts)
 
 
 def _text(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _shown(key: str, value: Any) -> Any:
+    """An option as a job's label and ``--json`` show it: a storage URL's secrets masked, and
+    those among the script's arguments (:func:`~autotune.script.masked_args`)."""
+    if key == "storage" and isinstance(value, str):
+        return masked(value)
+    if key == "args" and isinstance(value, list | tuple):
+        return list(masked_args([str(arg) for arg in value]))
+    return value
 
 
 def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
@@ -150,7 +163,8 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
             f"{path}: not a text file in UTF-8 (byte {error.start}): a job file is YAML text"
         ) from None
     try:
-        root = yaml.compose(text)
+        _refuse_anchors(yaml.parse(text, Loader=yaml.SafeLoader), path)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -232,6 +246,25 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
     return jobs
 
 
+def _refuse_anchors(events: Iterable[Any], path: Path) -> None:
+    """Refuse the first anchor (``&x``) or alias (``*x``) of a job file's YAML events, as
+    the parser reads them, before any node is composed or value constructed: a few hundred
+    bytes of aliases nested a few levels deep stand for gigabytes of values, and a job file's
+    values are short enough to write out.
+
+    Raises:
+        ConfigError: One line with the file, the line and what to do.
+    """
+    import yaml
+
+    for event in events:
+        if isinstance(event, yaml.NodeEvent) and event.anchor is not None:
+            raise ConfigError(
+                f"{path}:{event.start_mark.line + 1}: anchors and aliases (&x, *x) are not read "
+                "in job files: write the values out"
+            )
+
+
 def _checked(key: str, value: Any, at: str) -> Any:
     """A field's value, checked for its type and parsed where it has units."""
     types = FIELDS[key]
@@ -267,8 +300,13 @@ def _checked(key: str, value: Any, at: str) -> Any:
             value = ",".join(x.value for x in parse_losses(value) or ())
         if key == "optimizer":
             value = ",".join(x.value for x in parse_optimizers(value) or ())
-        if key == "hosts" and isinstance(value, list):
-            value = ",".join(str(host).strip() for host in value)
+        if key == "hosts":
+            names = value if isinstance(value, list) else value.split(",")
+            if not all(isinstance(name, str) for name in names):
+                raise ConfigError(
+                    f"hosts must be host names, like [this-host, node2], not {value!r}"
+                )
+            value = ",".join(check_host(name.strip()) for name in names)
         if key == "script":
             ScriptJob.read(str(value), Framework.TORCHRUN)  # it exists and can be read
         if key == "framework":
@@ -407,10 +445,7 @@ class JobResult:
             "workload": self.job.index,
             "line": self.job.line,
             "label": self.job.label(),
-            "options": {
-                key: masked(value) if key == "storage" else value
-                for key, value in self.job.options.items()
-            },
+            "options": {key: _shown(key, value) for key, value in self.job.options.items()},
             "status": self.status,
             "why": self.why,
             "study": self.study,

@@ -44,6 +44,7 @@ __all__ = [
     "hf_fields",
     "knob_notes",
     "lora_note",
+    "one_line",
     "render",
     "torchrun_args",
 ]
@@ -184,6 +185,20 @@ class Launch:
 
 SIMULATED_NOTE = "; SIMULATED: predicted on a simulated GPU, never run"
 """What every export of a simulated study says, where its format allows words."""
+
+
+def one_line(text: str) -> str:
+    """``text`` fit for a comment line of any file autotune writes (shell, YAML, Python): each
+    character that is not printable written as its escape in a Python string literal
+    (``\\n`` for a newline, ``\\u2028`` for a Unicode line separator). Every character that
+    ends a line in one of these formats is unprintable, so a comment that names a model's
+    folder or a path ends on its own line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _comments(lines: list[str]) -> list[str]:
+    """Comment lines of shell or YAML, one each, whatever the text holds."""
+    return [f"# {one_line(line)}" for line in lines]
 
 
 _CHUNKED_LOSS = (
@@ -406,23 +421,11 @@ _MIXED_PRECISION = {
 }
 
 
-def _yaml_scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    return json.dumps(str(value))  # a double-quoted YAML scalar: "no" stays a string
+def _yaml(data: dict[str, Any]) -> str:
+    """``data`` as a YAML document, written by PyYAML's serializer (``"no"`` stays a string)."""
+    import yaml  # only this format needs it
 
-
-def _yaml(data: dict[str, Any], indent: int = 0) -> list[str]:
-    lines = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            lines.append(f"{' ' * indent}{key}:")
-            lines.extend(_yaml(value, indent + 2))
-        else:
-            lines.append(f"{' ' * indent}{key}: {_yaml_scalar(value)}")
-    return lines
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
 
 
 def _accelerate(launch: Launch) -> str:
@@ -486,7 +489,7 @@ def _accelerate(launch: Launch) -> str:
     if launch.nodes > 1:
         notes.append("set machine_rank, main_process_ip and main_process_port on each node")
     notes += knob_notes(launch, Format.ACCELERATE)
-    return "\n".join([*(f"# {n}" for n in notes), *_yaml(data)]) + "\n"
+    return "\n".join(_comments(notes)) + "\n" + _yaml(data)
 
 
 # ---- Hugging Face TrainingArguments -------------------------------------------------------
@@ -612,16 +615,17 @@ def _torchrun(launch: Launch) -> str:
         "accumulation steps": str(launch.grad_accum),
     }
     engine_format = {Engine.DEEPSPEED: "deepspeed", Engine.FSDP: "fsdp"}.get(config.engine)
-    lines = [
-        f"# autotune: {launch.summary()}",
-        *(f"#   {key}: {value}" for key, value in settings.items()),
+    notes = [
+        f"autotune: {launch.summary()}",
+        *(f"  {key}: {value}" for key, value in settings.items()),
     ]
     if engine_format:
-        lines.append(f"# the engine's settings: autotune export --format {engine_format}")
-    lines += [f"# {note}" for note in knob_notes(launch, Format.TORCHRUN)]
+        notes.append(f"the engine's settings: autotune export --format {engine_format}")
+    notes += knob_notes(launch, Format.TORCHRUN)
     if launch.nodes > 1:
-        lines.append("# run on every node, with MASTER_ADDR the first node's address")
-    lines += [
+        notes.append("run on every node, with MASTER_ADDR the first node's address")
+    lines = [
+        *_comments(notes),
         f"export NNODES={launch.nodes}",
         f"export NPROC_PER_NODE={launch.per_node}",
         line,
@@ -631,7 +635,7 @@ def _torchrun(launch: Launch) -> str:
 
 # ---- FSDP2 snippet ----------------------------------------------------------------------------
 
-_FSDP_SNIPPET = '''"""FSDP2 as autotune measured it: {summary}.
+_FSDP_SNIPPET = '''"""FSDP2 as autotune measured it (MEASURED says what it measured).
 
 On every rank, after torch.distributed.init_process_group:
     model = apply_fsdp(model)
@@ -653,6 +657,7 @@ from torch.distributed.fsdp import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+MEASURED = {measured}
 MICRO_BATCH_SIZE = {micro_batch}
 GRAD_ACCUM = {grad_accum}
 CHECKPOINT_EVERY = {ac_every}  # checkpoint decoder blocks 0, k, 2k, ...; 0: none
@@ -729,7 +734,8 @@ def _fsdp(launch: Launch) -> str:
     config = launch.config
     mixed = config.precision is Precision.BF16_MIXED
     return _FSDP_SNIPPET.format(
-        summary=launch.summary(),
+        # The model's name is outside text: a Python literal, never in the docstring.
+        measured=repr(launch.summary()),
         notes="".join(f"\n\nNote: {note}" for note in knob_notes(launch, Format.FSDP)),
         micro_batch=launch.micro_batch_size,
         grad_accum=launch.grad_accum,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import shlex
 from dataclasses import dataclass
 from typing import Any
@@ -134,7 +135,7 @@ def openrlhf_args(launch: RLHFLaunch) -> list[str]:
     config = launch.config
     args = [
         "python", "-m", "openrlhf.cli.train_ppo_ray",
-        "--pretrain", launch.policy,
+        *_flag("--pretrain", launch.policy),
         "--colocate_all_models",
         "--vllm_num_engines", str(launch.world_size),
         "--vllm_tensor_parallel_size", "1",
@@ -148,9 +149,9 @@ def openrlhf_args(launch: RLHFLaunch) -> list[str]:
         "--generate_max_len", str(launch.response_len),
     ]  # fmt: skip
     if launch.reward:
-        args += ["--reward_pretrain", launch.reward]
+        args += _flag("--reward_pretrain", launch.reward)
     if launch.critic:
-        args += ["--critic_pretrain", launch.critic]
+        args += _flag("--critic_pretrain", launch.critic)
     if launch.algorithm is Algorithm.GRPO:
         args += ["--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(launch.group)]
     if config.precision in (Precision.BF16_MIXED, Precision.BF16):
@@ -164,6 +165,12 @@ def openrlhf_args(launch: RLHFLaunch) -> list[str]:
     if launch.frozen is Placement.OFFLOAD:
         args.append("--ref_reward_offload")
     return args
+
+
+def _flag(flag: str, value: str) -> list[str]:
+    """A flag and a path, as argparse reads them back: a value that starts with ``-`` would
+    read as a flag of its own, so it is joined to its flag with ``=``."""
+    return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
 
 
 def _openrlhf(launch: RLHFLaunch) -> tuple[str, list[str]]:
@@ -228,10 +235,41 @@ def verl_overrides(launch: RLHFLaunch) -> list[str]:
     return [f"{key}={_hydra(value)}" for key, value in items.items()]
 
 
+_HYDRA_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+"""What Hydra's override grammar reads as one plain word, a string (its ``ID`` token), but
+for its keywords."""
+_HYDRA_KEYWORDS = {"true", "false", "null", "nan", "inf"}
+"""Words Hydra's grammar reads as a boolean, None or a float, in any case."""
+
+
 def _hydra(value: object) -> str:
+    """``value`` as the value of a Hydra override, read back as itself: a boolean or a number
+    as a word, a string as is where the grammar reads it as one plain word, else quoted
+    (a path with a comma would be a sweep, ``${...}`` an interpolation, a space or ``=`` a
+    syntax error)."""
     if isinstance(value, bool):
         return "True" if value else "False"
-    return str(value)
+    if isinstance(value, int | float):
+        return str(value)
+    text = _omegaconf_literal(str(value))
+    if _HYDRA_WORD.fullmatch(text) and text.lower() not in _HYDRA_KEYWORDS:
+        return text
+    return _hydra_quoted(text)
+
+
+def _omegaconf_literal(text: str) -> str:
+    """``text`` as an OmegaConf string that resolves to itself: each ``${`` (an
+    interpolation) escaped with a backslash, the backslashes before it doubled."""
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+
+
+def _hydra_quoted(text: str) -> str:
+    """``text`` in double quotes, as Hydra's grammar un-escapes a quoted value: backslashes
+    stand for themselves except a run of them before a quote, the closing one included,
+    which is doubled; a quote inside is escaped with one more backslash."""
+    inner = re.sub(r'(\\*)"', lambda m: m.group(1) * 2 + '\\"', text)
+    inner = re.sub(r"(\\+)\Z", lambda m: m.group(1) * 2, inner)
+    return f'"{inner}"'
 
 
 def _verl(launch: RLHFLaunch) -> tuple[str, list[str]]:

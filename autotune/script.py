@@ -6,8 +6,11 @@ framework turns a measured :class:`~autotune.launch.Launch` into what that frame
 (:func:`job_command`): the Trainer's flags rewritten, a DeepSpeed JSON beside them, or the
 configuration as a JSON file named by ``AUTOTUNE_JOB_CONFIG`` for a plain ``torchrun`` script
 (read with :func:`job_config`). The probes run exactly the command ``autotune export --format
-command`` writes, so what is exported is what was measured. Pure functions and plain data:
-nothing here imports torch.
+command`` writes, so what is exported is what was measured. The secrets among the script's
+arguments (a ``--db-password``'s value, a URL's password) reach the script as given, are
+masked wherever the job is stored or shown (:func:`masked_args`), and are read from variables
+the user sets wherever it is written as a shell script (:func:`referenced_args`). Pure
+functions and plain data: nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from autotune.launch import (
     checkpointing_field,
     deepspeed_for,
     hf_fields,
+    one_line,
     render,
 )
 
@@ -45,7 +49,10 @@ __all__ = [
     "flag_value",
     "job_command",
     "job_config",
+    "masked_args",
+    "referenced_args",
     "rewrite_flags",
+    "secret_flag",
 ]
 
 JOB_CONFIG_ENV = "AUTOTUNE_JOB_CONFIG"
@@ -78,6 +85,173 @@ through accelerate's FSDP plugin, which no test has run yet, so it is not offere
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---- the secrets among a script's arguments ----------------------------------------------------
+
+_SECRET_PARTS = ("password", "passwd", "passphrase", "secret", "credential")
+"""A word of a flag's name that holds one of these names a secret wherever it stands
+(``--db-password``, ``--dbpassword``, ``--client_secret``, ``--aws-credentials-file``)."""
+_SECRET_LAST = frozenset(
+    {"token", "key", "apikey", "accesskey", "privatekey", "auth", "oauth", "authorization", "pass"}
+)
+"""These name a secret as the last word of a flag's name (``--hub_token``, ``--api-key``,
+``--hf-key``, ``--http-auth``, ``--db-pass``), as does a last word ending in ``token``
+(``--hftoken``); elsewhere they name something else (``--token-id``, ``--key-column``,
+``--auth-type``), and only whole words count (``--monkey``, ``--keep-last``, ``--author``,
+``--max-tokens``, ``--tokenizer``)."""
+_FIELD_WORDS = frozenset(
+    {
+        "input", "output", "label", "prompt", "chosen", "rejected", "response", "completion",
+        "text", "image", "video", "audio", "sort", "dict", "column", "field", "metric",
+        "primary", "partition", "group", "query", "answer", "question", "context", "message",
+        "messages", "conversation", "target", "source", "reward", "data", "dataset", "cache",
+        "pad", "eos", "bos", "unk", "sep", "cls", "mask", "special", "added", "start", "end",
+        "stop", "max", "min", "num", "new",
+    }
+)  # fmt: skip
+"""A word before ``key`` or ``token`` that makes the flag name a field of the data or a
+special token of the tokenizer, not a secret (OpenRLHF's ``--input_key``, ``--pad_token``)."""
+_NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
+"""What argparse reads as a negative number, a value rather than a flag."""
+_ASSIGNED = re.compile(r"[+~]*[A-Za-z_][\w.-]*")
+"""The name of a ``name=value`` argument (Hydra's overrides: ``db.password=...``)."""
+SECRET_URL_VARIABLE = "SECRET_URL"
+"""The shell variable of a URL with a secret that no flag names."""
+
+
+def _flag_words(name: str) -> list[str]:
+    """A flag's name in lower-case words: split at anything but ASCII letters and digits,
+    and where a capital follows a small letter (``--hub_Token``, ``--apiKey``, ``db.password``)."""
+    spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name)
+    return [word.lower() for word in re.split(r"[^0-9A-Za-z]+", spaced) if word]
+
+
+def secret_flag(name: str) -> bool:
+    """Whether the flag ``name`` (``--api-key``, ``db.password``) takes a secret, by the words
+    of its name (:data:`_SECRET_PARTS`, :data:`_SECRET_LAST`)."""
+    words = _flag_words(name)
+    if any(part in word for word in words for part in _SECRET_PARTS):
+        return True
+    if not words:
+        return False
+    last, before = words[-1], words[-2] if len(words) > 1 else ""
+    if last not in _SECRET_LAST and not last.endswith("token"):
+        return False
+    return last not in ("key", "token") or before not in _FIELD_WORDS
+
+
+def _variable(name: str, taken: set[str], *, url: bool) -> str:
+    """A shell variable for the secret of flag ``name`` (``--db-password``: ``DB_PASSWORD``;
+    a URL's ends in ``_URL``, so that no flag names one the shell sets: ``--path``:
+    ``PATH_URL``), one not ``taken`` yet."""
+    words = _flag_words(name)
+    if url and words and words[-1] != "url":
+        words.append("url")
+    variable = "_".join(words).upper() or SECRET_URL_VARIABLE
+    if variable[0].isdigit():
+        variable = f"SECRET_{variable}"
+    unique, number = variable, 1
+    while unique in taken:
+        number += 1
+        unique = f"{variable}_{number}"
+    taken.add(unique)
+    return unique
+
+
+@dataclass(frozen=True, slots=True)
+class _Secret:
+    """A secret among a script's arguments."""
+
+    index: int
+    """The argument that holds it."""
+    prefix: str
+    """What of that argument comes before it (``--db-password=``, or nothing)."""
+    value: str
+    variable: str
+    """The shell variable the job's shell script reads it from."""
+    url: bool
+    """A URL with a secret in it (a password, a secret query field), masked as a URL."""
+
+
+def _is_flag(arg: str) -> bool:
+    return arg.startswith("-") and arg != "-" and not _NEGATIVE_NUMBER.fullmatch(arg)
+
+
+def _secrets(args: Sequence[str]) -> list[_Secret]:
+    """The secrets among ``args``: the value of each flag that takes a secret (``--flag value``,
+    ``--flag=value``, ``name=value``; a boolean word is none), and each URL with a secret in
+    it (:func:`autotune.study.urls.holds_secret`)."""
+    from autotune.study.urls import holds_secret  # autotune.study imports this module
+
+    found: list[_Secret] = []
+    taken: set[str] = set()
+
+    def add(index: int, prefix: str, value: str, name: str, url: bool) -> None:
+        found.append(_Secret(index, prefix, value, _variable(name, taken, url=url), url))
+
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        name, equals, value = arg.partition("=")
+        if equals and (_is_flag(arg) or _ASSIGNED.fullmatch(name)):
+            if value and secret_flag(name) and value.lower() not in _BOOL_WORDS:
+                add(index, f"{name}=", value, name, url=False)
+            elif holds_secret(value):
+                add(index, f"{name}=", value, name, url=True)
+        elif _is_flag(arg) and secret_flag(arg) and index + 1 < len(args):
+            following = args[index + 1]
+            if not _is_flag(following) and following.lower() not in _BOOL_WORDS:
+                add(index + 1, "", following, arg, url=False)
+                index += 1
+        elif holds_secret(arg):
+            before = args[index - 1] if index else ""
+            flag = before if _is_flag(before) and "=" not in before else ""
+            add(index, "", arg, flag, url=True)
+        index += 1
+    return found
+
+
+def masked_args(args: Sequence[str]) -> tuple[str, ...]:
+    """``args`` as autotune stores and shows them: each secret ``***``, a URL with its secrets
+    masked (:func:`autotune.study.urls.masked`); the rest as given. Masking twice changes
+    nothing."""
+    from autotune.study.urls import MASK, masked
+
+    shown = list(args)
+    for secret in _secrets(args):
+        shown[secret.index] = secret.prefix + (masked(secret.value) if secret.url else MASK)
+    return tuple(shown)
+
+
+_REFERENCE = "\0{}\0"
+"""A secret in arguments bound for :func:`shell_text`, which writes it as a reference to the
+variable named between the NULs (no argument of a process holds a NUL)."""
+_REFERENCE_IN_SHELL = re.compile(r"('?)\0([A-Za-z_][A-Za-z0-9_]*)\0('?)")
+
+
+def referenced_args(args: Sequence[str]) -> tuple[str, ...]:
+    """``args`` with each secret (a URL with a secret: the whole URL) replaced by a reference
+    to a shell variable named after its flag (``--db-password``: ``DB_PASSWORD``), which
+    :func:`shell_text` writes as ``"${DB_PASSWORD:?set DB_PASSWORD: ...}"``: the shell script
+    stops unless the user sets it. Secrets masked already (``***``) are found the same way."""
+    shown = list(args)
+    for secret in _secrets(args):
+        shown[secret.index] = secret.prefix + _REFERENCE.format(secret.variable)
+    return tuple(shown)
+
+
+def _shell_references(text: str) -> str:
+    """``text``, shell quoted by ``shlex`` (every word with a NUL in single quotes), with each
+    reference of :func:`referenced_args` written as the shell's: the single quotes around it
+    closed and reopened, the variable double-quoted, the shell stopped when it is unset."""
+
+    def reference(found: re.Match[str]) -> str:
+        opened, variable, closed = found.groups()
+        expansion = f'"${{{variable}:?set {variable}: autotune keeps no secrets}}"'
+        return ("" if opened else "'") + expansion + ("" if closed else "'")
+
+    return _REFERENCE_IN_SHELL.sub(reference, text)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,20 +329,36 @@ class ScriptJob:
     @property
     def key(self) -> str:
         """Short and stable: ``train.py@hf:1a2b3c4d``, the last part a hash of the script's
-        content and its arguments (the study's name carries it: another script, or other
-        arguments, are another study)."""
-        parts = (self.sha256, self.batch_flag or "", *self.args)
+        content and its arguments as stored, secrets masked (the study's name carries it:
+        another script, or other arguments, are another study; another password is not)."""
+        parts = (self.sha256, self.batch_flag or "", *masked_args(self.args))
         identity = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         return f"{self.name}@{self.framework.value}:{identity[:8]}"
 
     def to_dict(self) -> dict[str, Any]:
+        """The job as stored and shown (a study's fingerprint, a probe's ``config.json`` and
+        ``result.json``): its arguments' secrets masked (:func:`masked_args`). The running
+        script gets the real ones from the job itself, never from this."""
         return {
             "framework": self.framework.value,
             "path": self.path,
-            "args": list(self.args),
+            "args": list(masked_args(self.args)),
             "sha256": self.sha256,
             "batch_flag": self.batch_flag,
         }
+
+    def for_shell(self) -> ScriptJob:
+        """The job as a shell script writes it: each secret among its arguments a reference
+        to a variable the user sets (:func:`referenced_args`)."""
+        return dataclasses.replace(self, args=referenced_args(self.args))
+
+    def redact(self, text: str) -> str:
+        """``text`` (the job's last lines of output) without the secrets of its arguments."""
+        from autotune.study.urls import MASK, redact
+
+        for secret in sorted(_secrets(self.args), key=lambda s: len(s.value), reverse=True):
+            text = redact(text, secret.value) if secret.url else text.replace(secret.value, MASK)
+        return text
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ScriptJob:
@@ -503,16 +693,30 @@ def write_files(command: JobCommand, folder: Path) -> None:
         (folder / name).write_text(text)
 
 
+def _here_document_end(text: str) -> str:
+    """A word that ends a here-document holding ``text``: ``AUTOTUNE_EOF``, with a number
+    added where a line of ``text`` is that word already."""
+    lines = set(text.split("\n"))  # the shell's lines
+    word, number = "AUTOTUNE_EOF", 0
+    while word in lines:
+        number += 1
+        word = f"AUTOTUNE_EOF_{number}"
+    return word
+
+
 def shell_text(
     command: JobCommand, launch: Launch, summary: str, *, with_files: bool = True
 ) -> str:
     """The job as a shell script: its files written by here-documents (``with_files``), then
-    the ``torchrun`` line (``autotune export --format command``)."""
-    lines = ["#!/bin/sh", f"# autotune: {summary}"]
-    lines += [f"# {note}" for note in command.notes]
+    the ``torchrun`` line (``autotune export --format command``). Every argument is quoted
+    with ``shlex``, a secret of :func:`referenced_args` read from its variable; comments hold
+    one line each (:func:`~autotune.launch.one_line`)."""
+    lines = ["#!/bin/sh", f"# autotune: {one_line(summary)}"]
+    lines += [f"# {one_line(note)}" for note in command.notes]
     lines.append("set -e")
     for name, text in command.files.items() if with_files else ():
-        lines += [f"cat > {shlex.quote(name)} <<'AUTOTUNE_EOF'", text.rstrip("\n"), "AUTOTUNE_EOF"]
+        end = _here_document_end(text)
+        lines += [f"cat > {shlex.quote(name)} <<'{end}'", text.rstrip("\n"), end]
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in command.env.items())
     runner = [
         "torchrun",
@@ -523,6 +727,6 @@ def shell_text(
         runner.insert(1, "--standalone")
     if command.launcher:
         runner = list(command.launcher)
-    line = shlex.join([*runner, *command.target])
+    line = _shell_references(shlex.join([*runner, *command.target]))
     lines.append(f"{env} {line}" if env else line)
     return "\n".join(lines) + "\n"

@@ -236,7 +236,7 @@ def test_a_nightly_job_tunes_each_workload_then_skips_what_did_not_change(
     tmp_path: Path,
 ) -> None:
     """Two simulated workloads, run three times: tuned; all skipped (no trial added); one
-    tuned again because its GPU count changed. A workload that cannot run fails alone."""
+    tuned again because its GPU count changed. A workload that nothing fits fails alone."""
     (tmp_path / "nightly.yaml").write_text(NIGHTLY)
     db = tmp_path / "t.db"
     common = ("--simulate", "a100-40gb", "--storage", f"sqlite:///{db}", "--json")
@@ -271,12 +271,12 @@ def test_a_nightly_job_tunes_each_workload_then_skips_what_did_not_change(
     )
 
     (tmp_path / "broken.yaml").write_text(
-        "workloads:\n  - model: llama-7b\n    global_batch: 63\n  - model: qwen2.5-1.5b\n"
+        "workloads:\n  - model: llama-7b\n    device_memory: 1GiB\n  - model: qwen2.5-1.5b\n"
     )
     table = autotune("run", "--jobs", "broken.yaml", *common[:-1], "--gpus", "4", cwd=tmp_path)
     assert table.returncode == 1, table.stderr  # one workload failed: a scheduler hears of it
-    assert "workload 1 (broken.yaml:2) llama-7b global-batch 63: failed" in table.stdout
-    assert "multiple of 4" in table.stdout
+    assert "workload 1 (broken.yaml:2) llama-7b device-memory 1GiB: no fit" in table.stdout
+    assert "no configuration of llama-7b on 4 GPUs fits" in " ".join(table.stdout.split())
     # The next one ran: its row says tuned, and why (a fresh workload: never tuned).
     second = next(line for line in table.stdout.splitlines() if "│ 2 │" in line)
     cells = [cell.strip() for cell in second.split("│")]

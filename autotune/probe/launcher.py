@@ -4,8 +4,12 @@ The launcher starts the ranks itself (the same environment torchrun would give t
 new process group that holds every rank and anything they spawn. Rank 0 leads the group; out
 of the terminal's foreground group, a Ctrl-C reaches the tuner, which stops the probe. So
 each rank's exact exit status is known (torchrun reports a dead child only as its own exit
-code 1), and one ``killpg`` ends everything at a timeout: nothing outlives a probe. ``cmd.txt``
-holds the equivalent torchrun command to rerun a probe by hand.
+code 1), and one ``killpg`` ends everything at a timeout; what the ranks started outside the
+group (a session of its own, a daemon re-parented to init) is found by the probe's mark in its
+environment and ends too (:mod:`autotune.probe.lifetime`): nothing outlives a probe. ``cmd.txt``
+holds the equivalent torchrun command to rerun a probe by hand. A rank report of the user's
+job counts only when the measurement layer signed it with the rank's token
+(:func:`~autotune.probe.result.job_report_problem`).
 
 Each probe gets a folder: config.json (the spec), cmd.txt, stdout.log, stderr.log (all ranks,
 in order of writing, each capped to its head and tail: :mod:`autotune.probe.output`),
@@ -22,6 +26,7 @@ import contextlib
 import errno
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autotune.probe.faults import FAULT_FILE, write_request
-from autotune.probe.lifetime import PARENT_ENV, descendants, kill_all
+from autotune.probe.lifetime import MARK_ENV, PARENT_ENV, descendants, kill_all, marked, new_mark
 from autotune.probe.nodes import (
     NODE_REPORT,
     AgentLaunch,
@@ -45,8 +50,13 @@ from autotune.probe.nodes import (
 from autotune.probe.ops import op_environment
 from autotune.probe.outcome import Classification, Outcome, RankExit, Stage, classify_probe
 from autotune.probe.output import OutputKeeper
-from autotune.probe.report import finished
-from autotune.probe.result import ProbeResult, merge_sizes, report_problem
+from autotune.probe.result import (
+    TOKEN_FILE,
+    ProbeResult,
+    job_report_problem,
+    merge_sizes,
+    report_problem,
+)
 from autotune.probe.spec import ProbeSpec
 
 FAILURE_GRACE_S = 5.0
@@ -236,10 +246,15 @@ def stop(running: Running, grace_s: float = TERM_GRACE_S) -> None:
         proc.wait()
 
 
-def _all_finished(probe_dir: Path, world_size: int) -> bool:
-    """Whether every rank's report says it finished
-    (:meth:`~autotune.probe.report.RankReport.finish`)."""
-    return all(finished(probe_dir / f"rank{r}.json") for r in range(world_size))
+def _all_finished(spec: ProbeSpec, probe_dir: Path, tokens: list[str] | None) -> bool:
+    """Whether every rank's report, read as the probe reads it (:func:`read_report`), says it
+    finished (:meth:`~autotune.probe.report.RankReport.finish`)."""
+    for rank in range(spec.world_size):
+        token = tokens[rank] if tokens else None
+        data, _ = read_report(probe_dir / f"rank{rank}.json", rank, token, spec)
+        if data is None or data.get("finished") is not True:
+            return False
+    return True
 
 
 def _tail(path: Path, limit: int = 4000) -> str:
@@ -250,9 +265,12 @@ def _tail(path: Path, limit: int = 4000) -> str:
         return handle.read().decode("utf-8", "replace")
 
 
-def read_report(path: Path, rank: int) -> tuple[dict[str, Any] | None, str]:
+def read_report(
+    path: Path, rank: int, token: str | None = None, spec: ProbeSpec | None = None
+) -> tuple[dict[str, Any] | None, str]:
     """A rank's report, or None and what is wrong with it (missing, empty, not JSON, not the
-    worker's format)."""
+    worker's format; with the rank's ``token``, a run of the user's job: not signed by the
+    measurement layer, or not the timed steps ``spec`` asked for)."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -268,7 +286,39 @@ def read_report(path: Path, rank: int) -> tuple[dict[str, Any] | None, str]:
     problem = report_problem(data, rank)
     if problem is not None:
         return None, f"{path.name} is not a rank report: {problem}"
+    if token is not None and spec is not None:
+        problem = job_report_problem(data, token, spec)
+        if problem is not None:
+            return None, f"{path.name} is not the measurement layer's ({problem})"
     return data, ""
+
+
+def _unconcluded(report: dict[str, Any] | None, returncode: int | None) -> str:
+    """Why a job's rank that exited by itself with 0 left no measurement, where its report
+    has neither the layer's finish nor a failure ("" otherwise): the process ended without
+    running its exit (``os._exit``, an ``exec``), so the layer never said how it ended."""
+    if report is None or returncode != 0 or report.get("finished") is True:
+        return ""
+    if report.get("status") != Outcome.OK.value:
+        return ""
+    return (
+        "the job's process ended without the measurement layer's verdict (it left without "
+        "running Python's exit: os._exit, or an exec)"
+    )
+
+
+def _write_tokens(spec: ProbeSpec, probe_dir: Path) -> list[str] | None:
+    """For a run of the user's job, each rank's token (:data:`~autotune.probe.result.TOKEN_FILE`,
+    readable by the owner only), or None for autotune's own worker."""
+    if spec.script is None:
+        return None
+    tokens = [secrets.token_hex(32) for _ in range(spec.world_size)]
+    for rank, token in enumerate(tokens):
+        where = probe_dir / TOKEN_FILE.format(rank)
+        fd = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(token)
+    return tokens
 
 
 def _slowest(reports: list[dict[str, Any] | None], key: str) -> float | None:
@@ -297,7 +347,11 @@ def _prepare(
 ) -> OutputKeeper:
     """Write the probe's folder (the spec, the command) and open its output pipes."""
     probe_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (*probe_dir.glob("rank*.json"), *probe_dir.glob("node*.json")):
+    for stale in (
+        *probe_dir.glob("rank*.json"),
+        *probe_dir.glob("node*.json"),
+        *probe_dir.glob(TOKEN_FILE.format("*")),
+    ):
         stale.unlink()
     (probe_dir / "config.json").write_text(json.dumps(spec.to_dict(), indent=2))
     write_request(probe_dir)  # a test fault, only where the test suite armed this process
@@ -308,7 +362,8 @@ def _prepare(
 def _folder_failure(spec: ProbeSpec, probe_dir: Path, spawn: str, error: OSError) -> ProbeResult:
     """The result of a probe whose folder could not be written (no rank started; what the
     attempt began to write is removed, and no result.json is written)."""
-    for name in ("config.json", "cmd.txt", FAULT_FILE):
+    tokens = [p.name for p in probe_dir.glob(TOKEN_FILE.format("*"))]
+    for name in ("config.json", "cmd.txt", FAULT_FILE, *tokens):
         with contextlib.suppress(OSError):
             (probe_dir / name).unlink()
     fault = folder_fault(probe_dir, error.strerror or str(error))
@@ -358,12 +413,14 @@ def _start_ranks(
     spawner: Spawner,
     output: OutputKeeper,
     running: Running,
+    mark: str,
 ) -> None:
     """This node's ranks, in one new process group led by rank 0 (each in ``running`` as
-    soon as it is started, so a failure to start the next one stops it)."""
+    soon as it is started, so a failure to start the next one stops it), each with the
+    probe's ``mark`` in its environment."""
     logs = output.stdout, output.stderr
     for rank in range(spec.num_processes):
-        env = rank_environment(spec, rank, port)
+        env = {**rank_environment(spec, rank, port), MARK_ENV: mark}
         group = running.pgids[0] if running.pgids else 0
         running.procs.append(spawner.spawn(probe_dir, env, *logs, process_group=group))
         if not running.pgids:
@@ -499,8 +556,10 @@ def launch_probe(
     launches = [] if across is None else agent_launches(probe_dir, across, port, os.environ)
     try:
         output = _prepare(spec, probe_dir, port, kind, across, launches)
+        tokens = _write_tokens(spec, probe_dir)
     except OSError as error:
         return _folder_failure(spec, probe_dir, kind, error)
+    mark = new_mark()
     folder = _folder_id(probe_dir)
     started = time.monotonic()
     timed_out = gone = False
@@ -510,7 +569,7 @@ def launch_probe(
     try:
         try:
             if across is None:
-                _start_ranks(spec, probe_dir, port, spawner, output, running)
+                _start_ranks(spec, probe_dir, port, spawner, output, running, mark)
             else:
                 _start_agents(launches, output, running)
             procs = running.procs
@@ -525,7 +584,7 @@ def launch_probe(
                     failed_at = time.monotonic()
                 if finished_at is None and time.monotonic() >= look_at:
                     look_at = time.monotonic() + FINISH_POLL_S
-                    if _all_finished(probe_dir, spec.world_size):
+                    if _all_finished(spec, probe_dir, tokens):
                         finished_at = time.monotonic()
                 if _folder_id(probe_dir) != folder:
                     gone = True  # nothing the ranks write can be read back: stop them now
@@ -542,8 +601,10 @@ def launch_probe(
         finally:
             if any(p.poll() is None for p in running.procs):
                 stop(running, grace)
-            # Anything a rank spawned (compiler jobs, data workers) goes with the probe.
+            # Anything a rank spawned (compiler jobs, data workers) goes with the probe, in
+            # its groups or wherever it went (a session of its own, re-parented to init).
             signal_groups(running, signal.SIGKILL)
+            kill_all(marked(mark))
             for proc in running.procs:
                 if isinstance(proc, subprocess.Popen) and proc.stdin is not None:
                     with contextlib.suppress(OSError):  # an agent long gone: a broken pipe
@@ -555,11 +616,15 @@ def launch_probe(
 
     stderr_tail = _tail(probe_dir / "stderr.log")
     read = [
-        read_report(probe_dir / f"rank{r}.json", r)
+        read_report(probe_dir / f"rank{r}.json", r, tokens[r] if tokens else None, spec)
         if not gone
         else (None, "the probe folder was deleted")
         for r in range(spec.world_size)
     ]
+    if tokens is not None and across is None:
+        for r, proc in enumerate(running.procs):
+            problem = _unconcluded(read[r][0], proc.returncode)
+            read[r] = (None, problem) if problem else read[r]
     reports = [report for report, _ in read]
     problems = [problem for _, problem in read]
     if across is None:

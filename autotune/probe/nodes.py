@@ -82,7 +82,7 @@ class Nodes:
         return first
 
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -127,7 +127,7 @@ def _expand_one(item: str, whole: str) -> list[str]:
     prefix, ranges, rest = item[:opened], item[opened + 1 : closed], item[closed + 1 :]
     numbers: list[str] = []
     for part in ranges.split(","):
-        match = _RANGE.match(part.strip())
+        match = _RANGE.fullmatch(part.strip())
         if match is None:
             raise ConfigError(f"host list {whole!r}: {part!r} is not a number or a range N-M")
         low, high = match.group(1), match.group(2) or match.group(1)
@@ -138,11 +138,12 @@ def _expand_one(item: str, whole: str) -> list[str]:
 
 
 _HOST = re.compile(
-    r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?(?:[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\])$"
+    r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?(?:[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\])"
 )
 """A host as ``ssh`` and ``srun`` take it: a name or an address (IPv6 in brackets), with an
 optional ``user@``. Nothing that starts with ``-`` (an option to ``ssh``) or holds a space,
-a quote or a shell character."""
+a quote, a line break or a shell character: the whole text must match (``fullmatch``; a
+``$`` would match before a trailing newline)."""
 
 
 def check_host(host: str) -> str:
@@ -152,7 +153,7 @@ def check_host(host: str) -> str:
         ConfigError: Anything else: an option in disguise (``-oProxyCommand=...``), an empty
             name, spaces or shell characters.
     """
-    if len(host) > 255 or not _HOST.match(host):
+    if len(host) > 255 or _HOST.fullmatch(host) is None:
         raise ConfigError(
             f"{host!r} is not a host name: use names or addresses like node2, 10.0.0.2 or "
             "user@node2, separated by commas"

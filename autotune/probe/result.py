@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
 import json
 import math
 from collections.abc import Mapping
@@ -19,7 +21,16 @@ from typing import Any
 from autotune.probe.outcome import Classification, Outcome, Stage
 from autotune.probe.spec import ProbeSpec
 
-__all__ = ["ProbeResult", "SizeResult", "merge_sizes", "report_problem"]
+__all__ = [
+    "SIGNATURE",
+    "TOKEN_FILE",
+    "ProbeResult",
+    "SizeResult",
+    "job_report_problem",
+    "merge_sizes",
+    "report_problem",
+    "report_signature",
+]
 
 # Memory readings are per rank: the probe's figure is the worst rank's.
 _MAX_OVER_RANKS = (
@@ -274,6 +285,68 @@ def report_problem(data: Any, rank: int) -> str | None:
     if not isinstance(sizes, list):
         return "its sizes are not a list"
     return next((p for p in map(_size_problem, sizes) if p is not None), None)
+
+
+TOKEN_FILE = "rank{}.token"
+"""The token of one rank of a run of the user's job, in the run's folder: written by the
+launcher before the rank starts, taken (read, then deleted) by the measurement layer before the
+job's script runs. The layer signs the rank's report with it (:func:`report_signature`); the
+token itself is in no file the script can read while it runs, nor in any environment."""
+SIGNATURE = "signature"
+"""The field of a job's rank report that holds its signature."""
+_REL_TOL = 1e-6
+_ABS_TOL_S = 1e-6
+
+
+def report_signature(data: Mapping[str, Any], token: str) -> str:
+    """HMAC-SHA256, under ``token``, of a rank report's JSON (every field but the signature,
+    keys sorted): what the measurement layer signs and the launcher checks."""
+    body = {key: value for key, value in data.items() if key != SIGNATURE}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def _close(value: float, expected: float) -> bool:
+    return math.isclose(value, expected, rel_tol=_REL_TOL, abs_tol=_ABS_TOL_S)
+
+
+def _timing_problem(entry: Mapping[str, Any], spec: ProbeSpec) -> str | None:
+    """Whether a measured size's figures are the timed steps the probe asked for: as many as
+    asked, their durations summing to the timed window, the step time among them (a sum of
+    medians lies between the smallest and the largest step), and the tokens/s the asked
+    tokens of a step over that step time."""
+    mbs = entry["micro_batch_size"]
+    times = entry.get("step_times")
+    if not (isinstance(times, list) and all(_number(t) and t > 0 for t in times)):
+        return f"size {mbs} has no durations of its timed steps"
+    if len(times) != spec.timed_steps:
+        return f"size {mbs} timed {len(times)} steps where the probe asked for {spec.timed_steps}"
+    figures: list[Any] = [entry.get(k) for k in ("step_s", "timed_s", "tokens_per_second")]
+    step, window, speed = (float(v) if _number(v) else 0.0 for v in figures)
+    if min(step, window, speed) <= 0:
+        return f"size {mbs} has no step time, timed window or tokens/s"
+    if not _close(window, math.fsum(times)):
+        return f"size {mbs}'s timed window ({window} s) is not the sum of its timed steps"
+    if not min(times) - _ABS_TOL_S <= step <= max(times) + _ABS_TOL_S:
+        return f"size {mbs}'s step time ({step} s) is outside its timed steps' durations"
+    tokens = mbs * spec.seq_len * spec.grad_accum * spec.world_size
+    if not _close(speed, tokens / step):
+        return f"size {mbs}'s tokens/s ({speed}) is not {tokens} tokens a step over its step time"
+    return None
+
+
+def job_report_problem(data: Mapping[str, Any], token: str, spec: ProbeSpec) -> str | None:
+    """What makes a rank report of the user's job unusable beyond :func:`report_problem`, or
+    None: one the measurement layer did not sign with the rank's token (the job's script wrote
+    or changed it), or whose measured sizes are not the timed steps ``spec`` asked for."""
+    signature = data.get(SIGNATURE)
+    if not (
+        isinstance(signature, str)
+        and hmac.compare_digest(signature.encode(), report_signature(data, token).encode())
+    ):
+        return "not signed with this run's token: the job's script wrote or changed it"
+    sizes = [e for e in data.get("sizes", []) if e.get("outcome") == Outcome.OK.value]
+    return next((p for e in sizes if (p := _timing_problem(e, spec)) is not None), None)
 
 
 def merge_sizes(

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import autotune
-from autotune.launch import Launch
+from autotune.launch import Launch, one_line
 from autotune.models import resolve_model
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.launcher import ProcessHandle, launch_probe, write_result
 from autotune.probe.lifetime import PARENT_ENV
-from autotune.probe.outcome import Outcome
-from autotune.probe.result import ProbeResult
+from autotune.probe.outcome import Outcome, Stage
+from autotune.probe.result import ProbeResult, SizeResult
 from autotune.probe.spec import ProbeSpec
 from autotune.probe.userjob import PROBE_DIR_ENV
 from autotune.script import JobCommand, ScriptJob, job_command, placed, shell_text, write_files
@@ -196,7 +196,8 @@ def accumulation(spec: ProbeSpec, micro_batch_size: int) -> int:
 def _write_command(folder: Path, run: JobCommand, launch: Launch) -> None:
     """cmd.txt: this run of the job by hand, as the launcher ran it (the launcher's own
     lines name its worker, which a job's probe does not run)."""
-    text = shell_text(run, launch, launch.summary(), with_files=False).splitlines()
+    script = shell_text(run, launch, launch.summary(), with_files=False)
+    text = script.removesuffix("\n").split("\n")  # the shell's lines (a path may hold "\r")
     layer = measured_environment(folder, {})
     lines = [
         "# Rerun this run of the job by hand (from the directory autotune ran in):",
@@ -204,9 +205,28 @@ def _write_command(folder: Path, run: JobCommand, launch: Launch) -> None:
         *text[1:],
         "",
         "# measured with the layer on: "
-        + " ".join(f"{k}={shlex.quote(v)}" for k, v in layer.items()),
+        + one_line(" ".join(f"{k}={shlex.quote(v)}" for k, v in layer.items())),
     ]
     (folder / "cmd.txt").write_text("\n".join(lines) + "\n")
+
+
+def _hung_before_training(result: ProbeResult, spec: ProbeSpec) -> None:
+    """A run stopped at its bound before the job's first training step (the layer marks that
+    step in the report, ``build_s``): said as a hang before training, and the outcome of the
+    size it ran, so its trial reads ``timeout`` (the message, with the job's last lines, is
+    the run's)."""
+    result.stage = Stage.STARTUP
+    result.message = (
+        f"the job did not reach its first training step within the probe's bound of "
+        f"{spec.timeout_s:.0f} s: check what it waits for before it trains (a lock, a "
+        "download, another rank)"
+    )
+    result.sizes = [
+        SizeResult(
+            micro_batch_size=spec.micro_batch_sizes[0], outcome=Outcome.TIMEOUT, stage=Stage.STARTUP
+        )
+    ]
+    write_result(result)
 
 
 def _run_size(
@@ -227,11 +247,19 @@ def _run_size(
     write_files(command, folder)
     run = placed(command, folder)
     result = launch_probe(one, folder, spawner=ScriptSpawner(run, warm), on_poll=on_poll)
-    _write_command(folder, run, launch)
+    if result.outcome is Outcome.TIMEOUT and result.build_s is None:
+        _hung_before_training(result, one)
+    # cmd.txt holds no secret of the job's arguments: the user sets them as variables.
+    shown = job_command(job.for_shell(), launch, max_steps=steps, cpu=spec.device == "cpu")
+    _write_command(folder, placed(shown, folder), launch)
     if result.outcome not in (Outcome.OK, Outcome.OOM):
         tail = _log_tail(folder)
         if tail and tail not in result.message:
             result.message = f"{result.message}; the job's last lines: {tail}"
+        said = result.message
+        result.message = job.redact(said)  # a job's error may quote its arguments
+        if result.message != said and (folder / "result.json").is_file():
+            write_result(result)
     return result
 
 

@@ -23,11 +23,22 @@ torch's global hooks only:
 
 After the warm-up and timed steps it writes the same ``rank<N>.json`` as the worker and ends the
 process, so ``classify_probe``, the study and the search read it as any probe.
+
+The report is the layer's, not the script's: before the script runs, the layer takes the rank's
+token (:data:`~autotune.probe.result.TOKEN_FILE`: read, then deleted) and signs every write of
+the report with it. The launcher takes a job's report only with the right signature, and its
+measured sizes only as the timed steps the probe asked for
+(:func:`~autotune.probe.result.job_report_problem`). Once the script runs, the token is in no
+file and no environment it can read; what this guards against is a report the script writes
+(or copies from another run), not code that reads the layer's own objects in its process.
+The layer's process is a child subreaper (:func:`~autotune.probe.lifetime.adopt_orphans`), and
+ends what the job started when it ends.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -40,8 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune.probe.lifetime import adopt_orphans, end_descendants
 from autotune.probe.outcome import Outcome, Stage, is_oom_error
 from autotune.probe.report import RankReport
+from autotune.probe.result import SIGNATURE, TOKEN_FILE, report_signature
 from autotune.probe.spec import ProbeSpec
 from autotune.script import Framework, ScriptJob
 
@@ -72,6 +85,37 @@ def _batch_hint(job: ScriptJob) -> str:
     if job.framework is Framework.HF:
         return "does it read --per_device_train_batch_size and --gradient_accumulation_steps?"
     return "does it take them from autotune.job_config()?"
+
+
+def take_token(probe_dir: Path, rank: int) -> str | None:
+    """The rank's token, read and then deleted, so the job's script, which runs after, finds
+    it nowhere; None where the launcher wrote none (a run by hand, from ``cmd.txt``)."""
+    path = probe_dir / TOKEN_FILE.format(rank)
+    try:
+        token = path.read_text().strip()
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return token or None
+
+
+class SignedReport(RankReport):
+    """The rank's report, signed with the rank's token at every write (unsigned without one)."""
+
+    def __init__(self, path: Path, rank: int, world_size: int, token: str | None) -> None:
+        super().__init__(path, rank, world_size)
+        self._token = token
+
+    def write(self) -> None:
+        if self._token is None:
+            super().write()
+            return
+        data = json.loads(json.dumps(self.data, default=str))  # as the launcher reads it
+        data[SIGNATURE] = report_signature(data, self._token)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, self.path)
 
 
 @dataclass
@@ -107,7 +151,10 @@ class Layer:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.report = RankReport(probe_dir / f"rank{self.rank}.json", self.rank, self.world_size)
+        token = take_token(probe_dir, self.rank)
+        self.report = SignedReport(
+            probe_dir / f"rank{self.rank}.json", self.rank, self.world_size, token
+        )
         spawned = float(os.environ.get("AUTOTUNE_SPAWN_TIME") or time.time())
         self.report.update(import_s=time.time() - spawned)
         kind = spec.device
@@ -161,6 +208,7 @@ class Layer:
 
         sys.excepthook = excepthook
         atexit.register(self.ended)
+        adopt_orphans()  # a daemon the job starts stays below this process, which ends it
 
     def _count_checkpoints(self) -> None:
         """Count checkpointed blocks: ``torch.utils.checkpoint.checkpoint`` wrapped, and so
@@ -255,6 +303,7 @@ class Layer:
                 self.finish()
                 sys.stdout.flush()
                 sys.stderr.flush()
+                end_descendants()
                 os._exit(0)  # every rank is past this step's collectives: nothing waits on it
             self.current = _Step(began=self.current.ended)
         assert self.current is not None
@@ -352,6 +401,7 @@ class Layer:
             "loss_finite": finite,
             "warmup_s": window - first,
             "timed_s": self.steps[-1].ended - window,
+            "step_times": [step.ended - step.began for step in timed],
             "tokens_counted": bool(self.vocab_rows),
             "optimizers": sorted(self.optimizers),
             "checkpointed_blocks": self.steps[-1].checkpoints / self.steps[-1].micro_steps,
@@ -403,6 +453,14 @@ class Layer:
         )
 
     def ended(self) -> None:
+        """The script ended: say how, if the layer has not yet, and end what the job started
+        that still runs (a child in a session of its own, a daemon re-parented here)."""
+        try:
+            self._ended()
+        finally:
+            end_descendants()
+
+    def _ended(self) -> None:
         """The script ended (or exited) before the probe's steps were done."""
         if self.done:
             return

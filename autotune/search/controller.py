@@ -7,9 +7,11 @@ charges the budget. A probe is started only if the time it is expected to take f
 is left: its predicted cost (start-up, build, steps: :mod:`autotune.estimator.cost`) scaled by
 how long the run's probes took against their predictions. Otherwise the run stops and says
 what it would have probed next and for how long; a run with more budget resumes there (the
-proposal is a function of the study). The first probe of a run always starts. Its timeout is the
-earlier of the budget's end and a hang guard (``HANG_FACTOR`` times the longest probe so far);
-a probe the budget cut short is recorded as interrupted, and retried by a later run.
+proposal is a function of the study). The first probe of a run always starts. A probe's timeout
+is the earlier of the budget's end and a hang guard: ``HANG_FACTOR`` times the longest probe so
+far, or, before any was measured, times the probe's own predicted cost (so a job that hangs in
+a run's first probe is a ``timeout`` well before the budget's end, not a probe the budget cut
+short). A probe the budget cut short is recorded as interrupted, and retried by a later run.
 Ctrl-C (or SIGTERM, which the CLI turns into the same interruption) stops the running probe
 (the device kills its process group), records its trials as failed with the reason, and ends
 the run with the best found so far.
@@ -56,7 +58,9 @@ FIRST_PROBE_GUESS_S = 120.0
 MIN_PROBE_TIMEOUT_S = 30.0
 HANG_FACTOR = 4.0
 """Once probes were measured, one that runs this many times longer than the longest of them
-(and longer than ``FIRST_PROBE_GUESS_S``) is taken to hang and is stopped as a timeout."""
+(and longer than ``FIRST_PROBE_GUESS_S``) is taken to hang and is stopped as a timeout; before
+any was, one that runs this many times longer than its predicted cost (start-up, build, steps:
+:mod:`autotune.estimator.cost`; at least ``MIN_PROBE_TIMEOUT_S``)."""
 WAIT_FIRST_S = 0.25
 WAIT_LONGEST_S = 5.0
 """With nothing left to propose while other workers' probes are in flight, the study is read
@@ -431,12 +435,17 @@ class Controller:
                 )
             )
 
-    def _timeout(self, left_s: float) -> tuple[float, bool]:
-        """The next probe's timeout, and whether the budget (not a hang guard) sets it."""
+    def _timeout(self, left_s: float, predicted_s: float | None = None) -> tuple[float, bool]:
+        """The next probe's timeout, and whether the budget (not a hang guard) sets it.
+
+        The hang guard scales the longest probe measured so far; before any, the probe's own
+        ``predicted_s`` (None: ``probe_timeout_s`` alone)."""
         guard = self.probe_timeout_s
         if self._durations:
             longest = max(self._durations)
             guard = min(guard, max(FIRST_PROBE_GUESS_S, HANG_FACTOR * longest))
+        elif predicted_s is not None:
+            guard = min(guard, max(MIN_PROBE_TIMEOUT_S, HANG_FACTOR * predicted_s))
         return max(min(guard, left_s), MIN_PROBE_TIMEOUT_S), left_s < guard
 
     def _probe(
@@ -450,7 +459,7 @@ class Controller:
         """Probe the proposal (``announce`` once its points are claimed, so a point another
         worker took is never shown as a probe); None when another worker claimed one of its
         points first."""
-        timeout_s, budget_bound = self._timeout(left_s)
+        timeout_s, budget_bound = self._timeout(left_s, predicted_s)
         spec = self.template.spec(
             proposal.config,
             proposal.micro_batch_sizes,

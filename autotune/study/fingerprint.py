@@ -89,9 +89,13 @@ class Fingerprint:
     """The attention kernel the user asked for; None: ``sdpa``, the default."""
     script: dict[str, Any] | None = None
     """The user's training job the probes ran (a :class:`~autotune.script.ScriptJob`'s
-    fields: framework, path, arguments, content hash); None: autotune's stand-in."""
+    fields: framework, path, arguments, content hash); None: autotune's stand-in. The
+    arguments are stored, and read back, with their secrets masked (``--db-password ***``):
+    another password or token is the same study."""
 
     def __post_init__(self) -> None:
+        if self.script is not None:  # as stored: a study read back is masked too
+            object.__setattr__(self, "script", ScriptJob.from_dict(self.script).to_dict())
         try:
             object.__setattr__(self, "objective", Objective(self.objective))
         except ValueError:

@@ -229,7 +229,10 @@ def test_probe_timeouts_follow_measured_probes_and_the_budget(tmp_path: Path) ->
     summary = controller.run()
     walls = [r.wall_s for r in device.results]
     assert summary.probes >= 3
-    assert asked[0] == controller.probe_timeout_s  # nothing measured yet: the default guard
+    # Nothing measured yet: the first probe's own predicted cost sets its guard.
+    first = max(MIN_PROBE_TIMEOUT_S, HANG_FACTOR * controller._predicted[0])
+    assert asked[0] == pytest.approx(min(controller.probe_timeout_s, first))
+    assert asked[0] < controller.probe_timeout_s
     for n in range(1, len(asked)):
         guard = min(
             controller.probe_timeout_s, max(FIRST_PROBE_GUESS_S, HANG_FACTOR * max(walls[:n]))
