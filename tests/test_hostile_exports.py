@@ -46,24 +46,16 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PLAIN = "plainmodel"
 """The plain name every export is compared with (it occurs nowhere else in an export)."""
 HOSTILE = {
-    "newline": "m\ntouch PWNED_NL\n#",
-    "yaml-key": "m\nmain_process_ip: 10.0.0.1\n#",
-    "carriage-return": "m\rmain_process_ip: 10.0.0.1",
-    "unicode-line-separator": "模型-ü\u2028main_process_ip: 10.0.0.1",
+    "line-breaks": "m\ntouch PWNED_NL\n#\rmain_process_ip: 10.0.0.1\u2028main_process_port: 1",
     "docstring": 'x"""+__import__("os").system("touch PWNED_PY")+"""',
-    "quote": "m'; touch PWNED_Q; '",
-    "substitution": "$(touch PWNED_SUB)",
-    "backticks": "`touch PWNED_BT`",
-    "comma": "a,b",
-    "hash": "m #x",
-    "colon": "m: x",
-    "brace": "{m}",
-    "interpolation": "${oc.env:HOME}",
-    "backslashes": 'm\\"\\',
+    "shell": "m'; touch PWNED_Q; ' $(touch PWNED_SUB) `touch PWNED_BT` #x",
+    "syntax": 'a,b: {m} ${oc.env:HOME} m\\"\\ 模型-ü',
     "keyword": "null",
     "leading-dash": "--help",
 }
-"""Model folder names, each with the syntax of a format autotune writes. A command one of them
+"""Model folder names, each with the syntax of formats autotune writes (line breaks of every
+kind, a YAML key, a docstring's end, shell quotes and substitutions, a comment, Hydra's comma
+sweep and OmegaConf's interpolation, backslashes, a YAML keyword, a flag). A command one of them
 would run creates a file named ``PWNED...``."""
 FAKES = ("torchrun", "accelerate", "python", "python3")
 RECORDER = f"""#!{sys.executable}
