@@ -741,7 +741,7 @@ def export_rlhf(
 ) -> RLHFExport:
     """The best layout of an RLHF study (``run --rlhf``) as TRL's ``GRPOConfig`` fields,
     OpenRLHF's flags or verl's overrides: the study named, else the newest of ``model``'s
-    (the policy), else the newest.
+    (the policy) in which a layout fitted, else the newest such study.
 
     Raises:
         ConfigError: No such study, nothing fitted in it, or a format that cannot express it.
@@ -760,13 +760,20 @@ def export_rlhf(
         raise ConfigError(
             f"no {what} in {masked(storage)}: run autotune run --rlhf first, or pass --storage"
         )
-    found = studies[-1]
-    best = found.best()
-    if best is None:
+    # The newest study with a layout that fitted (a newer one may hold no probe yet).
+    fitted = [(s, best) for s in studies if (best := s.best()) is not None]
+    if not fitted:
+        found = studies[-1]
+        if not found.trials():
+            raise ConfigError(
+                f"{found.name} holds no probe yet: nothing to export; run autotune run --rlhf "
+                "with its options to probe it"
+            )
         raise ConfigError(
             f"no layout of {found.name} fitted: nothing to export; lower --rollout-share or "
             "let the engine --sleep, and run again"
         )
+    found, best = fitted[-1]
     w = found.workload
     roles = w.get("models", {})
     policy = str(w.get("policy_model", w["policy"]))

@@ -1250,7 +1250,8 @@ def export(
         typer.Option(
             "--format",
             "-f",
-            help="deepspeed, accelerate, hf, torchrun or fsdp; for a run --rlhf study: trl, "
+            help="deepspeed, accelerate, hf, torchrun or fsdp; for a run --script study: "
+            "command (your script's command line, tuned); for a run --rlhf study: trl, "
             "openrlhf or verl.",
             show_default=False,
         ),
@@ -1274,7 +1275,9 @@ def export(
 ) -> None:
     """The best configuration in a trainer's own format.
 
-    DeepSpeed JSON, accelerate YAML, TrainingArguments, a torchrun line, or FSDP2 code."""
+    DeepSpeed JSON, accelerate YAML, TrainingArguments, a torchrun line, FSDP2 code, your
+    script's own command line (command), or an RL trainer's configuration (trl, openrlhf,
+    verl)."""
     from autotune import api
     from autotune.launch import Format
     from autotune.rlhf_launch import RLFormat

@@ -393,9 +393,14 @@ def _loss_note(loss: Loss) -> str:
     return f"chunked cross-entropy, {LOSS_CHUNK_TOKENS} tokens a chunk, recomputed in the backward"
 
 
-def _optimizer_note(optimizer: Optimizer) -> str:
-    if optimizer is Optimizer.ADAMW_8BIT:
+def _optimizer_note(config: TrainConfig) -> str:
+    if config.optimizer is Optimizer.ADAMW_8BIT:
         return "torchao's AdamW8bit (8-bit moments, a scale per 256 values)"
+    if config.engine is Engine.DEEPSPEED:
+        # The DeepSpeed JSON's optimizer block: DeepSpeed builds its own AdamW from it.
+        if config.offload is not Offload.NONE:
+            return "DeepSpeed's CPU AdamW (DeepSpeedCPUAdam, on the offloaded states)"
+        return "DeepSpeed's fused AdamW (FusedAdam)"
     return "torch's fused AdamW"
 
 
@@ -601,7 +606,7 @@ def _torchrun(launch: Launch) -> str:
         "activation checkpointing": _checkpointing_note(config.ac_every, config.ac_ops),
         "attention": config.attention.value,
         "loss": _loss_note(config.loss),
-        "optimizer": _optimizer_note(config.optimizer),
+        "optimizer": _optimizer_note(config),
         "training": (
             f"LoRA, rank {config.lora_rank} (the rest frozen)"
             if config.is_lora

@@ -578,8 +578,10 @@ def _hf_command(job: ScriptJob, launch: Launch, max_steps: int | None, cpu: bool
         fields["max_steps"] = max_steps
     if launch.config.precision is Precision.BF16:
         notes.append("pure bf16: the script loads the model in torch.bfloat16")
+    # The user's own --max_steps stands in an export: only a probe stops the job early.
+    controlled = [name for name in HF_CONTROLLED if max_steps is not None or name != "max_steps"]
     return JobCommand(
-        target=(job.path, *rewrite_flags(job.args, fields, HF_CONTROLLED)),
+        target=(job.path, *rewrite_flags(job.args, fields, controlled)),
         env={},
         files=files,
         notes=tuple(notes),

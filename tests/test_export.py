@@ -979,3 +979,15 @@ def test_compiled_blocks_say_how_in_every_format() -> None:
         assert "block.compile()" in note
     assert "compiled: each decoder block" in render(launch(config), Format.TORCHRUN)
     assert knob_notes(launch(TrainConfig(engine=Engine.DDP)), Format.HF) == []
+
+
+def test_the_torchrun_export_names_the_optimizer_each_engine_builds() -> None:
+    """DeepSpeed builds its own AdamW from its JSON (FusedAdam on the GPU, DeepSpeedCPUAdam
+    with offload): the torchrun line's notes name it, not torch's fused AdamW."""
+    deepspeed = render(launch(TrainConfig(engine=Engine.DEEPSPEED, zero_stage=2)), "torchrun")
+    assert "optimizer: DeepSpeed's fused AdamW" in deepspeed
+    assert "torch's fused AdamW" not in deepspeed
+    offload = TrainConfig(engine=Engine.DEEPSPEED, zero_stage=2, offload=Offload.OPTIMIZER)
+    assert "optimizer: DeepSpeed's CPU AdamW" in render(launch(offload), "torchrun")
+    fsdp = render(launch(TrainConfig(engine=Engine.FSDP, zero_stage=3)), "torchrun")
+    assert "optimizer: torch's fused AdamW" in fsdp

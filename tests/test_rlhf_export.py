@@ -135,3 +135,28 @@ def test_a_study_over_two_gpus_exports_their_accumulation(tmp_path: Path) -> Non
     assert code == 0 and "--vllm_num_engines 2" in out, err
     code, out, err = export("--format", "verl", "--model", "tiny", "--storage", storage)
     assert code == 0 and "trainer.n_gpus_per_node=2" in out, err
+
+
+def test_the_newest_study_with_a_layout_that_fitted_is_exported(tmp_path: Path) -> None:
+    """A newer study of the same policy that holds no probe yet (a run stopped before its
+    first) neither hides the older one's best nor gets the advice of a study where nothing
+    fitted; alone, it says it holds no probe."""
+    storage = study_with(tmp_path, TrainConfig(engine=Engine.FSDP, zero_stage=3))
+    RLHFStudy({**WORKLOAD, "rollout_batch": 16}, storage=storage)  # newer, empty
+    found = api.export_rlhf("trl", model="tiny", storage=storage)
+    assert found.launch.rollout_batch == 8 and found.trial.share == 0.6
+    alone = f"sqlite:///{tmp_path}/alone.db"
+    RLHFStudy(WORKLOAD, storage=alone)
+    with pytest.raises(ConfigError, match="holds no probe yet") as raised:
+        api.export_rlhf("trl", model="tiny", storage=alone)
+    assert "--rollout-share" not in str(raised.value)
+
+
+def test_export_help_names_every_format() -> None:
+    """``autotune export --help`` names the script study's format too."""
+    from autotune.launch import Format
+    from autotune.rlhf_launch import RLFormat
+
+    shown = " ".join(CliRunner().invoke(app, ["export", "--help"]).stdout.split())
+    for fmt in (*Format, *RLFormat):
+        assert fmt.value in shown, fmt

@@ -126,6 +126,21 @@ def test_the_trainer_adapter_is_read_by_hf_argument_parser(
         }
 
 
+def test_the_users_own_max_steps_stands_in_an_export_and_a_probe_sets_its_own(
+    tmp_path: Path,
+) -> None:
+    """A Trainer job asked for 2 steps trains 2 steps as exported (read back by
+    HfArgumentParser); only a probe replaces ``--max_steps`` with its own."""
+    job = ScriptJob.read(
+        EXAMPLES / "train_hf.py", "hf", ["--output_dir", str(tmp_path), "--max_steps", "2"]
+    )
+    launch = launch_of({"engine": "single", "ac_every": 0})
+    exported = _parse_trainer_args(job_command(job, launch, cpu=True).target, tmp_path)
+    assert exported.max_steps == 2
+    probed = _parse_trainer_args(job_command(job, launch, max_steps=7, cpu=True).target, tmp_path)
+    assert probed.max_steps == 7
+
+
 def test_the_trainer_adapter_hands_deepspeed_its_measured_json(tmp_path: Path) -> None:
     job = ScriptJob.read(EXAMPLES / "train_hf.py", "hf", ["--output_dir", str(tmp_path)])
     launch = launch_of({"engine": "deepspeed", "zero_stage": 2})
