@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
-from autotune.launch import Launch, hf_fields
+from autotune.launch import Launch, checkpointing_field, hf_fields
 from autotune.rlhf import Algorithm, Placement
 
 __all__ = ["RLFormat", "RLHFLaunch", "render_rlhf"]
@@ -102,6 +102,9 @@ def trl_fields(launch: RLHFLaunch) -> dict[str, Any]:
             "TRL has no PPO trainer (GRPOConfig, RLOO): use --format openrlhf or verl for PPO"
         )
     fields = hf_fields(launch.trainer)
+    # GRPOConfig checkpoints the model by default (TrainingArguments does not): a layout
+    # measured without the model's own checkpointing (none, or FSDP's wrapper) says so.
+    fields.setdefault(checkpointing_field(launch.trainer.transformers), False)
     fields.update(
         use_vllm=True,
         vllm_mode="colocate",
@@ -124,6 +127,12 @@ def _trl(launch: RLHFLaunch) -> tuple[str, list[str]]:
     ]
     if launch.reward:
         notes.append(f"the reward model {launch.reward}: pass it to GRPOTrainer(reward_funcs=...)")
+    if launch.reference:
+        notes.append(
+            f"the layout holds the reference {launch.reference}, which TRL loads only with "
+            "beta above 0 (its default is 0: no KL term, no reference): set beta, your KL "
+            "coefficient, to train as measured"
+        )
     if launch.frozen is Placement.OFFLOAD:
         notes.append("TRL keeps the reference on the GPUs: it has no offload of it between uses")
     return json.dumps(trl_fields(launch), indent=2) + "\n", notes

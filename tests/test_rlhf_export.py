@@ -160,3 +160,24 @@ def test_export_help_names_every_format() -> None:
     shown = " ".join(CliRunner().invoke(app, ["export", "--help"]).stdout.split())
     for fmt in (*Format, *RLFormat):
         assert fmt.value in shown, fmt
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TrainConfig(), TrainConfig(engine=Engine.FSDP, zero_stage=3, ac_every=1)],
+    ids=lambda c: c.label(),
+)
+def test_trl_trains_without_the_models_checkpointing_where_the_layout_did(
+    tmp_path: Path, config: TrainConfig
+) -> None:
+    """GRPOConfig checkpoints by default: an ``ac:off`` layout (and FSDP's own wrapper, which
+    checkpoints every block itself) is exported with the model's checkpointing off, as TRL
+    reads it; the reference the layout counted is named, with what TRL needs to load it."""
+    from trl import GRPOConfig
+
+    storage = study_with(tmp_path, config)
+    code, out, err = export("--format", "trl", "--model", "tiny", "--storage", storage)
+    assert code == 0, err
+    parsed = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, **json.loads(out))
+    assert parsed.gradient_checkpointing is False
+    assert "beta above 0" in " ".join(err.split())
