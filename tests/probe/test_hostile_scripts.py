@@ -158,7 +158,7 @@ def test_what_a_job_starts_outside_its_process_group_ends_with_the_probe(
         with pytest.raises(KeyboardInterrupt):
             probe(tmp_path, script, args, warm, on_poll=interrupt)
     else:
-        timeout = 10.0 if then == "hangs" else 300.0
+        timeout = 8.0 if then == "hangs" else 300.0
         result = probe(tmp_path, script, args, warm, timeout_s=timeout)
         expected = {"trains": Outcome.OK, "exits": Outcome.ERROR, "hangs": Outcome.TIMEOUT}
         assert result.outcome is expected[then], result.message
