@@ -25,7 +25,9 @@ neither the probe's timeout nor the measured probe durations that scale the pred
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import os
 import random
 import shutil
 import statistics
@@ -527,6 +529,11 @@ class Controller:
         try:
             return self.device.launch(spec, probe_dir, on_poll=lambda _: self.store.beat(trials))
         except OSError as error:
+            interruption = _interruption(error)
+            if interruption is not None:
+                raise interruption from None  # a stop that a failing clean-up hid
+            if error.errno not in _DISK_ERRNOS and not _within(error.filename, probe_dir):
+                raise  # not the folder's fault
             return ProbeResult(
                 spec=spec,
                 probe_dir=probe_dir,
@@ -536,6 +543,29 @@ class Controller:
                 device=spec.device,
                 tuner_fault=folder_fault(probe_dir, error.strerror or str(error)),
             )
+
+
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+"""A full disk, a quota or a read-only file system: a write's failure that names no file (a
+``write`` or a ``close``) but the folder's disk."""
+
+
+def _interruption(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM ``error`` was raised while handling, if any (an interruption
+    whose clean-up failed is still an interruption)."""
+    seen: BaseException | None = error.__context__
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return seen
+        seen = seen.__context__
+    return None
+
+
+def _within(filename: object, folder: Path) -> bool:
+    """Whether the file an ``OSError`` names lies in ``folder``."""
+    if not isinstance(filename, str | bytes | os.PathLike):
+        return False
+    return Path(os.fsdecode(filename)).absolute().is_relative_to(folder.absolute())
 
 
 class _Stop(Exception):
