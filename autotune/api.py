@@ -60,7 +60,7 @@ from autotune.hardware import (
     host_memory_bytes,
 )
 from autotune.jobs import JobResult
-from autotune.launch import Format, Launch, knob_notes, render
+from autotune.launch import Format, Launch, knob_notes, render, value_notes
 from autotune.models import ModelSpec, resolve_model
 from autotune.outputs import check_output, write_new_file
 from autotune.probe.launcher import folder_hint, new_probe_dir
@@ -1928,7 +1928,7 @@ def export(
         launch=launch,
         format=chosen,
         text=text,
-        notes=knob_notes(launch, chosen),
+        notes=knob_notes(launch, chosen) + value_notes(launch, chosen),
     )
 
 

@@ -119,6 +119,16 @@ DEFAULT_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.ADAMW_8BIT)
 """The optimizers a plan tries unless told (``--optimizer``); ``run`` searches fused AdamW
 unless told (``autotune.api.SEARCHED_KNOBS``)."""
 
+ADAMW_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+)
+"""The AdamW hyperparameters autotune writes where a format must hold values (the DeepSpeed
+JSON's optimizer block, the FSDP2 module's ``build_optimizer``), and the probes' betas, eps
+and weight decay: the Hugging Face Trainer's defaults (``TrainingArguments``' learning_rate,
+adam_beta1, adam_beta2, adam_epsilon and weight_decay), one set for every format. They change
+neither memory nor speed, which is all a probe measures: every export that writes them says
+they are the user's to set. Formats that take the trainer's own values write ``"auto"``."""
+
 OPTIMIZER_8BIT_BLOCK = 256
 """Values per fp32 scale of the 8-bit moments (torchao's and bitsandbytes' default block)."""
 OPTIMIZER_8BIT_MIN_VALUES = 4096

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.config import (
+    ADAMW_DEFAULTS,
     LORA_TARGETS,
     LOSS_CHUNK_TOKENS,
     OPTIMIZER_8BIT_BLOCK,
@@ -42,11 +43,13 @@ __all__ = [
     "deepspeed_config",
     "deepspeed_for",
     "hf_fields",
+    "hf_offloads",
     "knob_notes",
     "lora_note",
     "one_line",
     "render",
     "torchrun_args",
+    "value_notes",
 ]
 
 
@@ -75,7 +78,7 @@ def deepspeed_config(
     grad_accum: int,
     world_size: int,
     hidden_size: int,
-    lr: float = 1e-4,
+    lr: float | None = None,
     cpu: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed JSON for a configuration: what a probe starts its engine from, and what
@@ -86,7 +89,9 @@ def deepspeed_config(
     even for a small model).
 
     On the CPU, ``torch_adam`` keeps DeepSpeed from JIT-building its fused and CPU Adam ops
-    (about a minute each); on GPUs DeepSpeed's own optimizers are used, as in training.
+    (about a minute each); on GPUs DeepSpeed's own optimizers are used, as in training. The
+    optimizer's hyperparameters are :data:`~autotune.config.ADAMW_DEFAULTS` (``lr``: a probe's
+    own); no scheduler and no gradient clipping, which change neither memory nor speed.
     """
     zero: dict[str, Any] = {"stage": config.zero_stage}
     if config.zero_stage >= 1:
@@ -106,7 +111,11 @@ def deepspeed_config(
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if config.offload is Offload.PARAMS:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    optimizer_params: dict[str, Any] = {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.0}
+    optimizer_params: dict[str, Any] = {
+        **ADAMW_DEFAULTS,
+        "betas": list(ADAMW_DEFAULTS["betas"]),
+        **({} if lr is None else {"lr": lr}),
+    }
     if cpu:
         optimizer_params["torch_adam"] = True
     return {
@@ -201,12 +210,16 @@ def _comments(lines: list[str]) -> list[str]:
     return [f"# {one_line(line)}" for line in lines]
 
 
+CHUNKED_LOSS_CALL = 'autotune.probe.loss.apply_loss(model, "chunked")'
+"""The code every export gives for the chunked loss: the probe's own way (the instance's
+forward replaced before any wrapper), so DDP's all-reduce, FSDP2's gathers and DeepSpeed's
+engine see the whole loss, as they did in the probe."""
+
 _CHUNKED_LOSS = (
-    "in the training step, hidden = model.model(input_ids=input_ids).last_hidden_state; "
-    "loss = autotune.probe.loss.chunked_cross_entropy(model.lm_head, hidden, labels, "
-    f"{LOSS_CHUNK_TOKENS}) (Liger-Kernel's fused linear cross-entropy, "
-    "TrainingArguments(use_liger_kernel=True), is the GPU kernel of the same idea, not measured "
-    "by this study)"
+    f"before the trainer, DDP, fully_shard or deepspeed.initialize wraps the model, call "
+    f"{CHUNKED_LOSS_CALL}; model(input_ids=..., labels=...).loss is then the chunked loss under "
+    "any engine (Liger-Kernel's fused linear cross-entropy, TrainingArguments("
+    "use_liger_kernel=True), is the GPU kernel of the same idea, not measured by this study)"
 )
 
 
@@ -310,7 +323,7 @@ def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
             f"--format {Format(fmt).value} has no setting for compiling each decoder block: "
             f"{COMPILE_NOTE}"
         )
-    if config.act_offload:  # no trainer format has autotune's activation offload
+    if config.act_offload and not (Format(fmt) is Format.HF and hf_offloads(launch)):
         notes.append(
             f"--format {Format(fmt).value} has no setting for the activation offload autotune "
             f"measured: {ACT_OFFLOAD_NOTE}"
@@ -322,6 +335,33 @@ def knob_notes(launch: Launch, fmt: Format | str) -> list[str]:
             "with --format hf's liger_kernel_config)"
         )
     return notes
+
+
+def _adamw_defaults(*, lr: bool = True) -> str:
+    d = ADAMW_DEFAULTS
+    return (
+        f"lr {d['lr']}, " if lr else ""
+    ) + f"betas {d['betas'][0]}/{d['betas'][1]}, eps {d['eps']}, weight decay {d['weight_decay']}"
+
+
+def value_notes(launch: Launch, fmt: Format | str) -> list[str]:
+    """The values ``fmt``'s text holds that neither the user chose nor a probe measured (the
+    optimizer's hyperparameters, where the format must hold some), each with where to set the
+    user's own. ``autotune export`` prints them beside the file."""
+    chosen = Format(fmt)
+    if chosen is Format.DEEPSPEED and launch.config.engine is Engine.DEEPSPEED:
+        return [
+            "the optimizer block holds the Hugging Face Trainer's AdamW defaults "
+            f"({_adamw_defaults()}), which change neither memory nor speed: set your own there, "
+            "and add a scheduler and gradient_clipping if you train with them (none were "
+            "measured; the Trainer, given this file, fills them from its own arguments)"
+        ]
+    if chosen is Format.FSDP and launch.config.engine is Engine.FSDP:
+        return [
+            "build_optimizer's betas, eps and weight decay default to the Hugging Face "
+            f"Trainer's ({_adamw_defaults(lr=False)}): pass your own, with your lr"
+        ]
+    return []
 
 
 def render(launch: Launch, fmt: Format | str) -> str:
@@ -433,6 +473,19 @@ def _yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
 
 
+ACCELERATE_DEEPSPEED_FILE_NOTE = (
+    "these keys give accelerate's default bucket sizes and the script's optimizer; for the "
+    "measured buckets and DeepSpeed's AdamW: autotune export --format deepspeed -o "
+    "ds_config.json, then here replace deepspeed_config's keys but zero3_init_flag with "
+    "deepspeed_config_file: ds_config.json and delete mixed_precision (the JSON holds both), "
+    "and in the script build the optimizer as accelerate.utils.DummyOptim(model.parameters()) "
+    "(the JSON's optimizer block holds its values)"
+)
+"""How an accelerate YAML of a DeepSpeed configuration gets the measured DeepSpeed JSON: the
+steps accelerate itself requires (it refuses a config file beside the keys it replaces, the
+top-level mixed precision among them, and an optimizer given in both the file and the script)."""
+
+
 def _accelerate(launch: Launch) -> str:
     config = launch.config
     notes = [f"autotune: {launch.summary()}"]
@@ -462,10 +515,7 @@ def _accelerate(launch: Launch) -> str:
             "offload_param_device": "cpu" if config.offload is Offload.PARAMS else "none",
             "zero3_init_flag": stage3,
         }
-        notes.append(
-            "the measured buckets and DeepSpeed AdamW: autotune export --format deepspeed "
-            "-o ds_config.json, then deepspeed_config_file: ds_config.json in place of these keys"
-        )
+        notes.append(ACCELERATE_DEEPSPEED_FILE_NOTE)
     elif config.engine is Engine.FSDP:
         fsdp: dict[str, Any] = {
             "fsdp_version": 2,
@@ -518,6 +568,21 @@ def checkpointing_field(transformers: str | None) -> str:
     return "activation_checkpointing" if new else "gradient_checkpointing"
 
 
+def hf_offloads(launch: Launch) -> bool:
+    """Whether the ``hf`` fields carry the configuration's activation offload: with every
+    decoder block checkpointed through the model (not FSDP's wrapper), a block saves only its
+    input, which is all autotune's offload moves then, and transformers 5.23's
+    ``activation_checkpointing_kwargs={"offload": True}`` keeps it in pinned host memory."""
+    config = launch.config
+    return (
+        config.act_offload
+        and config.ac_every == 1
+        and not config.ac_ops
+        and config.engine is not Engine.FSDP
+        and checkpointing_field(launch.transformers) == "activation_checkpointing"
+    )
+
+
 HF_OPTIMIZERS = {Optimizer.ADAMW: "adamw_torch_fused", Optimizer.ADAMW_8BIT: "adamw_torch_8bit"}
 """``TrainingArguments.optim`` of each optimizer (``adamw_torch_8bit`` is torchao's
 AdamW8bit, block 256). Fused AdamW is the Trainer's default (torch 2.8 and later), so the
@@ -547,14 +612,16 @@ def hf_fields(launch: Launch, *, cpu: bool = False) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"use_reentrant": False}
         if config.ac_every > 1:
             kwargs["every_n_layers"] = config.ac_every
+        if hf_offloads(launch):
+            kwargs["offload"] = True
         fields[name] = True
         fields[f"{name}_kwargs"] = kwargs
     if config.engine is Engine.DEEPSPEED:
         ds = copy.deepcopy(deepspeed_for(launch, cpu=cpu))
         # The Trainer fills "auto" from its own arguments (learning_rate, adam_beta*,
-        # weight_decay), where a fixed value would have to match them.
+        # adam_epsilon, weight_decay), where a fixed value would have to match them.
         params = ds["optimizer"]["params"]
-        auto = {"lr": "auto", "betas": "auto", "weight_decay": "auto"}
+        auto = dict.fromkeys(ADAMW_DEFAULTS, "auto")
         ds["optimizer"]["params"] = {**auto, **{k: v for k, v in params.items() if k not in auto}}
         fields["deepspeed"] = ds
     elif config.engine is Engine.FSDP:
@@ -671,6 +738,11 @@ SAVED_OPS = {saved_ops}
 RESHARD_AFTER_FORWARD = {reshard}  # ZeRO stage {stage}
 PURE_BF16 = {pure_bf16}  # the weights themselves in bf16 (else fp32 master weights)
 OPTIMIZER = "{optimizer}"  # "adamw": torch's fused AdamW; "adamw-8bit": torchao's AdamW8bit
+# build_optimizer's defaults: the Hugging Face Trainer's (they change neither memory nor speed):
+# pass your own.
+BETAS = {betas}
+EPS = {eps}
+WEIGHT_DECAY = {weight_decay}
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -724,13 +796,21 @@ def apply_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module,
+    lr: float,
+    *,
+    betas: tuple[float, float] = BETAS,
+    eps: float = EPS,
+    weight_decay: float = WEIGHT_DECAY,
+) -> torch.optim.Optimizer:
     """The optimizer autotune measured, over the sharded parameters."""
+    values = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if OPTIMIZER == "adamw-8bit":
         from torchao.optim import AdamW8bit
 
-        return AdamW8bit(model.parameters(), lr=lr, block_size={block})
-    return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+        return AdamW8bit(model.parameters(), block_size={block}, **values)
+    return torch.optim.AdamW(model.parameters(), fused=True, **values)
 '''
 
 
@@ -752,6 +832,9 @@ def _fsdp(launch: Launch) -> str:
         pure_bf16=config.precision is Precision.BF16,
         optimizer=config.optimizer.value,
         block=OPTIMIZER_8BIT_BLOCK,
+        betas=repr(tuple(ADAMW_DEFAULTS["betas"])),
+        eps=repr(ADAMW_DEFAULTS["eps"]),
+        weight_decay=repr(ADAMW_DEFAULTS["weight_decay"]),
         # Gradients reduced in fp32, as the probe does.
         mp_args="param_dtype=torch.bfloat16, reduce_dtype=torch.float32" if mixed else "",
         offload=(

@@ -27,7 +27,15 @@ from autotune.config import (
     Precision,
     TrainConfig,
 )
-from autotune.launch import Format, Launch, deepspeed_config, hf_fields, knob_notes, render
+from autotune.launch import (
+    Format,
+    Launch,
+    checkpointing_field,
+    deepspeed_config,
+    hf_fields,
+    knob_notes,
+    render,
+)
 from autotune.models import resolve_model
 from autotune.probe.ops import op_environment
 
@@ -156,6 +164,47 @@ def test_deepspeed_export_is_what_the_probe_uses_on_gpus() -> None:
     assert "torch_adam" not in exported["optimizer"]["params"]
 
 
+def test_every_format_writes_one_set_of_optimizer_values_and_says_so(tmp_path: Path) -> None:
+    """A tuner decides memory and speed, not hyperparameters: where a format must hold AdamW's
+    values they are one documented set (the Trainer's defaults), the same in the DeepSpeed
+    JSON, the FSDP2 module's optimizer (built here) and the probes'; the Trainer's own
+    DeepSpeed config takes them from its arguments ("auto"); and the formats that write them
+    say so beside the file. (The JSON once held lr 1e-4, betas 0.9/0.95 and the FSDP2 module
+    torch's weight decay 0.01, for the same study.)"""
+    import importlib.util
+
+    import torch
+
+    from autotune.config import ADAMW_DEFAULTS
+    from autotune.launch import value_notes
+    from autotune.probe.engines.base import build_optimizer
+
+    ds = launch(DEEPSPEED_CONFIGS[0])
+    params = json.loads(render(ds, Format.DEEPSPEED))["optimizer"]["params"]
+    assert params == {**ADAMW_DEFAULTS, "betas": list(ADAMW_DEFAULTS["betas"])}
+    assert hf_fields(ds)["deepspeed"]["optimizer"]["params"] == dict.fromkeys(
+        ADAMW_DEFAULTS, "auto"
+    )
+    [note] = value_notes(ds, Format.DEEPSPEED)
+    assert "lr 5e-05, betas 0.9/0.999, eps 1e-08, weight decay 0.0" in note
+    assert "scheduler" in note and "gradient_clipping" in note
+    path = tmp_path / "fsdp_settings.py"
+    fsdp = launch(FSDP_CONFIGS[0])
+    path.write_text(render(fsdp, Format.FSDP))
+    spec = importlib.util.spec_from_file_location("fsdp_settings", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    layer = torch.nn.Linear(4, 4)
+    exported = module.build_optimizer(layer, lr=ADAMW_DEFAULTS["lr"]).param_groups[0]
+    probed = build_optimizer(layer.parameters(), Optimizer.ADAMW, ADAMW_DEFAULTS["lr"])
+    for name, value in ADAMW_DEFAULTS.items():
+        assert exported[name] == probed.param_groups[0][name] == value, name
+    assert value_notes(fsdp, Format.FSDP) and "pass your own" in value_notes(fsdp, Format.FSDP)[0]
+    for fmt in (Format.HF, Format.ACCELERATE, Format.TORCHRUN):
+        assert value_notes(ds, fmt) == []
+
+
 def _tiny(config: TrainConfig, *, grad_accum: int) -> Launch:
     """The tiny model on one rank, micro-batch 2, sequence length 16."""
     return Launch(
@@ -262,6 +311,87 @@ def test_accelerate_loads_the_yaml(config: TrainConfig, tmp_path: Path) -> None:
         assert fsdp["fsdp_reshard_after_forward"] is (config.zero_stage == 3)
         assert fsdp["fsdp_offload_params"] is (config.offload is Offload.PARAMS)
         assert fsdp["fsdp_activation_checkpointing"] is (config.ac_every == 1)
+
+
+_ACCELERATE_SCRIPT = """
+import json
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DummyOptim
+from transformers import AutoModelForCausalLM
+
+from autotune.models import resolve_model
+from autotune.probe.modeling import hf_config
+
+accelerator = Accelerator()
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(hf_config(resolve_model("tiny")))
+optimizer = DummyOptim(model.parameters())
+data = torch.utils.data.DataLoader(torch.randint(0, 256, (8, 16)), batch_size=2)
+model, optimizer, data = accelerator.prepare(model, optimizer, data)
+for ids in data:
+    with accelerator.accumulate(model):
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+print(json.dumps({
+    "engine": type(model).__name__,
+    "steps": model.global_steps,
+    "stage": model.zero_optimization_stage(),
+    "bucket": model.zero_reduce_bucket_size(),
+    "lr": model.optimizer.param_groups[0]["lr"],
+    "betas": list(model.optimizer.param_groups[0]["betas"]),
+}))
+"""
+
+
+def test_accelerate_launches_the_deepspeed_json_as_its_yaml_says(tmp_path: Path) -> None:
+    """The accelerate YAML of a DeepSpeed configuration says how to train with the measured
+    DeepSpeed JSON; those steps, done as written (keys replaced by deepspeed_config_file,
+    mixed_precision deleted, DummyOptim in the script), make ``accelerate launch`` train on
+    one CPU rank: DeepSpeed's engine at the configuration's stage, the measured bucket size
+    (accelerate's own default is 500M elements), the JSON's optimizer values, 2 steps of
+    accumulation 2. The JSON is changed as the CPU probes change it (``torch_adam``) and the
+    YAML's use_cpu set, this machine having no GPU."""
+    import yaml
+
+    from autotune.config import ADAMW_DEFAULTS
+    from autotune.launch import ACCELERATE_DEEPSPEED_FILE_NOTE
+
+    tiny = _tiny(TrainConfig(engine=Engine.DEEPSPEED, zero_stage=2), grad_accum=2)
+    text = render(tiny, Format.ACCELERATE)
+    assert ACCELERATE_DEEPSPEED_FILE_NOTE in text
+    for step in ("delete mixed_precision", "deepspeed_config_file: ds_config.json", "DummyOptim"):
+        assert step in ACCELERATE_DEEPSPEED_FILE_NOTE
+    data = yaml.safe_load(text)
+    data["deepspeed_config"] = {
+        "zero3_init_flag": data["deepspeed_config"]["zero3_init_flag"],
+        "deepspeed_config_file": "ds_config.json",
+    }
+    del data["mixed_precision"]
+    data["use_cpu"] = True
+    (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(data))
+    ds = json.loads(render(tiny, Format.DEEPSPEED))
+    ds["optimizer"]["params"]["torch_adam"] = True
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds))
+    (tmp_path / "train.py").write_text(_ACCELERATE_SCRIPT)
+    accelerate = Path(sys.executable).with_name("accelerate")
+    done = subprocess.run(
+        [str(accelerate), "launch", "--config_file", "accelerate.yaml", "train.py"],
+        cwd=tmp_path,
+        env={**op_environment(os.environ), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["engine"] == "DeepSpeedEngine" and seen["stage"] == 2
+    assert seen["steps"] == 2
+    assert seen["bucket"] == TINY.hidden_size**2 == ds["zero_optimization"]["reduce_bucket_size"]
+    assert seen["lr"] == ADAMW_DEFAULTS["lr"]
+    assert seen["betas"] == list(ADAMW_DEFAULTS["betas"])
 
 
 # ---- Hugging Face TrainingArguments ------------------------------------------------------------
@@ -485,10 +615,7 @@ def test_the_fsdp_snippet_builds_the_optimizer_measured(tmp_path: Path) -> None:
 
 # ---- Knobs a format has no setting for ----------------------------------------------------------
 
-CHUNKED_ADVICE = (
-    "hidden = model.model(input_ids=input_ids).last_hidden_state; "
-    "loss = autotune.probe.loss.chunked_cross_entropy(model.lm_head, hidden, labels, 1024)"
-)
+CHUNKED_ADVICE = 'autotune.probe.loss.apply_loss(model, "chunked")'
 
 
 @pytest.mark.parametrize("fmt", [f for f in Format if f is not Format.COMMAND])
@@ -597,7 +724,8 @@ def test_the_advice_for_op_level_checkpointing_wraps_every_block() -> None:
 
 def test_the_advice_for_the_chunked_loss_computes_the_models_loss() -> None:
     """The code every export gives for the chunked loss, run on a Hugging Face model: the
-    model's own loss, within fp32 rounding."""
+    model's own loss within fp32 rounding, also when the Trainer passes ``num_items_in_batch``
+    (the step's token count under accumulation)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -607,10 +735,108 @@ def test_the_advice_for_the_chunked_loss_computes_the_models_loss() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config(TINY))
     input_ids = labels = torch.randint(0, TINY.vocab_size, (3, 700))  # 2,100 tokens: 3 chunks
-    scope = {"model": model, "input_ids": input_ids, "labels": labels, "autotune": autotune}
-    exec(CHUNKED_ADVICE, scope)  # the advice, as a user pastes it
     expected = model(input_ids=input_ids, labels=labels).loss
-    assert scope["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+    share = model(input_ids=input_ids, labels=labels, num_items_in_batch=5000).loss
+    exec(CHUNKED_ADVICE, {"model": model, "autotune": autotune})  # as a user pastes it
+    assert model(input_ids=input_ids, labels=labels).loss.item() == pytest.approx(
+        expected.item(), rel=1e-5
+    )
+    got = model(input_ids=input_ids, labels=labels, num_items_in_batch=5000).loss
+    assert got.item() == pytest.approx(share.item(), rel=1e-5)
+
+
+_TWO_RANKS = """
+import json
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from transformers import AutoModelForCausalLM
+
+import autotune.probe.loss
+from autotune.models import resolve_model
+from autotune.probe.modeling import hf_config
+
+ADVICE = {advice!r}
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+def fresh():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(hf_config(resolve_model("tiny")))
+
+
+torch.manual_seed(1 + rank)  # each rank its own data: only a real all-reduce agrees
+ids = torch.randint(0, 256, (2, 700))
+own = fresh()(input_ids=ids, labels=ids).loss.item()
+seen = {{}}
+for engine in ("ddp", "fsdp"):
+    model = fresh()
+    exec(ADVICE, {{"model": model, "autotune": autotune}})
+    if engine == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        for block in model.model.layers:
+            fully_shard(block)
+        wrapped = fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = wrapped(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    flat = torch.cat([
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+        for p in model.parameters()
+    ])
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat)
+    seen[engine] = {{"loss": loss.item(), "flat": flat, "same": torch.equal(*both)}}
+if rank == 0:
+    print(json.dumps({{
+        "own": own,
+        "losses": {{k: v["loss"] for k, v in seen.items()}},
+        "same": {{k: v["same"] for k, v in seen.items()}},
+        "ddp_is_fsdp": torch.allclose(seen["ddp"]["flat"], seen["fsdp"]["flat"], atol=1e-5),
+        "moved": (seen["ddp"]["flat"] - torch.cat([
+            p.detach().reshape(-1) for p in fresh().parameters()
+        ])).abs().max().item(),
+    }}))
+dist.barrier()  # no rank leaves while another still talks to it
+dist.destroy_process_group()
+"""
+
+
+def test_the_advice_for_the_chunked_loss_trains_under_ddp_and_fsdp2(tmp_path: Path) -> None:
+    """The chunked-loss advice on two gloo ranks, each with its own data, before DDP and
+    before FSDP2 wrap the tiny model: the loss is the model's own, one step leaves both
+    ranks' weights equal (the gradients were all-reduced; calling the base model from the
+    training step skips DDP's hooks, and under FSDP2 mixes sharded and plain tensors), and
+    DDP and FSDP2 train the same weights."""
+    (tmp_path / "two_ranks.py").write_text(_TWO_RANKS.format(advice=CHUNKED_ADVICE))
+    env = {**op_environment(os.environ), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "two_ranks.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    for engine in ("ddp", "fsdp"):
+        assert seen["losses"][engine] == pytest.approx(seen["own"], rel=1e-5), engine
+        assert seen["same"][engine] is True, engine
+    assert seen["ddp_is_fsdp"] is True
+    assert seen["moved"] > 1e-4  # the step changed the weights
 
 
 # ---- Formats that cannot express the configuration ----------------------------------------------
@@ -918,14 +1144,17 @@ def test_a_lora_configuration_says_how_in_every_format_and_peft_builds_what_was_
 def test_activation_offload_says_how_in_every_format_and_the_trainer_runs_it(
     tmp_path: Path,
 ) -> None:
-    """No trainer format has autotune's activation offload: every format says how (the FSDP2
-    snippet and the torchrun script in their comments), and Hugging Face's Trainer, given the
-    hf fields (its own checkpointing of every block) and the note's call, trains a step with
-    each block's input, and nothing else, held on the host."""
+    """No trainer format but hf (with every block checkpointed: the next test) has autotune's
+    activation offload: every format says how (the FSDP2 snippet and the torchrun script in
+    their comments), and Hugging Face's Trainer, given its checkpointing of every block and
+    the note's call, trains a step with each block's input, and nothing else, held on the
+    host."""
     config = TrainConfig(engine=Engine.SINGLE, precision=Precision.FP32, ac_every=1)
     moved = dataclasses.replace(config, act_offload=True)
     single = launch(moved, world_size=1)
-    for fmt in (Format.HF, Format.ACCELERATE, Format.TORCHRUN):
+    assert knob_notes(single, Format.HF) == []
+    assert knob_notes(launch(dataclasses.replace(moved, ac_every=2), world_size=1), Format.HF)
+    for fmt in (Format.ACCELERATE, Format.TORCHRUN):
         [note] = knob_notes(single, fmt)
         assert note.startswith(f"--format {fmt.value} has no setting for the activation offload")
         assert knob_notes(launch(config, world_size=1), fmt) == []
@@ -936,7 +1165,8 @@ def test_activation_offload_says_how_in_every_format_and_the_trainer_runs_it(
     assert "activation offload" in render(sharded, Format.FSDP)
     call = note.split("model, call ", 1)[1].split(": each block", 1)[0]
     assert call.startswith("autotune.probe.offload.apply_activation_offload(")
-    (tmp_path / "fields.json").write_text(json.dumps({**hf_fields(single), "bf16": False}))
+    fields = {**hf_fields(dataclasses.replace(single, config=config)), "bf16": False}
+    (tmp_path / "fields.json").write_text(json.dumps(fields))
     out = run_python(
         f"""
         import json
@@ -967,6 +1197,58 @@ def test_activation_offload_says_how_in_every_format_and_the_trainer_runs_it(
     assert checkpointed is True
     # Each block's fp32 input, for the micro-batch's tokens: what the estimator moves too.
     assert held == spec.num_layers * mbs * 32 * spec.hidden_size * 4
+
+
+def test_the_hf_fields_carry_activation_offload_where_every_block_is_checkpointed(
+    tmp_path: Path,
+) -> None:
+    """With every block checkpointed through the model, the hf fields carry the offload
+    (transformers' ``activation_checkpointing_kwargs={"offload": True}``), where an older
+    transformers, FSDP's own checkpointing or every other block get the note instead. The
+    Trainer takes the fields and offloads each block's saved input through torch's
+    ``save_on_cpu`` with pinned memory: on this machine, which has no pinned-memory allocator,
+    its first step stops exactly there (on a GPU it trains)."""
+    moved = TrainConfig(engine=Engine.DDP, precision=Precision.FP32, ac_every=1, act_offload=True)
+    fields = hf_fields(launch(moved))
+    assert fields["activation_checkpointing_kwargs"] == {"use_reentrant": False, "offload": True}
+    for other in (
+        dataclasses.replace(launch(moved), transformers="5.22.0"),
+        launch(dataclasses.replace(moved, ac_every=2)),
+        launch(dataclasses.replace(moved, engine=Engine.FSDP, zero_stage=3)),
+    ):
+        kwargs = hf_fields(other).get(checkpointing_field(other.transformers) + "_kwargs", {})
+        assert "offload" not in kwargs
+        assert any("activation offload" in note for note in knob_notes(other, Format.HF))
+    (tmp_path / "fields.json").write_text(json.dumps({**fields, "bf16": False}))
+    out = run_python(
+        """
+        import json, traceback
+        import torch
+        from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+        import autotune.probe.modeling
+        from autotune.models import resolve_model
+
+        model = AutoModelForCausalLM.from_config(
+            autotune.probe.modeling.hf_config(resolve_model("tiny"))
+        )
+        ids = torch.randint(0, 256, (8, 32))
+        fields = json.load(open("fields.json"))
+        args = TrainingArguments(
+            output_dir="out", use_cpu=True, report_to=[], max_steps=1, **fields
+        )
+        try:
+            Trainer(
+                model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids]
+            ).train()
+            print(json.dumps(["trained", ""]))
+        except RuntimeError as error:
+            frames = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+            print(json.dumps([str(error), frames[-1]]))
+        """,
+        tmp_path,
+    )
+    error, where = json.loads(out.strip().splitlines()[-1])
+    assert "pin_memory" in error and where == "pack_to_cpu", (error, where)
 
 
 def test_compiled_blocks_say_how_in_every_format() -> None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autotune.config import LOSS_CHUNK_TOKENS, Loss, TrainConfig
+from autotune.config import LOSS_CHUNK_TOKENS, Loss
 
 __all__ = ["IGNORE_INDEX", "apply_loss", "chunked_cross_entropy", "fused_cross_entropy"]
 
@@ -85,28 +85,42 @@ def fused_cross_entropy(
     return fused(head.weight, hidden.reshape(-1, hidden.size(-1)), _next_tokens(labels))
 
 
-def apply_loss(model: nn.Module, config: TrainConfig) -> None:
-    """Make ``model(input_ids=..., labels=...).loss`` the loss ``config`` names.
+def apply_loss(model: nn.Module, loss: Loss | str) -> None:
+    """Make ``model(input_ids=..., labels=...).loss`` the loss ``loss`` names (``"full"``,
+    ``"chunked"`` or ``"fused"``): the probe's way, and the way every export tells users.
 
     The full loss is the model's own forward. The chunked and fused ones replace this
     instance's forward (not its class's) with the base model, then :func:`chunked_cross_entropy`
-    or :func:`fused_cross_entropy` through the model's output layer: the engines' wrappers and
-    hooks (DDP, FSDP2, DeepSpeed) call the instance's forward, so they see the same module.
+    or :func:`fused_cross_entropy` through the model's output layer. Called before the model is
+    wrapped, the engines' wrappers and hooks (DDP's gradient all-reduce, FSDP2's gathers,
+    DeepSpeed's engine) call the instance's forward and so see the whole loss; calling the base
+    model and the output layer from the training step instead would go around them.
+
+    A ``num_items_in_batch`` keyword (the Hugging Face Trainer's, under accumulation) divides
+    the summed loss, as the model's own loss does with it.
+
+    Raises:
+        ValueError: For a name that is not a loss.
     """
-    if config.loss is Loss.FULL:
+    chosen = Loss(loss)
+    if chosen is Loss.FULL:
         return
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     base: nn.Module = model.base_model  # type: ignore[assignment]
     head: nn.Module = model.get_output_embeddings()  # type: ignore[operator]
-    fused = config.loss is Loss.FUSED
+    fused = chosen is Loss.FUSED
 
     def forward(input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
+        items = kwargs.pop("num_items_in_batch", None)
         hidden = base(input_ids=input_ids, **kwargs).last_hidden_state
         if fused:
-            loss = fused_cross_entropy(head, hidden, labels)
+            value = fused_cross_entropy(head, hidden, labels)
         else:
-            loss = chunked_cross_entropy(head, hidden, labels, LOSS_CHUNK_TOKENS)
-        return CausalLMOutputWithPast(loss=loss)
+            value = chunked_cross_entropy(head, hidden, labels, LOSS_CHUNK_TOKENS)
+        if items is not None:  # the mean over this micro-batch, made a share of the step's
+            counted = (_next_tokens(labels) != IGNORE_INDEX).sum().clamp(min=1)
+            value = value * counted / torch.as_tensor(items, device=value.device)
+        return CausalLMOutputWithPast(loss=value)
 
     model.forward = forward

@@ -72,7 +72,7 @@ def build_model(
             apply_lora(model, config.lora_rank)
     model.config.use_cache = False
     model.train()
-    apply_loss(model, config)
+    apply_loss(model, config.loss)
     if checkpointing:
         apply_activation_checkpointing(model, config.ac_every, config.ac_ops)
     if config.act_offload:

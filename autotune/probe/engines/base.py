@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autotune.config import OPTIMIZER_8BIT_BLOCK, Optimizer, Precision, TrainConfig
+from autotune.config import ADAMW_DEFAULTS, OPTIMIZER_8BIT_BLOCK, Optimizer, Precision, TrainConfig
 from autotune.models import ModelSpec
 from autotune.probe.memory import compiled_region
 
@@ -109,14 +109,16 @@ def build_optimizer(
     Fused AdamW is one kernel per parameter group and no temporaries, what launchers use by
     default (Hugging Face Trainer's ``adamw_torch_fused``), on CUDA and on the CPU alike.
     torchao's AdamW8bit (Hugging Face's ``adamw_torch_8bit``) steps each tensor in a kernel
-    torch.compile makes at its first step (one per shape: part of the probe's warm-up).
+    torch.compile makes at its first step (one per shape: part of the probe's warm-up). Betas,
+    eps and weight decay are every export's (:data:`~autotune.config.ADAMW_DEFAULTS`).
     """
+    values = {k: v for k, v in ADAMW_DEFAULTS.items() if k != "lr"}
     if optimizer is Optimizer.ADAMW_8BIT:
         logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only kernels, on a CPU
         from torchao.optim import AdamW8bit
 
-        return AdamW8bit(params, lr=lr, block_size=OPTIMIZER_8BIT_BLOCK)
-    return torch.optim.AdamW(params, lr=lr, fused=True)
+        return AdamW8bit(params, lr=lr, block_size=OPTIMIZER_8BIT_BLOCK, **values)
+    return torch.optim.AdamW(params, lr=lr, fused=True, **values)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
