@@ -83,6 +83,7 @@ from autotune.rlhf import (
 from autotune.rlhf_launch import RLFormat, RLHFLaunch, render_rlhf
 from autotune.script import (
     FRAMEWORK_ENGINES,
+    KNOB_FLAGS,
     Framework,
     ScriptJob,
     check_engines,
@@ -964,6 +965,8 @@ def _prepare(
     framework: str | None = None,
     script_args: Sequence[str] = (),
     batch_flag: str | None = None,
+    accum_flag: str | None = None,
+    checkpointing_flag: str | None = None,
     losses: str | Iterable[Loss | str] | None = None,
     op_checkpointing: bool = False,
     optimizers: str | Iterable[Optimizer | str] | None = None,
@@ -972,7 +975,14 @@ def _prepare(
     check_only: bool = False,
 ) -> Tuning | None:
     """:func:`prepare`, or with ``check_only`` :func:`_check` (None)."""
-    job = _script_job(script, framework, script_args, batch_flag, simulate=simulate, device=device)
+    job = _script_job(
+        script,
+        framework,
+        script_args,
+        (batch_flag, accum_flag, checkpointing_flag),
+        simulate=simulate,
+        device=device,
+    )
     asked = (parse_losses(losses), op_checkpointing, parse_optimizers(optimizers))
     # A script's own loss and optimizer, before anything opens.
     _knobs(job, *asked, "simulated", lora_rank=lora_rank, activation_offload=activation_offload)
@@ -1026,6 +1036,7 @@ def _prepare(
             optimizers=tuple(x for x in knobs.optimizers if x in recorded.optimizers)
             or (Optimizer.ADAMW,),
             activation_offload=knobs.activation_offload and recorded.activation_offload,
+            block_patterns=knobs.block_patterns,
         )
     if job is not None and job.framework is Framework.ACCELERATE and on_cpu and per_node > 1:
         raise ConfigError(
@@ -1124,19 +1135,21 @@ def _script_job(
     script: str | Path | None,
     framework: str | None,
     args: Sequence[str],
-    batch_flag: str | None,
+    flags: tuple[str | None, str | None, str | None],
     *,
     simulate: str | None,
     device: str | Device,
 ) -> ScriptJob | None:
-    """The user's training job a run probes, checked (None: autotune's stand-in)."""
+    """The user's training job a run probes, checked (None: autotune's stand-in); ``flags``:
+    the script's own for the micro-batch, the accumulation and checkpointing."""
     if script is None:
-        if framework is not None or args or batch_flag is not None:
+        named = [KNOB_FLAGS[k][0] for k, f in zip(KNOB_FLAGS, flags, strict=True) if f]
+        if framework is not None or args or named:
             what = (
                 "--framework"
                 if framework is not None
-                else "--batch-flag"
-                if batch_flag is not None
+                else named[0]
+                if named
                 else "arguments after --"
             )
             raise ConfigError(f"{what} without --script: name your training script")
@@ -1146,7 +1159,10 @@ def _script_job(
         raise ConfigError(f"--script needs --framework: {choices}")
     if simulate is not None or not isinstance(device, str):
         raise ConfigError("--script probes your job for real: leave out --simulate")
-    return ScriptJob.read(script, framework, args, batch_flag)
+    batch, accum, checkpointing = flags
+    return ScriptJob.read(
+        script, framework, args, batch, accum_flag=accum, checkpointing_flag=checkpointing
+    )
 
 
 def _script_model(job: ScriptJob) -> str:
@@ -1218,7 +1234,8 @@ def _knobs(
                 "own model: leave out --act-offload with --script (TRL's SFTConfig takes "
                 "activation_offloading=True)"
             )
-        return LADDER_ONLY
+        # A script's own checkpointing switch: every block or none.
+        return dataclasses.replace(LADDER_ONLY, block_patterns=job.checkpointing_flag is None)
     losses = losses or SEARCHED_KNOBS.losses
     optimizers = optimizers or SEARCHED_KNOBS.optimizers
     if Loss.FUSED in losses and device == "cpu":
@@ -1500,12 +1517,13 @@ def tune(
             probes span: default all of the Slurm allocation the run is in, else 1) and
             ``hosts`` (their names, ``"this-host,node2"``, reached by ``ssh``); ``gpus`` is
             then the GPUs in all, split evenly over the nodes. ``script``, ``framework``
-            (``hf``, ``accelerate`` or ``torchrun``), ``script_args`` and ``batch_flag``: probe
-            the user's own training script instead of autotune's stand-in
-            (docs/jobs.md). ``losses``, ``op_checkpointing``, ``optimizers``,
-            ``activation_offload``: the knobs beyond the ladder to search; ``lora_rank``:
-            LoRA allowed at that rank, searched once no full fine-tuning configuration is left
-            that may fit (None: not allowed).
+            (``hf``, ``accelerate`` or ``torchrun``), ``script_args`` and the script's own
+            flags for the knobs (``batch_flag``, ``accum_flag``, ``checkpointing_flag``): probe
+            the user's own training script instead of autotune's stand-in (docs/jobs.md).
+            ``losses``, ``op_checkpointing``, ``optimizers``, ``activation_offload``: the
+            knobs beyond the ladder to search; ``lora_rank``: LoRA allowed at that rank,
+            searched once no full fine-tuning configuration is left that may fit (None: not
+            allowed).
 
     Returns:
         Why the search stopped, the best measurement and every measurement of the study.
@@ -1708,6 +1726,8 @@ def probe(
     framework: str | None = None,
     script_args: Sequence[str] = (),
     batch_flag: str | None = None,
+    accum_flag: str | None = None,
+    checkpointing_flag: str | None = None,
     rlhf: RLHFProbe | None = None,
 ) -> ProbeResult:
     """Run a few real training steps of one configuration at each micro-batch size.
@@ -1734,7 +1754,8 @@ def probe(
         host_memory: Host memory of a node for the job (``"125GiB"``); default: what this
             node gives it. A probe predicted to need more is refused before it starts (the
             kernel's OOM killer would end it as ``host_oom``, minutes later).
-        script, framework, script_args, batch_flag: Probe the user's own training script
+        script, framework, script_args, batch_flag, accum_flag, checkpointing_flag: Probe the
+            user's own training script
             (as :func:`tune` does), each size a run of its own.
         rlhf: Each step an RL iteration instead (``model`` the policy): the other models
             built beside it, the rollout engine's share held as allocated memory (an
@@ -1744,7 +1765,14 @@ def probe(
     Raises:
         NothingFits: The probe is predicted to need more host memory than the node has.
     """
-    job = _script_job(script, framework, script_args, batch_flag, simulate=None, device=device)
+    job = _script_job(
+        script,
+        framework,
+        script_args,
+        (batch_flag, accum_flag, checkpointing_flag),
+        simulate=None,
+        device=device,
+    )
     if job is not None:
         model = model or _script_model(job)
         check_engines(job, [(config or TrainConfig()).engine])

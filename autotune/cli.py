@@ -150,6 +150,22 @@ BatchFlagOption = Annotated[
         show_default=False,
     ),
 ]
+AccumFlagOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The script's own flag for micro-steps per optimizer step, e.g. --grad-accum "
+        "(accelerate and torchrun scripts).",
+        show_default=False,
+    ),
+]
+CheckpointingFlagOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The script's own switch that checkpoints every decoder block, e.g. "
+        "--activation-checkpointing (given or left out; every k-th block is then not tried).",
+        show_default=False,
+    ),
+]
 ScriptArgs = Annotated[
     list[str] | None,
     typer.Argument(
@@ -425,6 +441,8 @@ def probe(
     script: ScriptOption = None,
     framework: FrameworkOption = None,
     batch_flag: BatchFlagOption = None,
+    accum_flag: AccumFlagOption = None,
+    checkpointing_flag: CheckpointingFlagOption = None,
     script_args: ScriptArgs = None,
     rlhf: RlhfOption = None,
     rollout_share: RolloutShareOption = None,
@@ -484,12 +502,17 @@ def probe(
         return done
 
     job: dict[str, Any] = {}
-    if script is not None or framework is not None or script_args or batch_flag is not None:
+    flags = {
+        "batch_flag": batch_flag,
+        "accum_flag": accum_flag,
+        "checkpointing_flag": checkpointing_flag,
+    }
+    if script is not None or framework is not None or script_args or any(flags.values()):
         job = {
             "script": script,
             "framework": framework,
             "script_args": script_args or (),
-            "batch_flag": batch_flag,
+            **flags,
         }
     elif model is None:
         model = "tiny"
@@ -928,6 +951,8 @@ def run(
     script: ScriptOption = None,
     framework: FrameworkOption = None,
     batch_flag: BatchFlagOption = None,
+    accum_flag: AccumFlagOption = None,
+    checkpointing_flag: CheckpointingFlagOption = None,
     script_args: ScriptArgs = None,
     rlhf: RlhfOption = None,
     rollout_share: RolloutShareOption = None,
@@ -1024,7 +1049,8 @@ def run(
     if jobs is not None:
         if model is not None:
             raise UsageError("--model and --jobs: name each workload's model in the job file")
-        if script is not None or framework is not None or script_args or batch_flag:
+        own_flags = batch_flag or accum_flag or checkpointing_flag
+        if script is not None or framework is not None or script_args or own_flags:
             raise UsageError("--script and --jobs: name each workload's script in the job file")
         _run_jobs(jobs, max_age=max_age, json_output=json_output, **options)
     if max_age is not None:
@@ -1034,13 +1060,13 @@ def run(
     options["op_checkpointing"] = options.pop("ac_ops") is True
     options["activation_offload"] = options.pop("act_offload") is True
     options["optimizers"] = options.pop("optimizer")
-    if script is not None or framework is not None or script_args or batch_flag is not None:
-        options.update(
-            script=script,
-            framework=framework,
-            script_args=script_args or (),
-            batch_flag=batch_flag,
-        )
+    flags = {
+        "batch_flag": batch_flag,
+        "accum_flag": accum_flag,
+        "checkpointing_flag": checkpointing_flag,
+    }
+    if script is not None or framework is not None or script_args or any(flags.values()):
+        options.update(script=script, framework=framework, script_args=script_args or (), **flags)
     elif model is None:
         model = "llama-7b"
     tuning = api.prepare(model, **options)

@@ -558,6 +558,9 @@ class Knobs:
     ones that fit."""
     activation_offload: bool = True
     """Activation offload (``act:host``) beside each configuration it is valid with."""
+    block_patterns: bool = True
+    """Checkpointing every 4th and every 2nd block as rungs between none and every block
+    (False: a user's script whose own switch checkpoints every block or none)."""
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0:

@@ -90,6 +90,8 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "framework": (str,),
     "args": (list,),
     "batch_flag": (str,),
+    "accum_flag": (str,),
+    "checkpointing_flag": (str,),
 }
 """The fields a workload may set (``autotune run``'s options) and the YAML types each takes."""
 
@@ -221,8 +223,9 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
             own[key] = _checked(key, value, at)
         if "model" not in own:
             raise ConfigError(f"{where}: no model: every workload names its model")
-        if ("framework" in own or "args" in own or "batch_flag" in own) and "script" not in own:
-            raise ConfigError(f"{where}: framework, args and batch_flag go with a script:")
+        script_fields = ("framework", "args", "batch_flag", "accum_flag", "checkpointing_flag")
+        if any(name in own for name in script_fields) and "script" not in own:
+            raise ConfigError(f"{where}: {', '.join(script_fields)} go with a script:")
         if "script" in own:
             if "framework" not in own:
                 choices = " or ".join(f.value for f in Framework)
@@ -233,6 +236,8 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
                     own["framework"],
                     own.get("args") or (),
                     own.get("batch_flag"),
+                    accum_flag=own.get("accum_flag"),
+                    checkpointing_flag=own.get("checkpointing_flag"),
                 )
             except ConfigError as error:
                 raise ConfigError(f"{where}: {error}") from None

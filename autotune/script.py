@@ -41,6 +41,7 @@ from autotune.launch import (
 __all__ = [
     "FRAMEWORK_ENGINES",
     "JOB_CONFIG_ENV",
+    "KNOB_FLAGS",
     "Framework",
     "JobCommand",
     "JobConfig",
@@ -254,6 +255,19 @@ def _shell_references(text: str) -> str:
     return _REFERENCE_IN_SHELL.sub(reference, text)
 
 
+KNOB_FLAGS: Mapping[str, tuple[str, str, str]] = {
+    "batch": ("--batch-flag", "--batch-size", "--per_device_train_batch_size"),
+    "accum": ("--accum-flag", "--grad-accum", "--gradient_accumulation_steps"),
+    "checkpointing": (
+        "--checkpointing-flag",
+        "--activation-checkpointing",
+        "--activation_checkpointing",
+    ),
+}
+"""Each knob a script's own flag may carry: autotune's option that names the flag, an
+example, and the Trainer's field for it (the Trainer's flags are known)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScriptJob:
     """The user's training script, its framework and its own arguments."""
@@ -269,6 +283,15 @@ class ScriptJob:
     """The script's own flag for the per-rank micro-batch (``--batch-size``), which the
     accelerate and torchrun adapters set; None: the script reads ``autotune.job_config()``
     (the Trainer's flags are known)."""
+    accum_flag: str | None = None
+    """The script's own flag for the micro-steps per optimizer step (``--grad-accum``), set
+    as the batch flag is; None: the script reads ``autotune.job_config()`` (or, under
+    accelerate, accelerate's own setting)."""
+    checkpointing_flag: str | None = None
+    """The script's own switch that checkpoints every decoder block (argparse's
+    ``store_true``, ``--activation-checkpointing``): given where a configuration checkpoints,
+    left out (with any ``--no-`` form) where it does not. A switch has no every-k-th-block
+    setting, so those configurations are not tried."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "framework", Framework(self.framework))
@@ -281,9 +304,13 @@ class ScriptJob:
         framework: Framework | str,
         args: Sequence[str] = (),
         batch_flag: str | None = None,
+        *,
+        accum_flag: str | None = None,
+        checkpointing_flag: str | None = None,
     ) -> ScriptJob:
-        """The job of the script at ``path``, checked: it exists and is a Python file, and
-        ``framework`` is one autotune has an adapter for."""
+        """The job of the script at ``path``, checked: it exists and is a Python file,
+        ``framework`` is one autotune has an adapter for, and each flag named for a knob is a
+        flag, one knob's only, of a framework whose flags autotune does not know already."""
         script = Path(path).expanduser()
         if not script.is_file():
             raise ConfigError(
@@ -303,15 +330,26 @@ class ScriptJob:
             raise ConfigError(
                 f"the script {path} cannot be read ({error.strerror}): check its permissions"
             ) from None
-        if batch_flag is not None and not re.fullmatch(r"--?[A-Za-z][\w.-]*", batch_flag):
+        given = {"batch": batch_flag, "accum": accum_flag, "checkpointing": checkpointing_flag}
+        for knob, flag in given.items():
+            if flag is None:
+                continue
+            option, example, trainer = KNOB_FLAGS[knob]
+            if not re.fullmatch(r"--?[A-Za-z][\w.-]*", flag):
+                raise ConfigError(
+                    f"{option} {flag!r} is not a flag: name the script's own, like "
+                    f"{option} {example}"
+                )
+            if kind is Framework.HF:
+                raise ConfigError(
+                    f"{option} with --framework hf: the Trainer's {trainer} is set already; "
+                    "leave it out"
+                )
+        named = [flag for flag in given.values() if flag is not None]
+        if len(set(named)) < len(named):
             raise ConfigError(
-                f"--batch-flag {batch_flag!r} is not a flag: name the script's own, like "
-                "--batch-flag --batch-size"
-            )
-        if batch_flag is not None and kind is Framework.HF:
-            raise ConfigError(
-                "--batch-flag with --framework hf: the Trainer's --per_device_train_batch_size "
-                "is set already; leave it out"
+                "one flag named for two knobs (--batch-flag, --accum-flag, "
+                "--checkpointing-flag): name each knob's own flag"
             )
         return cls(
             framework=kind,
@@ -319,6 +357,8 @@ class ScriptJob:
             args=tuple(args),
             sha256=digest,
             batch_flag=batch_flag,
+            accum_flag=accum_flag,
+            checkpointing_flag=checkpointing_flag,
         )
 
     @property
@@ -331,7 +371,9 @@ class ScriptJob:
         """Short and stable: ``train.py@hf:1a2b3c4d``, the last part a hash of the script's
         content and its arguments as stored, secrets masked (the study's name carries it:
         another script, or other arguments, are another study; another password is not)."""
-        parts = (self.sha256, self.batch_flag or "", *masked_args(self.args))
+        parts: tuple[str, ...] = (self.sha256, self.batch_flag or "", *masked_args(self.args))
+        if self.accum_flag or self.checkpointing_flag:  # a job without them keeps its key
+            parts += ("", self.accum_flag or "", self.checkpointing_flag or "")
         identity = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         return f"{self.name}@{self.framework.value}:{identity[:8]}"
 
@@ -345,6 +387,8 @@ class ScriptJob:
             "args": list(masked_args(self.args)),
             "sha256": self.sha256,
             "batch_flag": self.batch_flag,
+            "accum_flag": self.accum_flag,
+            "checkpointing_flag": self.checkpointing_flag,
         }
 
     def for_shell(self) -> ScriptJob:
@@ -368,6 +412,8 @@ class ScriptJob:
             args=tuple(data.get("args") or ()),
             sha256=str(data.get("sha256") or ""),
             batch_flag=data.get("batch_flag"),
+            accum_flag=data.get("accum_flag"),
+            checkpointing_flag=data.get("checkpointing_flag"),
         )
 
 
@@ -592,11 +638,27 @@ JOB_CONFIG_FILE = "autotune-job.json"
 
 
 def _script_args(job: ScriptJob, launch: Launch) -> tuple[str, ...]:
-    """The script's arguments, its micro-batch flag (if named) set to the launch's."""
-    if job.batch_flag is None:
-        return job.args
-    kept = _without(job.args, job.batch_flag)
-    return (*kept, job.batch_flag, str(launch.micro_batch_size))
+    """The script's arguments, its own flags for the micro-batch, the accumulation and
+    checkpointing (those named) set to the launch's: the user's values of them replaced."""
+    values = {job.batch_flag: launch.micro_batch_size, job.accum_flag: launch.grad_accum}
+    kept = list(job.args)
+    for flag in values:
+        if flag is not None:
+            kept = _without(kept, flag)
+    switch = job.checkpointing_flag
+    if switch is not None:
+        if launch.config.ac_every > 1:
+            raise ConfigError(
+                f"{launch.config.label()} checkpoints every {launch.config.ac_every}-th block, "
+                f"and the script's {switch} checkpoints every block or none: tune it anew, or "
+                "let the script read autotune.job_config() in place of --checkpointing-flag"
+            )
+        negated = "--no-" + switch.lstrip("-")
+        kept = [arg for arg in kept if arg.split("=", 1)[0] not in (switch, negated)]
+    added = [part for flag, value in values.items() if flag for part in (flag, str(value))]
+    if switch is not None and launch.config.ac_every == 1:
+        added.append(switch)
+    return (*kept, *added)
 
 
 def _without(args: Sequence[str], flag: str) -> list[str]:
@@ -617,10 +679,11 @@ def _torchrun_command(
     job: ScriptJob, launch: Launch, max_steps: int | None, cpu: bool
 ) -> JobCommand:
     config = _job_config(launch, max_steps, cpu)
+    own = [f for f in (job.batch_flag, job.accum_flag, job.checkpointing_flag) if f]
     how = (
-        f"the script takes its micro-batch from {job.batch_flag}, the rest of the "
+        f"the script takes {', '.join(own)} from its own flags, the rest of the "
         "configuration from autotune.job_config()"
-        if job.batch_flag
+        if own
         else "the script applies the configuration it reads with autotune.job_config()"
     )
     return JobCommand(

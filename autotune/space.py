@@ -148,7 +148,9 @@ def configurations(
     for engine, stage, where in _sharding(world_size):
         if engine not in allowed or (where is not Offload.NONE and not offload):
             continue
-        checkpointing = [(ac, False) for ac in ac_options(num_layers)]
+        checkpointing = [
+            (ac, False) for ac in ac_options(num_layers) if knobs.block_patterns or ac in (0, 1)
+        ]
         if knobs.op_checkpointing:
             checkpointing.insert(1, (0, True))
         # Activation offload (on the CPU, to an emulated host pool the probe counts apart).

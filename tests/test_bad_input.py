@@ -316,6 +316,22 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         "--batch-flag 'bs' is not a flag",
     ),
     (("run", *CPU, "--batch-flag", "--bs"), "--batch-flag without --script"),
+    (("run", *CPU, "--checkpointing-flag", "--ac"), "--checkpointing-flag without --script"),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "torchrun", "--accum-flag", "ga"),
+        "--accum-flag 'ga' is not a flag",
+    ),
+    (
+        (
+            *("probe", "--device", "cpu", "--script", "train.py", "--framework", "torchrun"),
+            *("--accum-flag", "--x", "--checkpointing-flag", "--x"),
+        ),
+        "one flag named for two knobs",
+    ),
+    (
+        ("run", *CPU, "--script", "train.py", "--framework", "hf", "--accum-flag", "--ga"),
+        "--accum-flag with --framework hf: the Trainer's --gradient_accumulation_steps",
+    ),
     (("probe", "--device", "cpu", "--framework", "hf"), "--framework without --script"),
     (
         ("probe", "--device", "cpu", "--script", "train.py", "--framework", "hf"),

@@ -1,0 +1,121 @@
+"""A script's own flags for the knobs (``--batch-flag``, ``--accum-flag``,
+``--checkpointing-flag``): a job written without autotune in mind, tuned unedited (their bad
+input: tests/test_bad_input.py).
+
+``examples/train_torchrun_plain.py`` takes its micro-batch, accumulation and checkpointing from
+flags of its own and imports nothing of autotune. Probed with its flags named, the measurement
+layer (which checks the batches fed, the micro-steps per optimizer step and the checkpointed
+blocks against what autotune asked) finds it training as asked; the same probe without the
+flags is refused with the layer's one line, as the script then trains its defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotune.config import ConfigError, Engine, Knobs, TrainConfig
+from autotune.launch import Launch
+from autotune.models import resolve_model
+from autotune.probe.forkserver import ForkServer
+from autotune.probe.outcome import Outcome
+from autotune.probe.scriptprobe import launch_script_probe
+from autotune.probe.spec import ProbeSpec
+from autotune.script import ScriptJob, job_command
+from autotune.space import configurations
+
+PLAIN = Path(__file__).resolve().parents[2] / "examples" / "train_torchrun_plain.py"
+FLAGS = {
+    "batch_flag": "--batch-size",
+    "accum_flag": "--grad-accum",
+    "checkpointing_flag": "--activation-checkpointing",
+}
+
+
+def _launch(config: TrainConfig, *, micro_batch: int = 2, accum: int = 3) -> Launch:
+    return Launch(
+        model="tiny",
+        hidden_size=64,
+        config=config,
+        micro_batch_size=micro_batch,
+        grad_accum=accum,
+        world_size=2,
+        seq_len=64,
+    )
+
+
+def test_the_scripts_own_flags_carry_the_configuration() -> None:
+    """The user's own values of the named flags are replaced (``--flag v``, ``--flag=v``, a
+    switch and its ``--no-`` form), the others kept as given; the switch is given exactly
+    where every block is checkpointed, and a configuration it cannot express is refused."""
+    user = (
+        "--model", "m", "--batch-size", "8", "--grad-accum=4", "--no-activation-checkpointing",
+        "--lr", "3e-4",
+    )  # fmt: skip
+    job = ScriptJob.read(PLAIN, "torchrun", user, **FLAGS)
+    every = job_command(job, _launch(TrainConfig(engine=Engine.DDP, ac_every=1))).target
+    assert every[1:] == (
+        "--model", "m", "--lr", "3e-4", "--batch-size", "2", "--grad-accum", "3",
+        "--activation-checkpointing",
+    )  # fmt: skip
+    off = job_command(job, _launch(TrainConfig(engine=Engine.DDP))).target
+    assert "--activation-checkpointing" not in off and "--no-activation-checkpointing" not in off
+    with pytest.raises(ConfigError, match="checkpoints every block or none"):
+        job_command(job, _launch(TrainConfig(engine=Engine.DDP, ac_every=2)))
+    text = json.dumps(job.to_dict())
+    assert ScriptJob.from_dict(json.loads(text)) == job
+    # A job without the new flags keeps the key (and so the study) it had.
+    old = ScriptJob.read(PLAIN, "torchrun", user, batch_flag="--batch-size")
+    assert old.key != job.key
+    assert old.key == ScriptJob.from_dict({**old.to_dict(), "accum_flag": None}).key
+
+
+def test_a_checkpointing_switch_leaves_every_kth_block_out_of_the_space() -> None:
+    layers = resolve_model("tiny").num_layers + 4  # room for every 2nd and 4th
+    tried = {c.ac_every for c in configurations(world_size=2, num_layers=layers)}
+    assert tried == {0, 1, 2, 4}
+    switch = {
+        c.ac_every
+        for c in configurations(world_size=2, num_layers=layers, knobs=Knobs(block_patterns=False))
+    }
+    assert switch == {0, 1}
+
+
+@pytest.mark.slow
+def test_an_unedited_script_is_probed_through_its_own_flags(
+    tmp_path: Path, fork_server: ForkServer
+) -> None:
+    """Two DDP ranks at micro-batch 2, accumulation 2, every block checkpointed: with its
+    flags named the layer measures it; without, it trains its defaults (4 sequences, no
+    accumulation, no checkpointing) and the probe says so in one line instead of recording
+    an OOM or a speed."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(resolve_model("tiny").config)))
+    args = ("--model", str(model), "--seq-len", "64", "--batch-size", "4")
+
+    def probe(job: ScriptJob, name: str) -> object:
+        spec = ProbeSpec(
+            model=str(model),
+            script=job,
+            config=TrainConfig(engine=Engine.DDP, ac_every=1),
+            micro_batch_sizes=(2,),
+            grad_accum=2,
+            seq_len=64,
+            num_processes=2,
+            device="cpu",
+            warmup_steps=1,
+            timed_steps=2,
+            timeout_s=300.0,
+        )
+        return launch_script_probe(spec, tmp_path / name, warm=fork_server)
+
+    result = probe(ScriptJob.read(PLAIN, "torchrun", args, **FLAGS), "flagged")
+    assert result.outcome is Outcome.OK, result.message
+    (size,) = result.sizes
+    assert size.extra["checkpointed_blocks"] == resolve_model("tiny").num_layers
+    result = probe(ScriptJob.read(PLAIN, "torchrun", args), "unflagged")
+    assert result.outcome is Outcome.ERROR
+    assert "where autotune asked for" in result.message, result.message
