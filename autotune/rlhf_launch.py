@@ -30,9 +30,10 @@ class RLFormat(enum.StrEnum):
     TRL = "trl"
     """Keyword arguments of ``trl.GRPOConfig``, as JSON (GRPO only: TRL has no PPO trainer)."""
     OPENRLHF = "openrlhf"
-    """The flags of OpenRLHF's ``openrlhf.cli.train_ppo_ray`` (PPO, or GRPO's group norm)."""
+    """The flags of OpenRLHF 0.11's ``openrlhf.cli.train_ppo_ray`` (PPO, or GRPO's group
+    norm)."""
     VERL = "verl"
-    """Hydra overrides of verl's ``verl.trainer.main_ppo``."""
+    """Hydra overrides of verl 0.9's ``verl.trainer.main_ppo``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,6 +75,11 @@ class RLHFLaunch:
         8 (TRL's default), at least 2. The group is the user's recipe: its size must divide
         the batch."""
         return max((g for g in range(2, 9) if self.rollout_batch % g == 0), default=2)
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Responses generated for each prompt: GRPO's group, one for PPO."""
+        return self.group if self.algorithm is Algorithm.GRPO else 1
 
 
 def render_rlhf(launch: RLHFLaunch, fmt: RLFormat | str) -> tuple[str, list[str]]:
@@ -138,41 +144,84 @@ def _trl(launch: RLHFLaunch) -> tuple[str, list[str]]:
     return json.dumps(trl_fields(launch), indent=2) + "\n", notes
 
 
+OPENRLHF_VERSION = "0.11"
+"""The OpenRLHF release whose flags ``--format openrlhf`` writes (its flags are dotted by role:
+``--actor.model_name_or_path``, ``--train.colocate_all``...; releases before 0.11 read others)."""
+VERL_VERSION = "0.9"
+"""The verl release whose configuration keys ``--format verl`` writes."""
+
+
+def _prompts(launch: RLHFLaunch, framework: str) -> int:
+    """The rollout batch in prompts, as OpenRLHF and verl count it: the sequences over the
+    samples per prompt.
+
+    Raises:
+        ConfigError: The sequences are not a whole number of prompts.
+    """
+    samples = launch.samples_per_prompt
+    if launch.rollout_batch % samples:
+        raise ConfigError(
+            f"{framework} counts its rollout batch in prompts of {samples} samples each, and the "
+            f"study's rollout batch of {launch.rollout_batch} sequences is not a multiple of "
+            f"{samples}: run autotune run --rlhf {launch.algorithm.value} again with a "
+            "--rollout-batch that is a multiple of 2 to 8 (the samples per prompt)"
+        )
+    return launch.rollout_batch // samples
+
+
 def openrlhf_args(launch: RLHFLaunch) -> list[str]:
-    """The ``python -m openrlhf.cli.train_ppo_ray`` command line for ``launch``, hybrid engine
-    (every model and vLLM colocated)."""
+    """The ``python -m openrlhf.cli.train_ppo_ray`` command line (OpenRLHF 0.11) for
+    ``launch``: the hybrid engine, every model and vLLM colocated on the same GPUs, one vLLM
+    engine a GPU; one optimizer step of the rollout's sequences.
+
+    Raises:
+        ConfigError: The rollout batch is not a whole number of prompts.
+    """
     config = launch.config
+    gpus = str(launch.world_size)
     args = [
         "python", "-m", "openrlhf.cli.train_ppo_ray",
-        *_flag("--pretrain", launch.policy),
-        "--colocate_all_models",
-        "--vllm_num_engines", str(launch.world_size),
-        "--vllm_tensor_parallel_size", "1",
-        "--vllm_gpu_memory_utilization", f"{launch.share:g}",
-        "--zero_stage", str(config.zero_stage if config.engine is Engine.DEEPSPEED else 3),
-        "--micro_train_batch_size", str(launch.micro_batch_size),
-        "--train_batch_size", str(launch.rollout_batch),
-        "--micro_rollout_batch_size", str(launch.micro_batch_size),
-        "--rollout_batch_size", str(launch.rollout_batch),
-        "--prompt_max_len", str(launch.seq_len - launch.response_len),
-        "--generate_max_len", str(launch.response_len),
+        *_flag("--actor.model_name_or_path", launch.policy),
+        "--actor.num_nodes", "1", "--actor.num_gpus_per_node", gpus,
     ]  # fmt: skip
-    if launch.reward:
-        args += _flag("--reward_pretrain", launch.reward)
+    if launch.reference:
+        # Loaded while the KL coefficient is above 0 (its default): on the actor's GPUs.
+        args += ["--ref.num_nodes", "1", "--ref.num_gpus_per_node", gpus]
+    else:
+        args += ["--algo.kl.init_coef", "0"]
     if launch.critic:
-        args += _flag("--critic_pretrain", launch.critic)
-    if launch.algorithm is Algorithm.GRPO:
-        args += ["--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(launch.group)]
-    if config.precision in (Precision.BF16_MIXED, Precision.BF16):
-        args.append("--bf16")
+        args += _flag("--critic.model_name_or_path", launch.critic)
+        args += ["--critic.num_nodes", "1", "--critic.num_gpus_per_node", gpus]
+    if launch.reward:
+        args += _flag("--reward.model_name_or_path", launch.reward)
+        args += ["--reward.num_nodes", "1", "--reward.num_gpus_per_node", gpus]
+    args += [
+        "--train.colocate_all",
+        "--vllm.num_engines", gpus,
+        "--vllm.tensor_parallel_size", "1",
+        "--vllm.gpu_memory_utilization", f"{launch.share:g}",
+        "--ds.zero_stage", str(config.zero_stage if config.engine is Engine.DEEPSPEED else 3),
+        "--ds.param_dtype", "fp16" if config.precision is Precision.FP16_MIXED else "bf16",
+        "--algo.advantage.estimator",
+        "group_norm" if launch.algorithm is Algorithm.GRPO else "gae",
+        "--rollout.n_samples_per_prompt", str(launch.samples_per_prompt),
+        # Prompts a rollout; sequences an optimizer step: one step of the rollout's sequences.
+        "--rollout.batch_size", str(_prompts(launch, "OpenRLHF")),
+        "--rollout.micro_batch_size", str(launch.micro_batch_size),
+        "--train.batch_size", str(launch.rollout_batch),
+        "--train.micro_batch_size", str(launch.micro_batch_size),
+        "--data.max_len", str(launch.seq_len),
+        "--rollout.max_new_tokens", str(launch.response_len),
+    ]  # fmt: skip
     if config.ac_every:
-        args.append("--gradient_checkpointing")
+        args.append("--actor.gradient_checkpointing_enable")  # the critic's too
     if config.offload is not Offload.NONE:
-        args.append("--adam_offload")
+        args.append("--ds.adam_offload")
     if launch.sleep:
-        args += ["--vllm_enable_sleep", "--deepspeed_enable_sleep"]
+        args += ["--vllm.enable_sleep", "--ds.enable_sleep"]
     if launch.frozen is Placement.OFFLOAD:
-        args.append("--ref_reward_offload")
+        args += ["--ref.offload"] if launch.reference else []
+        args += ["--reward.offload"] if launch.reward else []
     return args
 
 
@@ -183,16 +232,50 @@ def _flag(flag: str, value: str) -> list[str]:
 
 
 def _openrlhf(launch: RLHFLaunch) -> tuple[str, list[str]]:
-    notes = []
-    if launch.config.engine is not Engine.DEEPSPEED:
+    line = _lines(openrlhf_args(launch))
+    notes = [_group_note(launch, "--rollout.n_samples_per_prompt", "--rollout.batch_size")]
+    config = launch.config
+    if config.engine is not Engine.DEEPSPEED:
         notes.append(
-            f"OpenRLHF trains with DeepSpeed ZeRO: the measured {launch.config.engine.value} "
+            f"OpenRLHF trains with DeepSpeed ZeRO: the measured {config.engine.value} "
             "layout is written as ZeRO-3"
         )
-    if launch.config.ac_every > 1:
+    if config.ac_every > 1:
         notes.append("OpenRLHF checkpoints every block: every-k checkpointing is written as every")
-    line = _lines(openrlhf_args(launch))
-    return f"# autotune: {launch.config.label()}\n{line}\n", notes
+    if config.precision is Precision.FP32:
+        notes.append("OpenRLHF trains in bf16 or fp16: the fp32 layout is written as bf16")
+    if config.offload is Offload.PARAMS:
+        notes.append(
+            "OpenRLHF offloads the optimizer only (--ds.adam_offload): the layout's parameter "
+            "offload is written as that"
+        )
+    if launch.reference:
+        notes.append(
+            "the layout holds the reference, which OpenRLHF loads while "
+            "--algo.kl.init_coef, your KL coefficient, is above 0 (its default, 0.01)"
+        )
+    else:
+        notes.append("the layout holds no reference: --algo.kl.init_coef 0 loads none")
+    if not launch.reward:
+        notes.append(
+            "the layout holds no reward model: give OpenRLHF your reward function "
+            "(--reward.remote_url or --train.agent_func_path)"
+        )
+    return f"# autotune: {config.label()} (OpenRLHF {OPENRLHF_VERSION})\n{line}\n", notes
+
+
+def _group_note(launch: RLHFLaunch, samples: str, prompts: str) -> str:
+    """What the export made of the rollout batch: its prompts and their samples."""
+    if launch.algorithm is not Algorithm.GRPO:
+        return (
+            f"{prompts} {launch.rollout_batch}: the rollout batch, one response a prompt, "
+            "trained in one optimizer step"
+        )
+    return (
+        f"{samples} {launch.group}: the samples per prompt are your recipe's; the rollout "
+        f"batch of {launch.rollout_batch} sequences is {prompts} "
+        f"{launch.rollout_batch // launch.group} prompts, trained in one optimizer step"
+    )
 
 
 def _lines(args: list[str]) -> str:
@@ -208,39 +291,69 @@ def _lines(args: list[str]) -> str:
 
 
 def verl_overrides(launch: RLHFLaunch) -> list[str]:
-    """Hydra overrides of ``python -m verl.trainer.main_ppo`` for ``launch`` (FSDP workers,
-    vLLM rollout colocated)."""
+    """Hydra overrides of ``python -m verl.trainer.main_ppo`` (verl 0.9) for ``launch``: FSDP
+    workers and the vLLM rollout colocated; one optimizer step of the rollout's sequences.
+
+    verl counts its batches in prompts (``data.train_batch_size``, ``ppo_mini_batch_size``;
+    times ``rollout.n`` in sequences) and its micro-batches in sequences a GPU. It loads the
+    reference only for a KL term (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``):
+    the KL loss is on exactly where the layout counted a reference.
+
+    Raises:
+        ConfigError: The rollout batch is not a whole number of prompts.
+    """
     config = launch.config
     offload = config.offload is not Offload.NONE
+    micro = launch.micro_batch_size
+    prompts = _prompts(launch, "verl")
     ref = "actor_rollout_ref"
-    items = {
+    items: dict[str, object] = {
         "algorithm.adv_estimator": "grpo" if launch.algorithm is Algorithm.GRPO else "gae",
-        "data.train_batch_size": launch.rollout_batch
-        // (launch.group if launch.algorithm is Algorithm.GRPO else 1),
+        "algorithm.use_kl_in_reward": False,
+        "data.train_batch_size": prompts,
         "data.max_prompt_length": launch.seq_len - launch.response_len,
         "data.max_response_length": launch.response_len,
         f"{ref}.model.path": launch.policy,
         f"{ref}.model.enable_gradient_checkpointing": bool(config.ac_every),
-        f"{ref}.actor.ppo_mini_batch_size": launch.rollout_batch,
-        f"{ref}.actor.ppo_micro_batch_size_per_gpu": launch.micro_batch_size,
+        f"{ref}.actor.ppo_mini_batch_size": prompts,
+        f"{ref}.actor.ppo_micro_batch_size_per_gpu": micro,
+        f"{ref}.actor.use_kl_loss": launch.reference is not None,
         f"{ref}.actor.fsdp_config.param_offload": config.offload is Offload.PARAMS,
         f"{ref}.actor.fsdp_config.optimizer_offload": offload,
         f"{ref}.rollout.name": "vllm",
+        f"{ref}.rollout.n": launch.samples_per_prompt,
         f"{ref}.rollout.tensor_model_parallel_size": 1,
         f"{ref}.rollout.gpu_memory_utilization": launch.share,
         f"{ref}.rollout.free_cache_engine": launch.sleep,
-        f"{ref}.ref.fsdp_config.param_offload": launch.frozen is Placement.OFFLOAD,
-        "trainer.n_gpus_per_node": launch.world_size,
-        "trainer.nnodes": 1,
+        f"{ref}.rollout.log_prob_micro_batch_size_per_gpu": micro,
     }
-    if launch.algorithm is Algorithm.GRPO:
-        items[f"{ref}.rollout.n"] = launch.group
+    if launch.reference:
+        items[f"{ref}.ref.log_prob_micro_batch_size_per_gpu"] = micro
+        items[f"{ref}.ref.fsdp_config.param_offload"] = launch.frozen is Placement.OFFLOAD
+    items["critic.enable"] = launch.critic is not None
     if launch.critic:
-        items["critic.model.path"] = launch.critic
-        items["critic.ppo_micro_batch_size_per_gpu"] = launch.micro_batch_size
+        items.update(
+            {
+                "critic.model.path": launch.critic,
+                "critic.model.enable_gradient_checkpointing": bool(config.ac_every),
+                "critic.ppo_mini_batch_size": prompts,
+                "critic.ppo_micro_batch_size_per_gpu": micro,
+                "critic.fsdp.param_offload": config.offload is Offload.PARAMS,
+                "critic.fsdp.optimizer_offload": offload,
+            }
+        )
     if launch.reward:
-        items["reward_model.enable"] = True
-        items["reward_model.model.path"] = launch.reward
+        items.update(
+            {
+                "reward.reward_model.enable": True,
+                "reward.reward_model.model_path": launch.reward,
+                "reward.reward_model.rollout.name": "vllm",
+                "reward.reward_model.rollout.tensor_model_parallel_size": 1,
+                "reward.reward_model.rollout.free_cache_engine": True,
+            }
+        )
+    items["trainer.n_gpus_per_node"] = launch.world_size
+    items["trainer.nnodes"] = 1
     return [f"{key}={_hydra(value)}" for key, value in items.items()]
 
 
@@ -282,14 +395,37 @@ def _hydra_quoted(text: str) -> str:
 
 
 def _verl(launch: RLHFLaunch) -> tuple[str, list[str]]:
-    notes = []
+    body = " \\\n    ".join(shlex.quote(o) for o in verl_overrides(launch))
+    notes = [_group_note(launch, "actor_rollout_ref.rollout.n", "data.train_batch_size")]
     if launch.config.engine is Engine.DEEPSPEED:
         notes.append(
             "verl's workers use FSDP: the measured DeepSpeed layout is written with FSDP's "
             "offload settings"
         )
-    body = " \\\n    ".join(shlex.quote(o) for o in verl_overrides(launch))
+    if launch.reference:
+        notes.append(
+            "the layout holds the reference, which verl loads for a KL "
+            "term: the export turns on its KL loss (actor_rollout_ref.actor.use_kl_loss, "
+            "kl_loss_coef your coefficient); algorithm.use_kl_in_reward=True instead loads it too"
+        )
+    else:
+        notes.append(
+            "the layout holds no reference: no KL term is on (with one, verl loads a reference "
+            "the layout did not count)"
+        )
+    if launch.reward:
+        notes.append(
+            "verl serves the reward model with an inference engine of its own "
+            "(reward.reward_model.rollout), asleep between uses: its gpu_memory_utilization "
+            "(default 0.5) was not measured; the layout counted the model's weights alone"
+        )
+    else:
+        notes.append(
+            "the layout holds no reward model: verl scores with your reward function "
+            "(reward.custom_reward_function)"
+        )
     return (
-        f"# autotune: {launch.config.label()}\npython3 -m verl.trainer.main_ppo \\\n    {body}\n",
+        f"# autotune: {launch.config.label()} (verl {VERL_VERSION})\n"
+        f"python3 -m verl.trainer.main_ppo \\\n    {body}\n",
         notes,
     )

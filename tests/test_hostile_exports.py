@@ -362,7 +362,7 @@ def test_every_rlhf_format_writes_a_hostile_model_path_as_data(
         parser = openrlhf_parser(plain_argv[3:])
         read = vars(parser.parse_args(argv[3:]))
         assert read == swap(vars(parser.parse_args(plain_argv[3:])), name)
-        assert read["pretrain"] == read["reward_pretrain"] == name
+        assert read["actor.model_name_or_path"] == read["reward.model_name_or_path"] == name
 
         plain = plain_rlhf(api.export_rlhf("verl", storage=storage).launch)
         text = cli("export", "--format", "verl", "--storage", storage)

@@ -1,8 +1,8 @@
 """``autotune export --format trl|openrlhf|verl``: an RLHF study's best layout in the RL
 frameworks' options. TRL's is read by TRL's own ``GRPOConfig`` (TRL is installed here), which
 derives its generation batch from the fields: it must come out as the study's rollout batch.
-OpenRLHF and verl need Ray and vLLM, which do not install here: their text is checked for
-the layout's values.
+OpenRLHF's and verl's text is checked here for the layout's values; their own parser and
+validation read it in ``tests/test_rlhf_export_frameworks.py``.
 
 The studies here are written through the study's own API with the layout a search would
 record (a real ``run --rlhf`` is ``tests/search/test_rlhf_run.py``'s)."""
@@ -96,14 +96,14 @@ def test_openrlhf_and_verl_carry_the_layout(tmp_path: Path) -> None:
     code, out, err = export("--format", "openrlhf", "--model", "tiny", "--storage", storage)
     assert code == 0, err
     for flag in (
-        "--colocate_all_models",
-        "--vllm_gpu_memory_utilization 0.6",
-        "--vllm_enable_sleep",
-        "--zero_stage 3",
-        "--micro_train_batch_size 2",
-        "--rollout_batch_size 8",
-        "--critic_pretrain tiny",
-        "--gradient_checkpointing",
+        "--train.colocate_all",
+        "--vllm.gpu_memory_utilization 0.6",
+        "--vllm.enable_sleep",
+        "--ds.zero_stage 3",
+        "--train.micro_batch_size 2",
+        "--rollout.batch_size 8",
+        "--critic.model_name_or_path tiny",
+        "--actor.gradient_checkpointing_enable",
     ):
         assert flag in out, flag
     code, out, err = export("--format", "verl", "--model", "tiny", "--storage", storage)
@@ -132,9 +132,27 @@ def test_a_study_over_two_gpus_exports_their_accumulation(tmp_path: Path) -> Non
     assert fields["per_device_train_batch_size"] == 2
     assert fields["gradient_accumulation_steps"] == fields["steps_per_generation"] == 2
     code, out, err = export("--format", "openrlhf", "--model", "tiny", "--storage", storage)
-    assert code == 0 and "--vllm_num_engines 2" in out, err
+    assert code == 0 and "--vllm.num_engines 2" in out, err
     code, out, err = export("--format", "verl", "--model", "tiny", "--storage", storage)
     assert code == 0 and "trainer.n_gpus_per_node=2" in out, err
+
+
+@pytest.mark.parametrize("fmt", ["openrlhf", "verl"])
+def test_a_rollout_of_no_whole_number_of_prompts_is_refused(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OpenRLHF and verl count the rollout batch in prompts: a GRPO study of 11 sequences,
+    which no group of 2 to 8 samples a prompt divides, is refused in one line that says what
+    to do (exit 2), not written as another batch."""
+    from tests.test_bad_input import one_line, run_main
+
+    storage = study_with(tmp_path, TrainConfig(engine=Engine.FSDP, zero_stage=3), rollout_batch=11)
+    args = ("export", "--format", fmt, "--model", "tiny", "--storage", storage)
+    code, err = run_main(args, tmp_path, monkeypatch, capsys)
+    line = one_line(err)
+    assert code == 2, err
+    assert "rollout batch of 11 sequences is not a multiple of 2" in line
+    assert "--rollout-batch that is a multiple" in line
 
 
 def test_the_newest_study_with_a_layout_that_fitted_is_exported(tmp_path: Path) -> None:
