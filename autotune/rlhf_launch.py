@@ -107,6 +107,7 @@ def trl_fields(launch: RLHFLaunch) -> dict[str, Any]:
         raise ConfigError(
             "TRL has no PPO trainer (GRPOConfig, RLOO): use --format openrlhf or verl for PPO"
         )
+    _prompts(launch, "TRL")  # its generation batch must be a whole number of groups
     fields = hf_fields(launch.trainer)
     # GRPOConfig checkpoints the model by default (TrainingArguments does not): a layout
     # measured without the model's own checkpointing (none, or FSDP's wrapper) says so.
@@ -152,8 +153,8 @@ VERL_VERSION = "0.9"
 
 
 def _prompts(launch: RLHFLaunch, framework: str) -> int:
-    """The rollout batch in prompts, as OpenRLHF and verl count it: the sequences over the
-    samples per prompt.
+    """The rollout batch in prompts, as OpenRLHF and verl count it (and TRL's generation batch
+    must be): the sequences over the samples per prompt.
 
     Raises:
         ConfigError: The sequences are not a whole number of prompts.

@@ -137,13 +137,14 @@ def test_a_study_over_two_gpus_exports_their_accumulation(tmp_path: Path) -> Non
     assert code == 0 and "trainer.n_gpus_per_node=2" in out, err
 
 
-@pytest.mark.parametrize("fmt", ["openrlhf", "verl"])
+@pytest.mark.parametrize("fmt", ["openrlhf", "verl", "trl"])
 def test_a_rollout_of_no_whole_number_of_prompts_is_refused(
     tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """OpenRLHF and verl count the rollout batch in prompts: a GRPO study of 11 sequences,
-    which no group of 2 to 8 samples a prompt divides, is refused in one line that says what
-    to do (exit 2), not written as another batch."""
+    """OpenRLHF and verl count the rollout batch in prompts, and TRL's GRPOConfig refuses a
+    generation batch of no whole number of groups: a GRPO study of 11 sequences, which no
+    group of 2 to 8 samples a prompt divides, is refused in one line that says what to do
+    (exit 2), not written as another batch."""
     from tests.test_bad_input import one_line, run_main
 
     storage = study_with(tmp_path, TrainConfig(engine=Engine.FSDP, zero_stage=3), rollout_batch=11)
