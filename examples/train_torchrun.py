@@ -1,11 +1,14 @@
 """A plain torch training loop started by torchrun, as users write them: a causal LM from a
-config.json (random weights), random token ids, AdamW. It takes its batch size, accumulation,
-precision, checkpointing and engine from autotune when autotune runs it, and from its own
-flags otherwise:
+config.json (random weights), random token ids, AdamW, DDP over several ranks. It takes its
+batch size, accumulation, precision and checkpointing from autotune when autotune runs it, and
+from its own flags otherwise:
 
     torchrun --nproc-per-node 2 examples/train_torchrun.py --model MODEL_DIR --steps 20
 
-autotune tunes it as is: autotune run --script examples/train_torchrun.py --framework torchrun
+It always trains under DDP (one rank: no wrapper), so autotune tunes it with that engine (a
+probe of another is refused, the measurement layer seeing DDP):
+
+    autotune run --script examples/train_torchrun.py --framework torchrun --engine ddp
 """
 
 import argparse

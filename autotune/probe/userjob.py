@@ -14,12 +14,25 @@ torch's global hooks only:
 - **tokens**: the token ids fed to the model's token embedding (the ``nn.Embedding`` with the
   most rows called on integer ids while training): their batch and sequence sizes are checked
   against what the probe asked, so a script that ignores the batch flags is caught.
+- **engine**: the modules whose forward runs when a micro-step's token ids reach the
+  embedding (read from the interpreter's frames: each module call runs through
+  ``Module._call_impl``), outermost first; the first that is an engine's wrapper is the
+  engine that trained (:func:`wrapper_of`). It must be the one the probe asked for
+  (:meth:`Layer._engine_problem`), so a script that wraps its model its own way is refused
+  with one line, not recorded as the engine autotune asked for.
 - **memory**: the same readings as the worker (the CUDA allocator's peak, or on the CPU the
   live tensor bytes under the emulated cap, which raises a real ``torch.OutOfMemoryError``),
   reset when training begins: loading the model is not the peak of a step.
 - **failures**: an uncaught exception is reported with its type and the stage it hit (build,
   forward, backward, optimizer); a script that ends before the probe's steps are done says how
   many it ran.
+
+Before the script runs, on the CPU, the layer loads the DeepSpeed ops the job's engine will
+load (:func:`~autotune.probe.ops.deepspeed_ops`: the shared-memory communication op) under
+autotune's build lock, building one the set-up step did not; DeepSpeed's own loads in the
+script then reuse them, so the script takes no torch build lock outside autotune's (one a
+killed script left would stop every later load of the op). On a GPU the set-up step builds
+the job's Adam op before the probe, and the layer touches no CUDA before the script does.
 
 After the warm-up and timed steps it writes the same ``rank<N>.json`` as the worker and ends the
 process, so ``classify_probe``, the study and the search read it as any probe.
@@ -51,7 +64,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune.config import Engine, TrainConfig
 from autotune.probe.lifetime import adopt_orphans, end_descendants
+from autotune.probe.ops import deepspeed_ops, extensions_dir, load_ops
 from autotune.probe.outcome import Outcome, Stage, is_oom_error
 from autotune.probe.report import RankReport
 from autotune.probe.result import SIGNATURE, TOKEN_FILE, report_signature
@@ -84,7 +99,104 @@ def runs_script(job: ScriptJob, argv: list[str]) -> bool:
 def _batch_hint(job: ScriptJob) -> str:
     if job.framework is Framework.HF:
         return "does it read --per_device_train_batch_size and --gradient_accumulation_steps?"
-    return "does it take them from autotune.job_config()?"
+    own = [
+        f"{option} {flag}"
+        for option, flag in (("--batch-flag", job.batch_flag), ("--accum-flag", job.accum_flag))
+        if flag
+    ]
+    if own:
+        return f"does it take them from {' and '.join(own)}, or autotune.job_config()?"
+    return (
+        "does it take them from autotune.job_config()? (a script with flags of its own for "
+        "them: name each with --batch-flag and --accum-flag)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Wrapper:
+    """The engine that trained the model, as the layer saw it."""
+
+    engine: Engine
+    """The autotune engine it is (``single``: no wrapper)."""
+    name: str
+    """How it is said: ``DDP (torch's DistributedDataParallel)``."""
+    zero_stage: int | None = None
+    """DeepSpeed's ZeRO stage (its engine's own ``zero_optimization_stage()``)."""
+
+    def matches(self, config: TrainConfig, world_size: int) -> bool:
+        """Whether it is the engine ``config`` asks for. One rank: DDP and no wrapper count
+        alike (a lone rank's DDP exchanges nothing; frameworks differ on wrapping it). FSDP1
+        counts as ``fsdp`` where it shards (any strategy but ``NO_SHARD``, which is DDP's
+        replication): the Trainer and accelerate pick FSDP1 or FSDP2 by their version and
+        configuration. DeepSpeed's ZeRO stage must be the one asked; FSDP's reshard mode is
+        not checked (FSDP2's modules do not say it publicly)."""
+        asked = config.engine
+        if asked in (Engine.SINGLE, Engine.DDP) and world_size == 1:
+            return self.engine in (Engine.SINGLE, Engine.DDP)
+        if self.engine is not asked:
+            return False
+        return asked is not Engine.DEEPSPEED or self.zero_stage == config.zero_stage
+
+
+def _loaded_class(module: str, name: str) -> type | None:
+    """Class ``name`` of ``module`` if that module is imported (no instance exists otherwise)."""
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
+
+
+def wrapper_of(chain: list[Any]) -> Wrapper:
+    """The engine that trains, from the modules whose forward runs at a micro-step, outermost
+    first: the first of them that is DeepSpeed's engine, DDP (or torch's composable
+    ``replicate``), FSDP2 (a module ``fully_shard`` made an ``FSDPModule``: the root, when
+    the job shards it as FSDP2 requires) or FSDP1; no wrapper otherwise."""
+    import torch
+
+    deepspeed = _loaded_class("deepspeed.runtime.engine", "DeepSpeedEngine")
+    replicated = [
+        torch.nn.parallel.DistributedDataParallel,
+        _loaded_class("torch.distributed._composable.replicate", "DDP"),
+        _loaded_class("torch.distributed._composable.replicate_with_fsdp", "ReplicateModule"),
+    ]
+    fsdp2 = _loaded_class("torch.distributed.fsdp", "FSDPModule")
+    fsdp1 = _loaded_class("torch.distributed.fsdp", "FullyShardedDataParallel")
+    for module in chain:
+        if deepspeed is not None and isinstance(module, deepspeed):
+            engine: Any = module
+            stage = int(engine.zero_optimization_stage())
+            return Wrapper(Engine.DEEPSPEED, f"DeepSpeed's engine at ZeRO stage {stage}", stage)
+        if any(kind is not None and isinstance(module, kind) for kind in replicated):
+            return Wrapper(Engine.DDP, f"DDP (torch's {type(module).__name__})")
+        if fsdp2 is not None and isinstance(module, fsdp2):
+            return Wrapper(Engine.FSDP, "FSDP2 (fully_shard)")
+        if fsdp1 is not None and isinstance(module, fsdp1):
+            strategy = getattr(getattr(module, "sharding_strategy", None), "name", "")
+            if strategy == "NO_SHARD":
+                return Wrapper(Engine.DDP, "FSDP1 with NO_SHARD (replicated, as DDP)")
+            return Wrapper(Engine.FSDP, f"FSDP1 (FullyShardedDataParallel, {strategy})")
+    outer = type(chain[0]).__name__ if chain else "the model"
+    return Wrapper(Engine.SINGLE, f"no wrapper ({outer} called as it is)")
+
+
+def _asked_engine(config: TrainConfig, world_size: int) -> str:
+    if config.engine is Engine.DEEPSPEED:
+        return f"engine deepspeed at ZeRO stage {config.zero_stage}"
+    if config.engine is Engine.DDP:
+        return f"engine ddp over {world_size} ranks"
+    return f"engine {config.engine.value}"
+
+
+def _engine_hint(job: ScriptJob, engine: Engine) -> str:
+    if job.framework is Framework.HF:
+        return "does the script pass its TrainingArguments to the Trainer as given?"
+    if job.framework is Framework.ACCELERATE:
+        return "does it wrap the model with accelerator.prepare under accelerate launch's config?"
+    how = {
+        Engine.SINGLE: "leave its model unwrapped",
+        Engine.DDP: "wrap its model in DistributedDataParallel",
+        Engine.FSDP: "apply fully_shard to each decoder block, then to the model",
+        Engine.DEEPSPEED: "call deepspeed.initialize with config=autotune.job_config().deepspeed",
+    }[engine]
+    return f"does it {how} when autotune.job_config().engine is {engine.value!r}?"
 
 
 def take_token(probe_dir: Path, rank: int) -> str | None:
@@ -132,6 +244,8 @@ class _Step:
     checkpoints: int = 0
     """Calls of ``torch.utils.checkpoint.checkpoint`` in its forwards (checkpointed blocks)."""
     losses: list[float] = field(default_factory=list)
+    wrappers: list[Wrapper] = field(default_factory=list)
+    """The engine that ran each micro-step's forward."""
 
 
 class Layer:
@@ -195,6 +309,7 @@ class Layer:
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer
 
+        self._load_ops()
         nn_module.register_module_forward_pre_hook(self._pre_forward)
         nn_module.register_module_forward_hook(self._post_forward)
         optimizer.register_optimizer_step_pre_hook(self._pre_step)
@@ -209,6 +324,46 @@ class Layer:
         sys.excepthook = excepthook
         atexit.register(self.ended)
         adopt_orphans()  # a daemon the job starts stays below this process, which ends it
+
+    def _load_ops(self) -> None:
+        """Load the DeepSpeed ops the job's engine will load on the CPU, under autotune's
+        build lock, before the script runs (the module's docstring says why). A load that
+        fails is the probe's failure, said in one line, and the script does not run."""
+        if self.device.type != "cpu":
+            return
+        ops = deepspeed_ops(self.spec.config, "cpu")
+        if not ops:
+            return
+
+        def say(line: str) -> None:
+            print(f"autotune: {line}", flush=True)
+
+        try:
+            # No bound of its own: the probe's timeout bounds the wait.
+            loads = load_ops(ops, extensions_dir(os.environ), wait_s=None, say=say)
+        except Exception as error:
+            self.failed(error, traceback.format_exc())
+            say(f"error: loading DeepSpeed's {', '.join(ops)}: {type(error).__name__}: {error}")
+            sys.stderr.flush()
+            os._exit(1)
+        for load in loads:
+            if load.action == "built":  # in the probe's time: the set-up step did not run
+                say(load.line())
+
+    def _calling_modules(self) -> list[Any]:
+        """The modules whose forward is running, outermost first: each module call runs
+        through ``Module._call_impl``, whose frame holds the module as ``self``."""
+        code = self.torch.nn.Module._call_impl.__code__
+        chain = []
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is code:
+                module = frame.f_locals.get("self")
+                if module is not None:
+                    chain.append(module)
+            frame = frame.f_back
+        chain.reverse()
+        return chain
 
     def _count_checkpoints(self) -> None:
         """Count checkpointed blocks: ``torch.utils.checkpoint.checkpoint`` wrapped, and so
@@ -247,7 +402,10 @@ class Layer:
         how = (
             "does the script pass its TrainingArguments to the Trainer as given?"
             if self.job.framework is Framework.HF
-            else "does it turn checkpointing on from autotune.job_config().ac_every?"
+            else f"does its {self.job.checkpointing_flag} turn checkpointing of every block on?"
+            if self.job.checkpointing_flag
+            else "does it turn checkpointing on from autotune.job_config().ac_every? (a script "
+            "with a switch of its own for it: name it with --checkpointing-flag)"
         )
         return (
             f"the job checkpointed {seen:g} of {layers} decoder blocks per micro-step where "
@@ -309,6 +467,7 @@ class Layer:
         assert self.current is not None
         self.current.micro_steps += 1
         self.current.shapes.append(shape)
+        self.current.wrappers.append(wrapper_of(self._calling_modules()))
         self.stage = Stage.FORWARD
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -328,6 +487,19 @@ class Layer:
             self.current.ended = self._sync()
 
     # ---- the report -------------------------------------------------------------------------
+
+    def _engine_problem(self) -> str | None:
+        """Which engine trained where it is not the one the probe asked for, or None."""
+        config = self.spec.config
+        for step in self.steps:
+            for seen in step.wrappers:
+                if not seen.matches(config, self.world_size):
+                    return (
+                        f"the job trained under {seen.name} where autotune asked for "
+                        f"{_asked_engine(config, self.world_size)}: "
+                        f"{_engine_hint(self.job, config.engine)}"
+                    )
+        return None
 
     def _mismatch(self) -> str | None:
         """What the script fed that the probe did not ask for, or None."""
@@ -370,8 +542,12 @@ class Layer:
 
         self.done = True
         spec, mbs = self.spec, self.spec.micro_batch_sizes[0]
-        problem = self._mismatch()
         memory = self.meter.read()
+        engine = self._engine_problem() if self.joined in (None, self.world_size) else None
+        if engine is not None:
+            self._fail_size(Outcome.ERROR, Stage.FORWARD, engine, "EngineMismatch", memory)
+            return
+        problem = self._mismatch()
         if problem is not None:
             self._fail_size(Outcome.ERROR, Stage.FORWARD, problem, "BatchMismatch", memory)
             return
@@ -404,6 +580,7 @@ class Layer:
             "step_times": [step.ended - step.began for step in timed],
             "tokens_counted": bool(self.vocab_rows),
             "optimizers": sorted(self.optimizers),
+            "wrapper": self.steps[-1].wrappers[-1].name,
             "checkpointed_blocks": self.steps[-1].checkpoints / self.steps[-1].micro_steps,
             **speed.to_dict(),
             **memory,

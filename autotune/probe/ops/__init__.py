@@ -6,13 +6,23 @@ shared-memory communication op on the CPU (40-120 s on 2 cores), CPU Adam (optim
 offload; 76 s on an H100 node) and fused Adam on GPUs. This module lets the tuner build them as
 a step of its own, outside any probe's timeout, and makes a killed build harmless:
 
-- torch guards each op's build with a ``lock`` file that it creates and deletes; a process
-  killed while building leaves it, and every later load of the op waits on it forever.
-  Everything here that loads or builds an op first takes an ``flock`` on
-  ``$TORCH_EXTENSIONS_DIR/autotune-ops.lock``, which the kernel releases when its holder dies:
-  exclusive to build (or to clear such a lock), shared merely to load a built op. A torch lock
-  found while holding the exclusive flock has no live builder among autotune's processes and
-  is removed, with a warning.
+- torch guards each op's build (and each load, which checks the build) with a ``lock`` file
+  that it creates, keeps open and deletes; a process killed meanwhile leaves it, and every
+  later load of the op waits on it forever (torch's wait has no bound). Everything here that
+  loads or builds an op first takes an ``flock`` on ``$TORCH_EXTENSIONS_DIR/autotune-ops.lock``,
+  which the kernel releases when its holder dies: exclusive to build (or to clear such a
+  lock), shared merely to load a built op. The measurement layer of a user's script loads the
+  ops it knows the job's DeepSpeed will load the same way, before the script runs.
+- A torch lock is removed only when it is provably stale (:func:`settle_torch_lock`): this
+  process holds the exclusive flock, so no autotune process anywhere is loading or building
+  an op, and no process this host shows has the file open (torch's holder keeps it open from
+  creating it to deleting it) for :data:`TORCH_LOCK_GRACE_S` on end. What else can hold one is
+  a process outside autotune's lock: a user's script loading an op autotune did not know it
+  would, or a training run sharing the folder. Autotune waits for such a holder, and every
+  wait here on a torch lock, torch's own included (:func:`load_ops` bounds it), ends after
+  its bound with one line that names the file. A holder the check cannot see (another
+  user's process, or one on another host sharing the folder) keeps the lock: the wait then
+  ends with a line saying so.
 - DeepSpeed's builder parses ``TORCH_CUDA_ARCH_LIST`` with ``int()`` on each
   ``major.minor``, so arch-specific suffixes torch accepts (``9.0a``, ``10.0f``) fail every
   build; :func:`normalize_arch_list` rewrites the list into the form it parses.
@@ -43,8 +53,10 @@ __all__ = [
     "BUILD_WAIT_S",
     "EXTENSIONS_ENV",
     "LOCK_NAME",
+    "TORCH_LOCK_GRACE_S",
     "BuildLockTimeout",
     "OpLoad",
+    "bounded_torch_waits",
     "build_command",
     "build_lock",
     "deepspeed_ops",
@@ -55,6 +67,8 @@ __all__ = [
     "normalize_arch_list",
     "op_environment",
     "pending_ops",
+    "settle_torch_lock",
+    "torch_lock_holders",
     "torch_lock_path",
 ]
 
@@ -64,6 +78,9 @@ LOCK_NAME = "autotune-ops.lock"
 """The flock file in the extensions directory (never deleted: its inode is the lock)."""
 BUILD_WAIT_S = 900.0
 """How long the build step waits for another process's build before giving up."""
+TORCH_LOCK_GRACE_S = 1.0
+"""How long a torch lock must be seen with no process holding it open before it counts as
+left by a killed process: torch's holder closes the file a moment before deleting it."""
 
 SHM_COMM = "deepspeed_shm_comm"
 CPU_ADAM = "cpu_adam"
@@ -273,6 +290,132 @@ def build_lock(
 
 
 # ---------------------------------------------------------------------------------------------
+# torch's build lock of one op
+
+
+def torch_lock_holders(lock: Path) -> list[int] | None:
+    """Pids of the processes that have torch's build lock ``lock`` open (from each process's
+    ``/proc/<pid>/fd``); None where that cannot be told: no ``/proc``, or the file belongs to
+    another user, whose processes this one may not inspect (root inspects every process)."""
+    try:
+        info = lock.stat()
+    except FileNotFoundError:
+        return []
+    if info.st_uid != os.geteuid() and os.geteuid() != 0:
+        return None
+    key = (info.st_dev, info.st_ino)
+    pids = []
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list(os.scandir(f"/proc/{entry.name}/fd"))
+        except OSError:  # ended, or not inspectable (then not the file's owner's)
+            continue
+        for fd in fds:
+            try:
+                if not os.readlink(fd.path).endswith(lock.name):
+                    continue
+                opened = os.stat(fd.path)
+            except OSError:
+                continue
+            if (opened.st_dev, opened.st_ino) == key:
+                pids.append(int(entry.name))
+                break
+    return pids
+
+
+def _end_orphans(folder: Path) -> int:
+    """End the processes still working in an op's build folder (their working directory):
+    ninja starts each compiler in a process group of its own, so killing a probe's group
+    leaves them running, writing objects that would make the next build's outputs look out
+    of date. Only for a stale torch lock under the exclusive build lock, where they belong to
+    no live build. Returns how many there were."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if Path(proc.cwd()) == folder:
+                found.append(proc)
+    for proc in found:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(found, timeout=10)
+    return len(found)
+
+
+def settle_torch_lock(
+    lock: Path,
+    *,
+    may_remove: bool,
+    wait_s: float | None,
+    say: Callable[[str], None] = print,
+    poll_s: float = 0.2,
+    grace_s: float = TORCH_LOCK_GRACE_S,
+) -> None:
+    """Return once torch's build lock ``lock`` is gone.
+
+    A live holder (a process with the file open) is waited for, saying so once with the file
+    and the holder. ``may_remove`` (the caller holds the exclusive build lock): a lock no
+    process has had open for ``grace_s`` was left by a killed process; it is removed, with
+    one warning that names it, after ending the compilers its build left running. Without
+    ``may_remove``, or with a holder the check cannot see (:func:`torch_lock_holders`), it is
+    waited for too. Raises :class:`BuildLockTimeout` after ``wait_s`` seconds (None: no
+    bound but the caller's, a probe's timeout), in one line that names the file.
+    """
+    op = lock.parent.name
+    started = time.monotonic()
+    unheld_since: float | None = None
+    said = False
+    while True:
+        try:
+            owner = lock.stat().st_uid
+        except FileNotFoundError:
+            return
+        holders = torch_lock_holders(lock)
+        now = time.monotonic()
+        if holders == []:
+            unheld_since = now if unheld_since is None else unheld_since
+            if may_remove and now - unheld_since >= grace_s:
+                orphans = _end_orphans(lock.parent.resolve())
+                with contextlib.suppress(FileNotFoundError):
+                    lock.unlink()
+                    ended = f"; ended {orphans} of its compiler processes" if orphans else ""
+                    say(
+                        f"warning: removed a stale lock {lock} (left by a process killed while "
+                        f"loading or building {op}: no process has it open, and autotune "
+                        f"holds its build lock{ended})"
+                    )
+                return
+        else:
+            unheld_since = None
+        if holders is None:
+            who = f"created by uid {owner}, whose processes this user cannot see"
+            advice = f"delete it once no build of {op} runs"
+        elif holders:
+            who = "held by " + ", ".join(_describe(p) for p in holders)
+            advice = "run again once it is done, or stop it"
+        else:
+            who = "which no process holds (left by a killed process)"
+            advice = "autotune's next build step removes it, or delete it"
+        removing = may_remove and holders == []  # within the grace: bounded by it alone
+        if not said and not removing:
+            bound = "" if wait_s is None else f" (up to {wait_s:g} s)"
+            say(f"waiting for torch's build lock {lock}, {who}{bound}")
+            said = True
+        if wait_s is not None and now - started >= wait_s and not removing:
+            raise BuildLockTimeout(
+                f"gave up after {wait_s:g} s waiting for torch's build lock {lock}, {who}: {advice}"
+            )
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------------------------------------
 # Loading and building (imports torch and DeepSpeed: ranks and the build step only)
 
 
@@ -301,42 +444,27 @@ def _modified(path: Path) -> int | None:
         return None
 
 
-def _end_orphans(folder: Path) -> int:
-    """End the processes still working in an op's build folder (their working directory):
-    ninja starts each compiler in a process group of its own, so killing a probe's group
-    leaves them running, writing objects that would make the next build's outputs look out
-    of date. Only under the exclusive build lock, where they belong to no live build. Returns
-    how many there were."""
-    import psutil
+@contextlib.contextmanager
+def bounded_torch_waits(
+    *, may_remove: bool, wait_s: float | None, say: Callable[[str], None]
+) -> Iterator[None]:
+    """While this process loads ops, torch's own wait on an op's build lock (``FileBaton.wait``:
+    it polls until the file is gone, without end) is :func:`settle_torch_lock`, with its
+    bound and its one line. It is reached only when a lock appeared after the one checked
+    before loading (another process's load that began meanwhile)."""
+    from torch.utils.file_baton import FileBaton
 
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if Path(proc.cwd()) == folder:
-                found.append(proc)
-    for proc in found:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(found, timeout=10)
-    return len(found)
+    original = FileBaton.wait
 
+    def wait(self: FileBaton) -> None:
+        lock = Path(self.lock_file_path)
+        settle_torch_lock(lock, may_remove=may_remove, wait_s=wait_s, say=say)
 
-def _clear_stale_locks(ops: Iterable[str], directory: Path, say: Callable[[str], None]) -> None:
-    """Remove torch's build locks of ``ops``, and end the compilers a killed build left
-    running; only under the exclusive build lock, where no live autotune process can be
-    building them."""
-    for op in ops:
-        lock = torch_lock_path(directory, op)
-        if not lock.exists():
-            continue
-        orphans = _end_orphans(lock.parent.resolve())
-        with contextlib.suppress(FileNotFoundError):
-            lock.unlink()
-            ended = f"; ended {orphans} of its compiler processes" if orphans else ""
-            say(
-                f"warning: removed a stale lock {lock} (a build of {op} was killed; nothing "
-                f"holds the build lock now{ended})"
-            )
+    FileBaton.wait = wait  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FileBaton.wait = original  # type: ignore[method-assign]
 
 
 def load_ops(
@@ -349,33 +477,38 @@ def load_ops(
     """Load ``ops`` into this process through DeepSpeed's op builders, building what is
     missing, under the build lock (:func:`build_lock`).
 
-    The lock is exclusive when an op needs building or has a torch lock (which is then stale
-    and removed), shared otherwise. Loading registers each op with DeepSpeed, so its own later
-    loads in this process reuse it. An op DeepSpeed's accelerator here has no builder for, or
-    whose builder says it cannot run here, is skipped (DeepSpeed skips it too). ``directory``
-    must be this process's ``TORCH_EXTENSIONS_DIR``.
+    The lock is exclusive when an op needs building or has a torch lock (removed when stale,
+    waited for while a live process holds it: :func:`settle_torch_lock`), shared otherwise.
+    Every wait, for the build lock or a torch lock, ends after ``wait_s`` seconds (None: the
+    caller's own bound, a probe's timeout). Loading registers each op with DeepSpeed, so its
+    own later loads in this process reuse it without touching torch's lock. An op DeepSpeed's
+    accelerator here has no builder for, or whose builder says it cannot run here, is skipped
+    (DeepSpeed skips it too). ``directory`` must be this process's ``TORCH_EXTENSIONS_DIR``.
     """
     if not ops:
         return []
     todo = set(pending_ops(ops, directory))
     loads = []
-    with build_lock(directory, exclusive=bool(todo), wait_s=wait_s, say=say):
-        if todo:
-            _clear_stale_locks(sorted(todo), directory, say)
+    exclusive = bool(todo)
+    with build_lock(directory, exclusive=exclusive, wait_s=wait_s, say=say):
+        for op in sorted(todo):
+            lock = torch_lock_path(directory, op)
+            settle_torch_lock(lock, may_remove=True, wait_s=wait_s, say=say)
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
-        for op in ops:
-            builder = accelerator.create_op_builder(BUILDERS[op])
-            if builder is None or not builder.is_compatible(verbose=False):
-                note = f"DeepSpeed's {accelerator.device_name()} accelerator does not use it"
-                loads.append(OpLoad(op=op, action="skipped", seconds=0.0, note=note))
-                continue
-            before = _modified(library_path(directory, op))
-            started = time.monotonic()
-            builder.load(verbose=False)
-            seconds = time.monotonic() - started
-            after = _modified(library_path(directory, op))
-            action = "loaded" if before is not None and before == after else "built"
-            loads.append(OpLoad(op=op, action=action, seconds=seconds))
+        with bounded_torch_waits(may_remove=exclusive, wait_s=wait_s, say=say):
+            for op in ops:
+                builder = accelerator.create_op_builder(BUILDERS[op])
+                if builder is None or not builder.is_compatible(verbose=False):
+                    note = f"DeepSpeed's {accelerator.device_name()} accelerator does not use it"
+                    loads.append(OpLoad(op=op, action="skipped", seconds=0.0, note=note))
+                    continue
+                before = _modified(library_path(directory, op))
+                started = time.monotonic()
+                builder.load(verbose=False)
+                seconds = time.monotonic() - started
+                after = _modified(library_path(directory, op))
+                action = "loaded" if before is not None and before == after else "built"
+                loads.append(OpLoad(op=op, action=action, seconds=seconds))
     return loads
