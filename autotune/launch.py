@@ -48,6 +48,8 @@ __all__ = [
     "lora_note",
     "one_line",
     "render",
+    "thread_lines",
+    "threads_per_rank",
     "torchrun_args",
     "value_notes",
 ]
@@ -644,6 +646,28 @@ def _hf(launch: Launch) -> str:
     return _json(fields)
 
 
+# ---- threads ----------------------------------------------------------------------------------
+
+
+def threads_per_rank(cores: int, ranks: int) -> int:
+    """OpenMP threads of each rank (``OMP_NUM_THREADS``, unless the user set it): the node's
+    cores over its ranks, at least one. The probes' ranks get it and every shell export
+    writes the same rule, evaluated on the node that runs it (:func:`thread_lines`), so a
+    run's CPU work (a data loader's, DeepSpeed's CPU Adam under offload, a CPU rank's
+    compute) runs as it was probed: ``torchrun`` alone would give 1 thread, ``accelerate
+    launch`` 1 unless told, a rank started bare every core."""
+    return max(1, cores // max(1, ranks))
+
+
+def thread_lines(ranks_per_node: int) -> list[str]:
+    """Shell lines that export :func:`threads_per_rank` of the node they run on (``nproc``:
+    the cores this process may use), a value the user exported kept."""
+    return [
+        f'threads=$(( $(nproc) / {int(ranks_per_node)} )); [ "$threads" -ge 1 ] || threads=1',
+        'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}"',
+    ]
+
+
 # ---- torchrun ---------------------------------------------------------------------------------
 
 
@@ -700,6 +724,7 @@ def _torchrun(launch: Launch) -> str:
         *_comments(notes),
         f"export NNODES={launch.nodes}",
         f"export NPROC_PER_NODE={launch.per_node}",
+        *thread_lines(launch.per_node),
         line,
     ]
     return "\n".join(lines) + "\n"

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from autotune.launch import threads_per_rank
 from autotune.probe.faults import FAULT_FILE, write_request
 from autotune.probe.lifetime import MARK_ENV, PARENT_ENV, descendants, kill_all, marked, new_mark
 from autotune.probe.nodes import (
@@ -117,9 +118,10 @@ def rank_environment(
         # Start-up time is measured from here (process creation times are whole-second coarse).
         AUTOTUNE_SPAWN_TIME=repr(time.time()),
     )
-    if spec.device == "cpu":
-        # Ranks share the cores: without this each would start one thread per core.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.num_processes))
+    if not os.environ.get("OMP_NUM_THREADS"):
+        # Ranks share the cores, as every shell export has them share (launch.thread_lines).
+        cores = len(os.sched_getaffinity(0))
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(cores, spec.num_processes))
     return env
 
 
