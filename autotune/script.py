@@ -781,16 +781,6 @@ def shell_text(
     lines += [f"# {one_line(note)}" for note in command.notes]
     lines.append("set -e")
     lines += thread_lines(launch.per_node)  # as the probes' ranks ran
-    if launch.config.engine is Engine.DEEPSPEED:
-        # DeepSpeed's ops where the probes built them (per Python environment), not rebuilt
-        # in torch's default folder; the user's own choice wins.
-        from autotune.probe.ops import extensions_dir  # probe.spec imports this module
-
-        where = shlex.quote(str(extensions_dir(os.environ)))
-        lines += [
-            f'[ -n "${{TORCH_EXTENSIONS_DIR:-}}" ] || TORCH_EXTENSIONS_DIR={where}',
-            "export TORCH_EXTENSIONS_DIR",
-        ]
     for name, text in command.files.items() if with_files else ():
         end = _here_document_end(text)
         lines += [f"cat > {shlex.quote(name)} <<'{end}'", text.rstrip("\n"), end]

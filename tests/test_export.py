@@ -511,6 +511,8 @@ def test_torchrun_parses_the_line(nodes: int) -> None:
         for line in text.splitlines()
         if line.startswith("export ")
     )
+    threads = env.pop("OMP_NUM_THREADS")  # the probes' rule: tests/test_script.py
+    assert threads == '"${OMP_NUM_THREADS:-$threads}"'
     assert env == {"NNODES": str(nodes), "NPROC_PER_NODE": str(16 // nodes)}
     args = get_args_parser().parse_args(shlex.split(line)[1:])
     assert args.nnodes == str(nodes)

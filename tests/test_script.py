@@ -268,19 +268,27 @@ def test_the_gap_to_the_estimate_is_the_median_over_the_points_that_ran() -> Non
     assert prediction_gap(points[3:]) is None
 
 
-def _shell_environment(text: str, env: dict[str, str]) -> dict[str, str]:
-    """The variables the export's lines before its command leave exported, run by ``sh``."""
+def _shell_environment(text: str, env: dict[str, str], folder: Path) -> dict[str, str]:
+    """The variables the export's lines before its command leave exported, run by ``sh`` in
+    ``folder`` (they write the configuration's files there)."""
     import subprocess
 
     before = text.rsplit("\n", 2)[0]  # the last line starts the job
     done = subprocess.run(
-        ["sh", "-c", f"{before}\nenv"], env=env, capture_output=True, text=True, check=True
+        ["sh", "-c", f"{before}\nenv"],
+        env=env,
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 64])
-def test_the_exports_give_each_rank_the_threads_the_probes_ranks_had(ranks: int) -> None:
+def test_the_exports_give_each_rank_the_threads_the_probes_ranks_had(
+    ranks: int, tmp_path: Path
+) -> None:
     """The probes' ranks get this node's cores over its ranks as OpenMP threads
     (``rank_environment``); the command export and the torchrun format write the same rule,
     evaluated on the node that runs them (``torchrun`` alone would give one thread, ``accelerate
@@ -299,8 +307,9 @@ def test_the_exports_give_each_rank_the_threads_the_probes_ranks_had(ranks: int)
         shell_text(job_command(job, launch), launch, "s"),
         render(launch, Format.TORCHRUN),
     ):
-        assert _shell_environment(text, base)["OMP_NUM_THREADS"] == expected
-        assert _shell_environment(text, {**base, "OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+        assert _shell_environment(text, base, tmp_path)["OMP_NUM_THREADS"] == expected
+        mine = _shell_environment(text, {**base, "OMP_NUM_THREADS": "7"}, tmp_path)
+        assert mine["OMP_NUM_THREADS"] == "7"
     for device in ("cpu", "cuda"):
         config = TrainConfig(engine=Engine.DDP if ranks > 1 else Engine.SINGLE)
         spec = ProbeSpec(model="tiny", config=config, num_processes=ranks, device=device)
@@ -310,21 +319,3 @@ def test_the_exports_give_each_rank_the_threads_the_probes_ranks_had(ranks: int)
         finally:
             if old is not None:
                 os.environ["OMP_NUM_THREADS"] = old
-
-
-def test_a_deepspeed_export_loads_the_ops_the_probes_built() -> None:
-    """DeepSpeed JIT-builds its ops into ``TORCH_EXTENSIONS_DIR``: the command export of a
-    DeepSpeed configuration points it where the probes built them (this Python environment's
-    folder), unless the user chose one, so the run does not build them again."""
-    from autotune.probe.ops import extensions_dir
-
-    job = ScriptJob.read(EXAMPLES / "train_hf.py", "hf", ["--output_dir", "out"])
-    launch = launch_of({"engine": "deepspeed", "zero_stage": 1}, world=2)
-    text = shell_text(job_command(job, launch), launch, launch.summary())
-    base = {"PATH": os.environ["PATH"]}
-    seen = _shell_environment(text, base)
-    assert seen["TORCH_EXTENSIONS_DIR"] == str(extensions_dir({}))
-    chosen = _shell_environment(text, {**base, "TORCH_EXTENSIONS_DIR": "/tmp/mine"})
-    assert chosen["TORCH_EXTENSIONS_DIR"] == "/tmp/mine"
-    plain = launch_of({"engine": "ddp"}, world=2)
-    assert "TORCH_EXTENSIONS_DIR" not in shell_text(job_command(job, plain), plain, "s")
