@@ -1603,7 +1603,7 @@ def tune_jobs(
                     "interrupted"
                     if summary.interrupted
                     else "failed"
-                    if summary.failure
+                    if summary.failure or summary.mistake
                     else "tuned"
                     if summary.best is not None
                     else "no fit"
@@ -1611,7 +1611,7 @@ def tune_jobs(
                 result = JobResult(
                     job=job,
                     status=status,
-                    why=summary.stop_reason if summary.failure else fresh.why,
+                    why=summary.stop_reason if summary.failure or summary.mistake else fresh.why,
                     study=study,
                     summary=summary,
                     best=summary.best,

@@ -1098,6 +1098,8 @@ def run(
     if json_output:
         extra = {} if gap is None else {"prediction_gap": gap.to_dict()}
         _print_json({"study": tuning.fingerprint.study_name, **summary.to_dict(), **extra})
+    elif summary.mistake:
+        pass  # one line, below: the job's own mistake is bad input
     else:
         if summary.best is not None:  # an empty table says nothing
             console.print(ranking_table(summary.measurements, tuning.capacity_bytes))
@@ -1119,6 +1121,8 @@ def run(
             )
     if summary.interrupted:
         raise typer.Exit(143 if summary.interrupted == "SIGTERM" else 130)
+    if summary.mistake:
+        raise ConfigError(summary.stop_reason)
     raise typer.Exit(0 if summary.best and not summary.failure else 1)
 
 

@@ -22,6 +22,7 @@ from autotune.probe.outcome import Classification, Outcome, Stage
 from autotune.probe.spec import ProbeSpec
 
 __all__ = [
+    "JOB_MISTAKE",
     "SIGNATURE",
     "TOKEN_FILE",
     "ProbeResult",
@@ -170,6 +171,13 @@ class ProbeResult:
     def emulated_limit_bytes(self) -> int | None:
         return self.spec.device_memory_bytes
 
+    @property
+    def job_mistake(self) -> str | None:
+        """What the user's job did that autotune did not ask for (an ignored flag, another
+        engine, an end before its first step), as the measurement layer said it; None when
+        it did as asked. Such a probe says nothing of its configuration."""
+        return next((s.message for s in self.sizes if s.extra.get(JOB_MISTAKE)), None)
+
     def ok_sizes(self) -> list[SizeResult]:
         """Sizes that ran to completion with a finite loss."""
         return [s for s in self.sizes if s.ok]
@@ -287,6 +295,10 @@ def report_problem(data: Any, rank: int) -> str | None:
     return next((p for p in map(_size_problem, sizes) if p is not None), None)
 
 
+JOB_MISTAKE = "job_mistake"
+"""The field of a failed size whose failure is the user's job's own mistake, not the
+configuration's (:attr:`ProbeResult.job_mistake`)."""
+
 TOKEN_FILE = "rank{}.token"
 """The token of one rank of a run of the user's job, in the run's folder: written by the
 launcher before the rank starts, taken (read, then deleted) by the measurement layer before the
@@ -365,9 +377,10 @@ def merge_sizes(
     merged = []
     for _mbs, entries in by_size.items():
         base = dict(entries[0])
+        base.pop(JOB_MISTAKE, None)  # the worst entry's say, as its message
         worst = max(entries, key=lambda e: _SEVERITY.get(e["outcome"], 3))
         base["outcome"] = worst["outcome"]
-        for key in ("stage", "message"):
+        for key in ("stage", "message", JOB_MISTAKE):
             if key in worst:
                 base[key] = worst[key]
         for key in _MAX_OVER_RANKS:

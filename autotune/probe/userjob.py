@@ -69,7 +69,7 @@ from autotune.probe.lifetime import adopt_orphans, end_descendants
 from autotune.probe.ops import deepspeed_ops, extensions_dir, load_ops
 from autotune.probe.outcome import Outcome, Stage, is_oom_error
 from autotune.probe.report import RankReport
-from autotune.probe.result import SIGNATURE, TOKEN_FILE, report_signature
+from autotune.probe.result import JOB_MISTAKE, SIGNATURE, TOKEN_FILE, report_signature
 from autotune.probe.spec import ProbeSpec
 from autotune.script import Framework, ScriptJob
 
@@ -503,7 +503,6 @@ class Layer:
 
     def _mismatch(self) -> str | None:
         """What the script fed that the probe did not ask for, or None."""
-        want_batch, want_seq = self.spec.micro_batch_sizes[0], self.spec.seq_len
         if self.world_size > 1 and self.joined != self.world_size:
             return (
                 f"the job's {self.world_size} ranks did not train as one process group "
@@ -519,20 +518,29 @@ class Layer:
                     f"the script ran {step.micro_steps} micro-steps per optimizer step where "
                     f"autotune asked for {self.spec.grad_accum}: {_batch_hint(self.job)}"
                 )
-            for shape in step.shapes:
-                if len(shape) < 2:
-                    continue
-                if shape[0] != want_batch:
-                    return (
-                        f"the script fed micro-batches of {shape[0]} sequences where autotune "
-                        f"asked for {want_batch}: {_batch_hint(self.job)}"
-                    )
-                if shape[-1] != want_seq:
-                    return (
-                        f"the script fed sequences of {shape[-1]} tokens where --seq-len is "
-                        f"{want_seq}: give --seq-len {shape[-1]}, or pack or pad its data to "
-                        f"{want_seq}"
-                    )
+            problem = self._shape_problem(step.shapes)
+            if problem is not None:
+                return problem
+        return None
+
+    def _shape_problem(self, shapes: list[tuple[int, ...]]) -> str | None:
+        """The first micro-batch of ``shapes`` (token ids fed) that is not the batch and
+        sequence length asked, said in one line; None if every one is."""
+        want_batch, want_seq = self.spec.micro_batch_sizes[0], self.spec.seq_len
+        for shape in shapes:
+            if len(shape) < 2:
+                continue
+            if shape[0] != want_batch:
+                return (
+                    f"the script fed micro-batches of {shape[0]} sequences where autotune "
+                    f"asked for {want_batch}: {_batch_hint(self.job)}"
+                )
+            if shape[-1] != want_seq:
+                return (
+                    f"the script fed sequences of {shape[-1]} tokens where --seq-len is "
+                    f"{want_seq}: give --seq-len {shape[-1]}, or pack or pad its data to "
+                    f"{want_seq}"
+                )
         return None
 
     def finish(self) -> None:
@@ -545,11 +553,15 @@ class Layer:
         memory = self.meter.read()
         engine = self._engine_problem() if self.joined in (None, self.world_size) else None
         if engine is not None:
-            self._fail_size(Outcome.ERROR, Stage.FORWARD, engine, "EngineMismatch", memory)
+            self._fail_size(
+                Outcome.ERROR, Stage.FORWARD, engine, "EngineMismatch", memory, mistake=True
+            )
             return
         problem = self._mismatch()
         if problem is not None:
-            self._fail_size(Outcome.ERROR, Stage.FORWARD, problem, "BatchMismatch", memory)
+            self._fail_size(
+                Outcome.ERROR, Stage.FORWARD, problem, "BatchMismatch", memory, mistake=True
+            )
             return
         timed = self.steps[spec.warmup_steps :]
         micro = [(s.optimizer_began - s.began) / s.micro_steps for s in timed]
@@ -600,8 +612,18 @@ class Layer:
             )
 
     def _fail_size(
-        self, outcome: Outcome, stage: Stage, message: str, kind: str, memory: dict[str, Any]
+        self,
+        outcome: Outcome,
+        stage: Stage,
+        message: str,
+        kind: str,
+        memory: dict[str, Any],
+        *,
+        mistake: bool = False,
     ) -> None:
+        """Write the size as failed; ``mistake``: the job did not do what autotune asked (an
+        ignored flag, another engine, an end before its first step), which says nothing of
+        the configuration (:attr:`~autotune.probe.result.ProbeResult.job_mistake`)."""
         self.report.data["sizes"].append(
             {
                 "micro_batch_size": self.spec.micro_batch_sizes[0],
@@ -609,6 +631,7 @@ class Layer:
                 "stage": stage.value,
                 "message": message,
                 **memory,
+                **({JOB_MISTAKE: True} if mistake else {}),
             }
         )
         self.report.fail(outcome, stage, message, kind)
@@ -618,9 +641,19 @@ class Layer:
         if self.done:
             return
         self.done = True
+        self.report.data["traceback"] = trace[-8000:]
+        fed = [*(s for step in self.steps for s in step.shapes)]
+        fed += self.current.shapes if self.current is not None else []
+        problem = self._shape_problem(fed)
+        if problem is not None:
+            # Out of memory (or failing) on a batch autotune did not ask for says nothing of
+            # the configuration: the job's mistake is what there is to say.
+            self._fail_size(
+                Outcome.ERROR, self.stage, problem, "BatchMismatch", self.meter.read(), mistake=True
+            )
+            return
         oom = is_oom_error(error)
         message = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-        self.report.data["traceback"] = trace[-8000:]
         self._fail_size(
             Outcome.OOM if oom else Outcome.ERROR,
             self.stage,
@@ -659,7 +692,9 @@ class Layer:
                 f"the script ended after {len(self.steps)} optimizer steps; a probe needs "
                 f"{need}: give it data and steps for at least {need + 1}"
             )
-        self._fail_size(Outcome.ERROR, self.stage, message, "EndedEarly", self.meter.read())
+        self._fail_size(
+            Outcome.ERROR, self.stage, message, "EndedEarly", self.meter.read(), mistake=True
+        )
 
 
 def _finite(value: float) -> bool:

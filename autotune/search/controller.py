@@ -99,6 +99,10 @@ class RunSummary:
     """What stopped the run early (``Ctrl-C``, ``SIGTERM``), or None."""
     failure: str | None = None
     """What failed under the run (the trial database), or None."""
+    mistake: str | None = None
+    """What the user's job did wrong (an ignored flag, another engine, a crash or an end
+    before its first step at the run's first probe), which stopped the run before anything
+    was recorded against the probe's configuration; None otherwise."""
     stale: int = 0
     """Trials left running by a tuner that ended, failed by this run (their points retried)."""
     probes: int
@@ -125,6 +129,8 @@ class RunSummary:
                 f"no best yet: the run was interrupted ({self.interrupted}) before a "
                 "configuration that fits was measured; run again to go on"
             )
+        if self.mistake:
+            return f"no best: the job did not run as asked ({self.mistake})"
         if self.failure:
             return f"no best: the run stopped on a fault of its own ({self.failure})"
         ended = ("interrupted", "stale", None)
@@ -139,6 +145,7 @@ class RunSummary:
             "stop_reason": self.stop_reason,
             "interrupted": self.interrupted,
             "failure": self.failure,
+            "mistake": self.mistake,
             "stale": self.stale,
             "probes": self.probes,
             "elapsed_s": self.elapsed_s,
@@ -283,6 +290,7 @@ class Controller:
         reason = "search done: no remaining configuration can beat the best measured"
         interrupted: str | None = None
         failure: str | None = None
+        mistake: str | None = None
         sizes = micro_batch_options(self.store.workload)
         objective = self.store.fingerprint.objective
         following: tuple[Proposal, float] | None = None
@@ -341,7 +349,12 @@ class Controller:
                     ),
                 )
                 result = self._probe(
-                    proposal, left_s=left, predicted_s=predicted_s, announce=announce
+                    proposal,
+                    left_s=left,
+                    predicted_s=predicted_s,
+                    announce=announce,
+                    # The run's first probe of a job with nothing measured yet: a smoke test.
+                    smoke=not probes and self.store.best(measurements) is None,
                 )
                 if result is None:
                     # Another worker took a point of it: propose again from what it claimed,
@@ -362,7 +375,7 @@ class Controller:
                     )
                 )
         except _Stop as stop:
-            reason, failure = str(stop), stop.failure
+            reason, failure, mistake = str(stop), stop.failure, stop.mistake
         except STORAGE_ERRORS as error:
             failure = storage_problem(error)
             lost = self.store.lost_file()
@@ -397,6 +410,7 @@ class Controller:
             stop_reason=reason,
             interrupted=interrupted,
             failure=failure,
+            mistake=mistake,
             stale=len(stale),
             probes=probes,
             elapsed_s=self.elapsed(),
@@ -457,10 +471,17 @@ class Controller:
         left_s: float,
         predicted_s: float,
         announce: Callable[[], None],
+        smoke: bool = False,
     ) -> ProbeResult | None:
         """Probe the proposal (``announce`` once its points are claimed, so a point another
         worker took is never shown as a probe); None when another worker claimed one of its
-        points first."""
+        points first.
+
+        A probe of the user's job that shows the job's own mistake (the measurement layer's:
+        an ignored flag, another engine, an end before its first step), or with ``smoke`` any
+        error (the job crashed or rejected its arguments), stops the run: nothing is recorded
+        against the configuration, and the reason says what the job did and what to check.
+        """
         timeout_s, budget_bound = self._timeout(left_s, predicted_s)
         spec = self.template.spec(
             proposal.config,
@@ -504,6 +525,14 @@ class Controller:
             raise _Stop(
                 f"{result.tuner_fault}; nothing was recorded against {proposal.config.label()}",
                 failure=result.tuner_fault,
+            )
+        mistake = _job_mistake(result, smoke)
+        if mistake is not None:
+            self.store.withdraw(trials, mistake)  # the probe folder stays: its logs
+            raise _Stop(
+                f"{mistake} (the probe's logs: {probe_dir}); nothing was recorded against "
+                f"{proposal.config.label()}",
+                mistake=mistake,
             )
         self._durations.append(result.wall_s)
         self._predicted.append(predicted_s)
@@ -568,13 +597,33 @@ def _within(filename: object, folder: Path) -> bool:
     return Path(os.fsdecode(filename)).absolute().is_relative_to(folder.absolute())
 
 
+def _job_mistake(result: ProbeResult, smoke: bool) -> str | None:
+    """What a probe of the user's job says the job did wrong, in one line (the job's own last
+    lines included), or None: the layer's checks at any probe; with ``smoke`` (the run's
+    first probe, nothing fitted yet) any error too, a crash or rejected arguments."""
+    if result.spec.script is None:
+        return None
+    if result.job_mistake is not None:
+        return result.message or result.job_mistake
+    if smoke and result.outcome is Outcome.ERROR:
+        return (
+            f"the job failed at the first probe: {result.message}: check that it runs with the "
+            "arguments after -- and the --framework given"
+        )
+    return None
+
+
 class _Stop(Exception):
     """Ends the run early with its message as the reason (no probe is running); with
-    ``failure``, a fault of the tuner's own (the run's summary says it failed)."""
+    ``failure``, a fault of the tuner's own (the run's summary says it failed); with
+    ``mistake``, the user's job's own (the command says it as bad input)."""
 
-    def __init__(self, reason: str, *, failure: str | None = None) -> None:
+    def __init__(
+        self, reason: str, *, failure: str | None = None, mistake: str | None = None
+    ) -> None:
         super().__init__(reason)
         self.failure = failure
+        self.mistake = mistake
 
 
 def _folder(study_name: str) -> str:

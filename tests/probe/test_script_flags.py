@@ -12,6 +12,8 @@ flags is refused with the layer's one line, as the script then trains its defaul
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,67 @@ def test_an_unedited_script_is_probed_through_its_own_flags(
     result = probe(ScriptJob.read(PLAIN, "torchrun", args), "unflagged")
     assert result.outcome is Outcome.ERROR
     assert "where autotune asked for" in result.message, result.message
+
+
+def _run(tmp_path: Path, script: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """``autotune run --script`` of ``script`` on 1 CPU rank under a 64 MiB cap."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(dict(resolve_model("tiny").config)))
+    args = [
+        *("run", "--script", str(script), "--framework", "torchrun", "--model", str(model)),
+        *("--gpus", "1", "--device", "cpu", "--device-memory", "64MiB", "--seq-len", "64"),
+        *("--global-batch", "8", "--budget", "3m"),
+        *("--storage", f"sqlite:///{tmp_path}/study.db", "--trials-dir", str(tmp_path / "t")),
+        *options,
+        *("--", "--model", str(model), "--seq-len", "64"),
+    ]
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("autotune")), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def _recorded(tmp_path: Path) -> list[dict[str, object]]:
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("autotune")),
+            *("trials", "--json", "--storage", f"sqlite:///{tmp_path}/study.db"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [trial for study in json.loads(done.stdout) for trial in study["trials"]]
+
+
+@pytest.mark.slow
+def test_a_job_that_ignores_what_autotune_asks_stops_the_run_at_its_first_probe(
+    tmp_path: Path,
+) -> None:
+    """The plain script run without its flags named trains its own 4 sequences a
+    micro-batch: the run stops at its first probe with one line that says what the job fed
+    and which flag to name (exit 2), and records nothing against the configuration (no "no
+    configuration fits" after a dozen probes, no OOM of a size it never ran)."""
+    done = _run(tmp_path, PLAIN, "--engine", "single")
+    assert done.returncode == 2, done.stdout + done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert "where autotune asked for" in line and "--batch-flag" in line, line
+    assert "nothing was recorded against" in line
+    assert all(trial["state"] != "COMPLETE" for trial in _recorded(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_job_that_crashes_at_its_first_probe_stops_the_run_quoting_its_error(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "crash.py"
+    script.write_text("import sys\nsys.exit('cannot find the dataset /data/x')\n")
+    done = _run(tmp_path, script)
+    assert done.returncode == 2, done.stdout + done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert "cannot find the dataset /data/x" in line, line
+    assert all(trial["state"] != "COMPLETE" for trial in _recorded(tmp_path))
