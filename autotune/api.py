@@ -1038,11 +1038,6 @@ def _prepare(
             activation_offload=knobs.activation_offload and recorded.activation_offload,
             block_patterns=knobs.block_patterns,
         )
-    if job is not None and job.framework is Framework.ACCELERATE and on_cpu and per_node > 1:
-        raise ConfigError(
-            "--framework accelerate starts several ranks on GPUs only (on the CPU accelerate "
-            "launch starts them unjoined): use --gpus 1 on the CPU"
-        )
     if cap is not None and not on_cpu and cap > gpu.memory_bytes:
         raise ConfigError(
             f"--device-memory {format_bytes(cap)} is more than the {gpu.key}'s "

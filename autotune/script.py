@@ -702,13 +702,18 @@ def _accelerate_command(
     job: ScriptJob, launch: Launch, max_steps: int | None, cpu: bool
 ) -> JobCommand:
     config = _job_config(launch, max_steps, cpu)
+    env = {
+        # Accelerator() reads its accumulation here unless the script passes its own.
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(launch.grad_accum),
+        JOB_CONFIG_ENV: JOB_CONFIG_FILE,
+    }
+    if cpu:
+        # Without it, accelerate's ranks on a CPU never join one process group (each trains
+        # alone, while torch's variables still say the world is several).
+        env["ACCELERATE_USE_CPU"] = "1"
     return JobCommand(
         target=(job.path, *_script_args(job, launch)),
-        # Accelerator() reads its accumulation here unless the script passes its own.
-        env={
-            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(launch.grad_accum),
-            JOB_CONFIG_ENV: JOB_CONFIG_FILE,
-        },
+        env=env,
         files={
             ACCELERATE_CONFIG_FILE: render(launch, Format.ACCELERATE),
             JOB_CONFIG_FILE: json.dumps(config.to_dict(), indent=2) + "\n",

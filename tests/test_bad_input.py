@@ -304,10 +304,6 @@ CASES: list[tuple[tuple[str, ...], str]] = [
         "--model and --jobs",
     ),
     (
-        ("run", *CPU, "--script", "train.py", "--framework", "accelerate", "--gpus", "2"),
-        "--framework accelerate starts several ranks on GPUs only",
-    ),
-    (
         ("run", *CPU, "--script", "train.py", "--framework", "hf", "--batch-flag", "--bs"),
         "--batch-flag with --framework hf",
     ),

@@ -13,9 +13,9 @@ recorded.
   probed, an OOM under the emulated cap among them, the best exported as ``--format command``,
   and that export run for its steps: its peak within 10 % of the probe's, its tokens/s as a
   ratio to a probe of the same point measured just before it.
-- The same for a torchrun script over 2 ranks, and for an accelerate script (one rank:
-  ``accelerate launch`` on a CPU starts several ranks unjoined; beside other tests, so its
-  export's tokens/s are printed, not compared).
+- The same for a torchrun script over 2 ranks, and for an accelerate script (one rank, beside
+  other tests, so its export's tokens/s are printed, not compared; two CPU ranks of it, which
+  accelerate joins with ``ACCELERATE_USE_CPU``, are probed once).
 - DeepSpeed through the Trainer over 2 ranks: tuned and exported the same way (beside other
   tests, so its export's tokens/s are printed, not compared; no first probe of it sweeps a size
   that runs out, so its cap is a fixed one), and a probe that runs DeepSpeed's engine from
@@ -568,3 +568,31 @@ def test_a_model_of_the_users_own_is_measured_at_its_accumulation(
         assert size.extra["optimizers"] == ["SGD"]
         assert size.extra["tokens_counted"] is True
         assert len(size.losses) == 3 and all(loss > 0 for loss in size.losses)
+
+
+def test_an_accelerate_script_trains_over_two_cpu_ranks_as_one_group(
+    here: Path, job_probe: Callable[..., Any]
+) -> None:
+    """``accelerate launch`` of two ranks on the CPU, as the adapter starts it there
+    (``ACCELERATE_USE_CPU``: without it each rank trains alone, the layer refusing it): one
+    gloo group, DDP's wrapper seen, measured at the size asked."""
+    args = ["--model", str(here / "model"), "--seq-len", str(SEQ), "--steps", "50"]
+    config = TrainConfig.from_dict({"engine": "ddp"})
+    job = ScriptJob.read(EXAMPLES / "train_accelerate.py", "accelerate", args, "--batch-size")
+    spec = ProbeSpec(
+        model=str(here / "model"),
+        script=job,
+        config=config,
+        micro_batch_sizes=(2,),
+        seq_len=SEQ,
+        num_processes=2,
+        device="cpu",
+        warmup_steps=1,
+        timed_steps=2,
+        timeout_s=300.0,
+    )
+    result = launch_script_probe(spec, here / "probe")
+    assert result.outcome is Outcome.OK, result.message
+    (size,) = result.sizes
+    assert size.extra["wrapper"].startswith("DDP"), size.extra
+    assert size.loss_finite is True
