@@ -1156,7 +1156,13 @@ def _script_job(
         raise ConfigError("--script probes your job for real: leave out --simulate")
     batch, accum, checkpointing = flags
     return ScriptJob.read(
-        script, framework, args, batch, accum_flag=accum, checkpointing_flag=checkpointing
+        script,
+        framework,
+        args,
+        batch,
+        accum_flag=accum,
+        checkpointing_flag=checkpointing,
+        recognise=True,  # a script's own --batch-size, --grad-accum, ... by their names
     )
 
 

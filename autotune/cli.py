@@ -146,7 +146,8 @@ BatchFlagOption = Annotated[
     str | None,
     typer.Option(
         help="The script's own flag for the per-GPU micro-batch, e.g. --batch-size "
-        "(accelerate and torchrun scripts that do not read autotune.job_config()).",
+        "(accelerate and torchrun scripts; found by its name in the script's argparse unless "
+        "the script reads autotune.job_config(); none: it has none).",
         show_default=False,
     ),
 ]
@@ -154,7 +155,7 @@ AccumFlagOption = Annotated[
     str | None,
     typer.Option(
         help="The script's own flag for micro-steps per optimizer step, e.g. --grad-accum "
-        "(accelerate and torchrun scripts).",
+        "(found as --batch-flag is; none: it has none).",
         show_default=False,
     ),
 ]
@@ -162,7 +163,8 @@ CheckpointingFlagOption = Annotated[
     str | None,
     typer.Option(
         help="The script's own switch that checkpoints every decoder block, e.g. "
-        "--activation-checkpointing (given or left out; every k-th block is then not tried).",
+        "--activation-checkpointing (given or left out; every k-th block is then not tried; "
+        "found as --batch-flag is; none: it has none).",
         show_default=False,
     ),
 ]
@@ -1075,7 +1077,7 @@ def run(
     # With --json, stdout is the summary alone: the progress goes to stderr.
     shown = errors if json_output else console
     job = tuning.template.script
-    how = "" if job is None else f"; probes run {job.name} ({_job_ranks(job, warm)})"
+    how = "" if job is None else f"; probes run {job.name} ({_job_ranks(job, warm)}{_own(job)})"
     shown.print(
         f"tuning {tuning.model.name} on {ranks_text(tuning.template)} x {tuning.gpu.name}"
         f"{' (simulated)' if simulated else ''}, seq {w.seq_len}, global batch "
@@ -1124,6 +1126,17 @@ def run(
     if summary.mistake:
         raise ConfigError(summary.stop_reason)
     raise typer.Exit(0 if summary.best and not summary.failure else 1)
+
+
+def _own(job: ScriptJob) -> str:
+    """The script's own flags autotune sets, for the run's first line."""
+    flags = (
+        (job.batch_flag, "micro-batch"),
+        (job.accum_flag, "accumulation"),
+        (job.checkpointing_flag, "checkpointing"),
+    )
+    named = [f"{flag} ({knob})" for flag, knob in flags if flag]
+    return f"; its own flags {', '.join(named)}" if named else ""
 
 
 def _job_ranks(job: ScriptJob, warm: bool) -> str:

@@ -48,10 +48,13 @@ __all__ = [
     "JobConfig",
     "ScriptJob",
     "check_engines",
+    "declared_flags",
     "flag_value",
     "job_command",
     "job_config",
     "masked_args",
+    "reads_job_config",
+    "recognised_flags",
     "referenced_args",
     "rewrite_flags",
     "secret_flag",
@@ -269,6 +272,108 @@ KNOB_FLAGS: Mapping[str, tuple[str, str, str]] = {
 example, and the Trainer's field for it (the Trainer's flags are known)."""
 
 
+NO_FLAG = "none"
+"""What ``--batch-flag``, ``--accum-flag`` or ``--checkpointing-flag`` take to say the script
+has no such flag (none is then looked for in its source)."""
+
+_COMMON_FLAGS: Mapping[str, frozenset[str]] = {
+    "batch": frozenset(
+        {
+            "batch-size", "micro-batch-size", "micro-batch", "mbs", "per-device-batch-size",
+            "per-device-train-batch-size", "train-micro-batch-size", "local-batch-size",
+        }
+    ),
+    "accum": frozenset(
+        {
+            "grad-accum", "grad-accum-steps", "gradient-accumulation-steps",
+            "gradient-accumulation", "accumulation-steps", "accum-steps",
+            "grad-accumulation-steps",
+        }
+    ),
+    "checkpointing": frozenset(
+        {
+            "activation-checkpointing", "gradient-checkpointing", "checkpointing",
+            "grad-ckpt", "activation-ckpt",
+        }
+    ),
+}  # fmt: skip
+"""The flag names autotune recognises for each knob, written with dashes and in lower case
+(``--grad_accum`` is ``grad-accum``)."""
+
+
+def declared_flags(source: str) -> dict[str, str | None]:
+    """The options an argparse script declares in its own source (each literal option of an
+    ``add_argument`` call) and their ``action`` (None: it takes a value), read by Python's own
+    grammar without running the script; empty for a file that is not Python."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return {}
+    found: dict[str, str | None] = {}
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"
+        ):
+            continue
+        action = next(
+            (
+                kw.value.value
+                for kw in node.keywords
+                if kw.arg == "action" and isinstance(kw.value, ast.Constant)
+            ),
+            None,
+        )
+        for arg in node.args:
+            if (
+                isinstance(arg, ast.Constant)
+                and isinstance(arg.value, str)
+                and arg.value.startswith("-")
+            ):
+                found[arg.value] = action if isinstance(action, str) else None
+    return found
+
+
+def reads_job_config(source: str) -> bool:
+    """Whether a script calls ``job_config()`` (``autotune.job_config()``): it then takes its
+    configuration from autotune, and its own flags are not looked for."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+    return any(
+        isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Attribute) and node.func.attr == "job_config")
+            or (isinstance(node.func, ast.Name) and node.func.id == "job_config")
+        )
+        for node in ast.walk(tree)
+    )
+
+
+def recognised_flags(declared: Mapping[str, str | None]) -> dict[str, str]:
+    """The knob each of ``declared``'s options carries by its common name
+    (:data:`_COMMON_FLAGS`): a value-taking option for the micro-batch and the accumulation,
+    a ``store_true`` switch for checkpointing. A knob two options could carry has none."""
+    found: dict[str, str] = {}
+    for knob, names in _COMMON_FLAGS.items():
+        switch = knob == "checkpointing"
+        matches = [
+            option
+            for option, action in declared.items()
+            if option.lstrip("-").lower().replace("_", "-") in names
+            and (action == "store_true" if switch else action in (None, "store"))
+        ]
+        if len(matches) == 1:
+            found[knob] = matches[0]
+    return found
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScriptJob:
     """The user's training script, its framework and its own arguments."""
@@ -308,10 +413,17 @@ class ScriptJob:
         *,
         accum_flag: str | None = None,
         checkpointing_flag: str | None = None,
+        recognise: bool = False,
     ) -> ScriptJob:
         """The job of the script at ``path``, checked: it exists and is a Python file,
         ``framework`` is one autotune has an adapter for, and each flag named for a knob is a
-        flag, one knob's only, of a framework whose flags autotune does not know already."""
+        flag, one knob's only, of a framework whose flags autotune does not know already.
+
+        ``recognise``: a knob whose flag is not named takes the option the script declares
+        for it under a common name (:func:`recognised_flags`: ``--batch-size``,
+        ``--grad-accum``, a ``--gradient-checkpointing`` switch), as :func:`declared_flags`
+        reads the script's source, unless the script reads ``autotune.job_config()``;
+        :data:`NO_FLAG` (``none``) names no flag and looks for none."""
         script = Path(path).expanduser()
         if not script.is_file():
             raise ConfigError(
@@ -331,7 +443,21 @@ class ScriptJob:
             raise ConfigError(
                 f"the script {path} cannot be read ({error.strerror}): check its permissions"
             ) from None
-        given = {"batch": batch_flag, "accum": accum_flag, "checkpointing": checkpointing_flag}
+        given: dict[str, str | None] = {
+            "batch": batch_flag,
+            "accum": accum_flag,
+            "checkpointing": checkpointing_flag,
+        }
+        if recognise and kind is not Framework.HF and None in given.values():
+            try:
+                source = script.read_text(errors="replace")
+            except OSError:
+                source = ""
+            found = {} if reads_job_config(source) else recognised_flags(declared_flags(source))
+            for knob, option in found.items():
+                if given[knob] is None and option not in given.values():
+                    given[knob] = option
+        given = {k: None if v == NO_FLAG else v for k, v in given.items()}
         for knob, flag in given.items():
             if flag is None:
                 continue
@@ -357,9 +483,9 @@ class ScriptJob:
             path=str(script.resolve()),
             args=tuple(args),
             sha256=digest,
-            batch_flag=batch_flag,
-            accum_flag=accum_flag,
-            checkpointing_flag=checkpointing_flag,
+            batch_flag=given["batch"],
+            accum_flag=given["accum"],
+            checkpointing_flag=given["checkpointing"],
         )
 
     @property

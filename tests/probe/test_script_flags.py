@@ -25,7 +25,13 @@ from autotune.probe.forkserver import ForkServer
 from autotune.probe.outcome import Outcome
 from autotune.probe.scriptprobe import launch_script_probe
 from autotune.probe.spec import ProbeSpec
-from autotune.script import ScriptJob, job_command
+from autotune.script import (
+    ScriptJob,
+    declared_flags,
+    job_command,
+    reads_job_config,
+    recognised_flags,
+)
 from autotune.space import configurations
 
 PLAIN = Path(__file__).resolve().parents[2] / "examples" / "train_torchrun_plain.py"
@@ -72,6 +78,51 @@ def test_the_scripts_own_flags_carry_the_configuration() -> None:
     old = ScriptJob.read(PLAIN, "torchrun", user, batch_flag="--batch-size")
     assert old.key != job.key
     assert old.key == ScriptJob.from_dict({**old.to_dict(), "accum_flag": None}).key
+
+
+@pytest.mark.parametrize(
+    ("declared", "found"),
+    [
+        (
+            'p.add_argument("--batch_size", type=int)\n'
+            'p.add_argument("--gradient-accumulation-steps", type=int)\n'
+            'p.add_argument("--grad-ckpt", action="store_true")',
+            {"batch": "--batch_size", "accum": "--gradient-accumulation-steps",
+             "checkpointing": "--grad-ckpt"},
+        ),
+        # Two options a knob could take: neither; a checkpointing flag that takes a value
+        # and a batch switch are not the knobs' forms.
+        (
+            'p.add_argument("--batch-size")\np.add_argument("--micro-batch-size")\n'
+            'p.add_argument("--gradient-checkpointing", type=bool)',
+            {},
+        ),
+        ('p.add_argument("--mbs", action="store_true")', {}),
+        ("this is not Python (", {}),
+    ],
+)  # fmt: skip
+def test_a_scripts_own_flags_are_recognised_by_their_names_in_its_source(
+    declared: str, found: dict[str, str]
+) -> None:
+    assert recognised_flags(declared_flags(declared)) == found
+
+
+def test_recognised_flags_tune_an_unedited_script_unless_it_reads_autotune(
+    tmp_path: Path,
+) -> None:
+    """The plain script's flags are found without being named; ``none`` disowns one; a
+    script that reads ``autotune.job_config()`` gets none (the configuration reaches it
+    whole, every k-th block included)."""
+    job = ScriptJob.read(PLAIN, "torchrun", recognise=True)
+    assert (job.batch_flag, job.accum_flag, job.checkpointing_flag) == tuple(FLAGS.values())
+    disowned = ScriptJob.read(PLAIN, "torchrun", recognise=True, accum_flag="none")
+    assert disowned.accum_flag is None and disowned.batch_flag == "--batch-size"
+    assert ScriptJob.read(PLAIN, "torchrun").batch_flag is None  # only when asked
+    reader = PLAIN.with_name("train_torchrun.py")
+    assert reads_job_config(reader.read_text())
+    assert "--batch-size" in declared_flags(reader.read_text())
+    kept = ScriptJob.read(reader, "torchrun", recognise=True)
+    assert (kept.batch_flag, kept.accum_flag, kept.checkpointing_flag) == (None, None, None)
 
 
 def test_a_checkpointing_switch_leaves_every_kth_block_out_of_the_space() -> None:
@@ -162,11 +213,12 @@ def _recorded(tmp_path: Path) -> list[dict[str, object]]:
 def test_a_job_that_ignores_what_autotune_asks_stops_the_run_at_its_first_probe(
     tmp_path: Path,
 ) -> None:
-    """The plain script run without its flags named trains its own 4 sequences a
+    """The plain script run with its flags disowned (``none``) trains its own 4 sequences a
     micro-batch: the run stops at its first probe with one line that says what the job fed
     and which flag to name (exit 2), and records nothing against the configuration (no "no
     configuration fits" after a dozen probes, no OOM of a size it never ran)."""
-    done = _run(tmp_path, PLAIN, "--engine", "single")
+    none = ("--batch-flag", "none", "--accum-flag", "none", "--checkpointing-flag", "none")
+    done = _run(tmp_path, PLAIN, "--engine", "single", *none)
     assert done.returncode == 2, done.stdout + done.stderr
     [line] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert "where autotune asked for" in line and "--batch-flag" in line, line
@@ -185,3 +237,15 @@ def test_a_job_that_crashes_at_its_first_probe_stops_the_run_quoting_its_error(
     [line] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert "cannot find the dataset /data/x" in line, line
     assert all(trial["state"] != "COMPLETE" for trial in _recorded(tmp_path))
+
+
+@pytest.mark.slow
+def test_an_unedited_script_is_tuned_through_the_flags_found_in_it(tmp_path: Path) -> None:
+    """``autotune run --script`` of the plain script with no flag named: its first line names
+    the flags found, and the run ends with a best measured through them (exit 0)."""
+    done = _run(tmp_path, PLAIN, "--engine", "single", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "its own flags --batch-size (micro-batch), --grad-accum (accumulation)" in done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["best"] is not None and summary["mistake"] is None
+    assert summary["best"]["label"] in ("single ac:off", "single ac:every")
