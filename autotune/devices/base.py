@@ -39,13 +39,19 @@ class Clock(Protocol):
         ...
 
     def charge(self, seconds: float) -> None:
-        """A probe (or a device's set-up step) that reports it took ``seconds`` has
-        finished."""
+        """A probe that reports it took ``seconds`` has finished."""
+        ...
+
+    def exempt(self, seconds: float) -> None:
+        """A device's set-up step (building DeepSpeed ops, starting warm workers) that took
+        ``seconds`` has finished: time the budget does not count, so a one-time build never
+        spends the probes' budget."""
         ...
 
 
 class WallClock:
-    """Real elapsed time, from the clock's creation (probes cost what they took)."""
+    """Real elapsed time, from the clock's creation (probes cost what they took), less the
+    set-up steps' time."""
 
     def __init__(self) -> None:
         self._started = time.monotonic()
@@ -55,6 +61,9 @@ class WallClock:
 
     def charge(self, seconds: float) -> None:
         pass  # the wall clock has moved on by itself
+
+    def exempt(self, seconds: float) -> None:
+        self._started += seconds
 
 
 class ProbeClock:
@@ -69,6 +78,9 @@ class ProbeClock:
 
     def charge(self, seconds: float) -> None:
         self._spent += seconds
+
+    def exempt(self, seconds: float) -> None:
+        pass  # set-up steps never charged it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -327,7 +327,7 @@ class Controller:
                     continue
                 waiting, pause = False, WAIT_FIRST_S
                 self._set_up(proposal, probes)
-                left = self.budget_s - self.elapsed()  # less any set-up step's time
+                left = self.budget_s - self.elapsed()
                 predicted_s = self._predicted_s(proposal)
                 need = max(predicted_s * self._cost_scale(), MIN_PROBE_TIMEOUT_S)
                 if probes and left < need:
@@ -422,8 +422,10 @@ class Controller:
         )
 
     def _set_up(self, proposal: Proposal, probes: int) -> None:
-        """Run the device's set-up steps for the proposal's probe, if it has any (charged to
-        the run's budget, never to a probe)."""
+        """Run the device's set-up steps for the proposal's probe, if it has any: charged
+        neither to a probe nor to the run's budget (an op build of minutes on a busy machine
+        would otherwise spend a short budget before the first probe); the summary lists each
+        with its time."""
         spec = self.template.spec(
             proposal.config, proposal.micro_batch_sizes, timeout_s=self.probe_timeout_s
         )
@@ -439,7 +441,7 @@ class Controller:
             self._setting_up = step.label
             done = step.run()
             self._setting_up = None
-            self.clock.charge(done.seconds)
+            self.clock.exempt(done.seconds)
             self._setups.append(done)
             self.on_event(
                 Event(

@@ -9,7 +9,7 @@ import pytest
 
 from autotune.api import prepare
 from autotune.devices import Clock, Device, ErrorTerm, SimulatedDevice
-from autotune.devices.base import SetupResult, SetupStep
+from autotune.devices.base import SetupResult, SetupStep, WallClock
 from autotune.probe import ProbeResult, ProbeSpec
 from autotune.search.controller import (
     FIRST_PROBE_GUESS_S,
@@ -219,6 +219,35 @@ def test_a_ctrl_c_in_a_set_up_step_says_no_probe_was_running(tmp_path: Path) -> 
         "stopped; no probe was running"
     )
     assert not [m for m in summary.measurements if m.state == "FAIL"]
+
+
+class _LongSetUp(_Hooked):
+    """A device whose first probe needs a set-up step that took longer than the budget (a
+    first DeepSpeed op build on a busy node)."""
+
+    def setup(self, spec: ProbeSpec) -> list[SetupStep]:
+        if self.results:
+            return []
+
+        def build() -> SetupResult:
+            return SetupResult(label="building DeepSpeed ops", ok=True, seconds=7200.0, message="")
+
+        return [SetupStep(label="building DeepSpeed ops", run=build)]
+
+
+def test_a_set_up_step_is_not_charged_to_the_budget(tmp_path: Path) -> None:
+    """The budget is the probes': a 2-hour set-up step before the first probe of a 1-hour run
+    leaves the whole hour to probe (it once ended a run before its first probe), and the
+    summary lists the step with its time."""
+    controller, _, _ = _controller(tmp_path, SCENARIOS[0], budget_s=3600.0)
+    controller.device = _LongSetUp(controller.device, lambda spec: None)
+    summary = controller.run()
+    assert summary.probes >= 3 and summary.best is not None
+    assert [(s.label, s.seconds) for s in summary.setups] == [("building DeepSpeed ops", 7200.0)]
+    assert summary.elapsed_s < 3600.0
+    clock = WallClock()
+    clock.exempt(100.0)
+    assert clock.elapsed() < 0  # a step's time taken off what the wall clock counts
 
 
 def test_probe_timeouts_follow_measured_probes_and_the_budget(tmp_path: Path) -> None:
