@@ -53,6 +53,8 @@ class LiveTensorBytes(TorchDispatchMode):
         super().__init__()
         self.limit_bytes = limit_bytes
         self._live: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self._aside: set[int] = set()
+        """Storages :meth:`set_aside` took out of the count, while they live."""
         self.live_bytes = 0
         self.peak_bytes = 0
 
@@ -93,10 +95,30 @@ class LiveTensorBytes(TorchDispatchMode):
         if entry is not None:
             self.live_bytes -= entry[1]
 
+    def set_aside(self, storage: torch.UntypedStorage) -> int:
+        """Stop counting ``storage`` for as long as it lives (what a GPU run keeps in host
+        memory: a data set held as one tensor); the bytes it no longer counts."""
+        key = storage._cdata
+        if key in self._aside:
+            return 0
+        self._aside.add(key)
+        weakref.finalize(storage, self._aside.discard, key)
+        entry = self._live.pop(key, None)
+        if entry is None:
+            return 0
+        self.live_bytes -= entry[1]
+        return entry[1]
+
+    def counts(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is live in the count."""
+        return storage._cdata in self._live
+
     def _track(self, storage: torch.UntypedStorage) -> None:
         if storage.device.type == "meta":
             return
         key = storage._cdata
+        if key in self._aside:
+            return
         nbytes = storage.nbytes()
         entry = self._live.get(key)
         if entry is None:

@@ -78,6 +78,11 @@ PROBE_DIR_ENV = "AUTOTUNE_PROBE_DIR"
 
 _OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}
 
+DATA_MIN_BYTES = 1 << 20
+"""The smallest integer storage the CPU's emulated device takes for a job's in-memory data
+(:meth:`Layer._set_data_aside`): a model's integer buffers and a micro-batch's ids stay
+below it or are told apart."""
+
 
 def runs_script(job: ScriptJob, argv: list[str]) -> bool:
     """Whether an interpreter started with ``argv`` (``sys.orig_argv``) runs the job's script."""
@@ -293,6 +298,10 @@ class Layer:
         self.stage = Stage.BUILD
         self.vocab_rows = 0
         """Rows of the largest embedding fed token ids so far: the token embedding."""
+        self._last_ids: Any = None
+        """The token ids of the micro-step beginning (while :meth:`_micro_step` runs)."""
+        self.host_data_bytes = 0
+        """Bytes of the job's in-memory data the CPU's emulated device no longer counts."""
         self.steps: list[_Step] = []
         self.current: _Step | None = None
         self.done = False
@@ -428,7 +437,11 @@ class Layer:
             return
         if module.num_embeddings > self.vocab_rows:
             self.vocab_rows = module.num_embeddings  # a larger table: the token embedding
-        self._micro_step(tuple(ids.shape))
+        self._last_ids = ids
+        try:
+            self._micro_step(tuple(ids.shape))
+        finally:
+            self._last_ids = None
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
         """A module returned a loss (a Hugging Face model's output, or a one-element tensor
@@ -452,6 +465,7 @@ class Layer:
             return
         now = self._sync()
         if self.stage is Stage.BUILD:
+            self._set_data_aside()
             self.meter.reset()  # the model is built: the steps' peak starts here
             self.report.update(build_s=time.time() - self.began)
             self.current = _Step(began=now)
@@ -469,6 +483,43 @@ class Layer:
         self.current.shapes.append(shape)
         self.current.wrappers.append(wrapper_of(self._calling_modules()))
         self.stage = Stage.FORWARD
+
+    def _set_data_aside(self) -> None:
+        """On the CPU, when training begins: take the job's in-memory data out of the
+        emulated device's count, as a GPU run keeps it in host memory and copies each batch
+        over. The rule: integer tensors whose storage is at least :data:`DATA_MIN_BYTES` and
+        four times the first micro-batch's token ids, other than the model's buffers (token
+        ids, labels and masks of a data set held as tensors; a model's weights and states are
+        floating point). What was set aside is in the size's ``host_data_bytes``."""
+        tracker = self.meter.tracker
+        if tracker is None:
+            return
+        import gc
+
+        torch = self.torch
+        modules = self._calling_modules()
+        ids = self._last_ids
+        batch = ids.numel() * ids.element_size() if ids is not None else 0
+        buffers = {
+            b.untyped_storage()._cdata for m in modules[:1] for b in m.buffers() if not b.is_meta
+        }
+        aside = 0
+        for obj in gc.get_objects():
+            if not isinstance(obj, torch.Tensor) or obj.is_floating_point() or obj.is_complex():
+                continue
+            if obj.device.type != "cpu" or obj.is_meta:
+                continue
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            nbytes = storage.nbytes()
+            if nbytes < max(DATA_MIN_BYTES, 4 * batch) or storage._cdata in buffers:
+                continue
+            if tracker.counts(storage):
+                aside += tracker.set_aside(storage)
+        if aside:
+            self.host_data_bytes += aside
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.current is None:
@@ -594,6 +645,7 @@ class Layer:
             "optimizers": sorted(self.optimizers),
             "wrapper": self.steps[-1].wrappers[-1].name,
             "checkpointed_blocks": self.steps[-1].checkpoints / self.steps[-1].micro_steps,
+            "host_data_bytes": self.host_data_bytes,
             **speed.to_dict(),
             **memory,
         }

@@ -596,3 +596,47 @@ def test_an_accelerate_script_trains_over_two_cpu_ranks_as_one_group(
     (size,) = result.sizes
     assert size.extra["wrapper"].startswith("DDP"), size.extra
     assert size.loss_finite is True
+
+
+DATA_JOB = """
+import argparse
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import autotune
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+args = parser.parse_args()
+job = autotune.job_config()
+config = AutoConfig.from_pretrained(args.model)
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(config)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+# The whole data set in memory as one tensor of token ids (8,192 sequences: 4 MiB).
+data = torch.randint(0, config.vocab_size, (8192, job.seq_len))
+for step in range(job.max_steps):
+    start = step * job.micro_batch_size
+    ids = data[start : start + job.micro_batch_size]
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+"""
+
+
+def test_a_jobs_in_memory_data_set_is_not_counted_as_device_memory_on_the_cpu(
+    here: Path, job_probe: Callable[..., Any]
+) -> None:
+    """A job holding its data set as one 4 MiB tensor of token ids: a GPU run keeps it in
+    host memory, so the CPU's emulated device sets it aside when training begins. Under a
+    6 MiB cap the step's peak (about 3 MiB without the data, 7 with it) fits, and the size
+    says what was set aside; the model's own memory is still counted."""
+    script = here / "data_job.py"
+    script.write_text(DATA_JOB)
+    args = ["--model", str(here / "model")]
+    result = job_probe(script, "torchrun", args, device_memory_bytes=6 << 20)
+    assert result.outcome is Outcome.OK, result.message
+    (size,) = result.sizes
+    assert size.extra["host_data_bytes"] == 8192 * SEQ * 8
+    assert size.peak_allocated_bytes is not None
+    assert 1 << 20 < size.peak_allocated_bytes < 6 << 20
