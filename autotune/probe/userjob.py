@@ -60,6 +60,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,8 @@ def runs_script(job: ScriptJob, argv: list[str]) -> bool:
 def _batch_hint(job: ScriptJob) -> str:
     if job.framework is Framework.HF:
         return "does it read --per_device_train_batch_size and --gradient_accumulation_steps?"
+    if "transformers.trainer" in sys.modules:  # the job's process imported the Trainer
+        return "it trains with a Hugging Face Trainer: give --framework hf"
     own = [
         f"{option} {flag}"
         for option, flag in (("--batch-flag", job.batch_flag), ("--accum-flag", job.accum_flag))
@@ -504,8 +507,13 @@ class Layer:
             b.untyped_storage()._cdata for m in modules[:1] for b in m.buffers() if not b.is_meta
         }
         aside = 0
-        for obj in gc.get_objects():
-            if not isinstance(obj, torch.Tensor) or obj.is_floating_point() or obj.is_complex():
+        with warnings.catch_warnings():  # isinstance on a deprecated proxy warns
+            warnings.simplefilter("ignore")
+            objects = gc.get_objects()
+            tensors = [obj for obj in objects if isinstance(obj, torch.Tensor)]
+        del objects
+        for obj in tensors:
+            if obj.is_floating_point() or obj.is_complex():
                 continue
             if obj.device.type != "cpu" or obj.is_meta:
                 continue
