@@ -466,9 +466,10 @@ class Layer:
         if self.stage is Stage.FORWARD and self.current is not None:
             self.current.shapes[-1] = shape  # the same micro-step (another embedding call)
             return
+        if self.stage is Stage.BUILD:
+            self._set_data_aside()  # its scan of the process's objects in no step's time
         now = self._sync()
         if self.stage is Stage.BUILD:
-            self._set_data_aside()
             self.meter.reset()  # the model is built: the steps' peak starts here
             self.report.update(build_s=time.time() - self.began)
             self.current = _Step(began=now)
