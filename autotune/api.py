@@ -1429,6 +1429,7 @@ def _check_probe_host(model: ModelSpec, spec: ProbeSpec, given: int | None) -> N
     memory = estimate_memory(
         model, spec.config, micro_batch_size=size, seq_len=spec.seq_len,
         world_size=spec.world_size, cuda_allocator=spec.device == "cuda",
+        grad_accum=spec.accumulation(size),
     )  # fmt: skip
     device = memory.device_bytes
     if spec.device_memory_bytes is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from autotune.config import (
@@ -35,6 +35,7 @@ __all__ = [
     "configurations",
     "ladder_key",
     "micro_batch_options",
+    "oom_rules_out",
 ]
 
 
@@ -82,6 +83,18 @@ class Workload:
                 "sequences per rank: pick a divisor"
             )
         return self.per_rank_batch // micro_batch_size
+
+
+def oom_rules_out(failed: int, mbs: int, accumulation: Callable[[int], int]) -> bool:
+    """Whether an OOM at micro-batch ``failed`` means ``mbs`` runs out of memory too, where
+    ``accumulation`` gives each size's micro-steps per optimizer step.
+
+    Memory grows with the micro-batch, but a size that accumulates keeps the earlier
+    micro-steps' gradients through the next forward, and a size trained in one micro-step
+    (the whole per-rank batch) keeps none: an OOM of an accumulating size rules out the larger
+    accumulating sizes only (FSDP2 keeps 4 bytes a parameter of unsharded gradients between
+    micro-steps, more than a micro-batch's activations)."""
+    return mbs >= failed and (accumulation(mbs) > 1 or accumulation(failed) == 1)
 
 
 def micro_batch_options(workload: Workload, limit: int | None = None) -> list[int]:

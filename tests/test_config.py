@@ -350,3 +350,18 @@ def test_losses_are_parsed_from_text_or_lists() -> None:
     with pytest.raises(ConfigError, match="use --loss chunked with ZeRO-3"):
         TrainConfig(engine="deepspeed", zero_stage=3, loss="fused")
     assert TrainConfig(loss="chunked").label() == "single ac:off loss:chunked"
+
+
+def test_an_oom_rules_out_the_larger_sizes_that_accumulate_alike() -> None:
+    """A size that accumulates keeps the earlier micro-steps' gradients through the next
+    forward; the whole per-rank batch in one micro-step keeps none: an OOM at an accumulating
+    size says nothing of it (with FSDP2 it may need 4 bytes a parameter less)."""
+    from autotune.space import Workload, micro_batch_options, oom_rules_out
+
+    work = Workload(seq_len=2048, global_batch=64, world_size=8)  # 8 sequences a rank
+    assert micro_batch_options(work) == [1, 2, 4, 8]
+    accumulation = work.grad_accum
+    assert oom_rules_out(2, 4, accumulation) and oom_rules_out(2, 2, accumulation)
+    assert not oom_rules_out(4, 2, accumulation)
+    assert not oom_rules_out(4, 8, accumulation)  # 8 is trained in one micro-step
+    assert oom_rules_out(8, 8, accumulation)

@@ -56,6 +56,7 @@ from autotune.probe.metrics import probe_throughput
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.probe.spec import ProbeSpec
+from autotune.space import oom_rules_out
 
 __all__ = [
     "REPLAYED",
@@ -399,7 +400,7 @@ class ReplayDevice(AnsweredDevice):
         failed: int | None = None
         steps = spec.warmup_steps + spec.timed_steps
         for mbs in spec.micro_batch_sizes:
-            if failed is not None and mbs >= failed:
+            if failed is not None and oom_rules_out(failed, mbs, spec.accumulation):
                 continue  # as the worker: a larger size cannot fit either
             samples = self.grid.recorded(spec.config, mbs)
             if not samples:

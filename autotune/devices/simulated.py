@@ -46,6 +46,7 @@ from autotune.probe.metrics import probe_throughput
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.probe.spec import ProbeSpec
+from autotune.space import oom_rules_out
 from autotune.units import format_bytes
 
 __all__ = ["ErrorTerm", "SimulatedDevice"]
@@ -258,7 +259,7 @@ class SimulatedDevice(AnsweredDevice):
         failed: int | None = None
         outcome, stage, message = Outcome.OK, None, ""
         for mbs in spec.micro_batch_sizes:
-            if failed is not None and mbs >= failed:
+            if failed is not None and oom_rules_out(failed, mbs, spec.accumulation):
                 continue  # as the worker: a larger size cannot fit either
             memory = estimate_memory(
                 model,
@@ -267,6 +268,7 @@ class SimulatedDevice(AnsweredDevice):
                 seq_len=spec.seq_len,
                 world_size=spec.world_size,
                 cuda_allocator=caching_allocator(self.gpu),
+                grad_accum=spec.accumulation(mbs),
             )
             memory_factor, time_factor = self.bias(spec.model, spec.config, mbs)
             # Reserved: the live tensors and the allocator's unusable blocks (what must fit).

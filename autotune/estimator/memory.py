@@ -76,6 +76,19 @@ class StateLayout:
     """Extra during the optimizer step (ZeRO's partition updates, gathers)."""
     host: float
     """Host memory this rank needs for offloaded states."""
+    accumulated_per_layer: float = 0.0
+    """Gradient bytes of one block kept from a micro-step to the next while gradients
+    accumulate (the last micro-step reduces them): DDP's whole gradients, FSDP2's unsharded
+    ones in the reduce dtype, DeepSpeed's compute-dtype gradients or their partition."""
+    accumulated_head: float = 0.0
+    """Same for the embeddings, final norm and lm_head."""
+    accumulated_buffers: float = 0.0
+    """Buffers kept from one micro-step's backward into the next one (DeepSpeed's reduce
+    bucket)."""
+    accumulated_in_place: bool = True
+    """Whether a later micro-step's gradients are added into the kept ones as they are made
+    (DDP, DeepSpeed: the walk's gradients are part of the kept bytes), or kept beside them
+    until the block's reduction frees them (FSDP2: its sharded gradients are made anew)."""
 
 
 def fragmentation(config: TrainConfig) -> float:
@@ -148,7 +161,7 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
     master = 2.0 if config.precision is Precision.BF16 else 4.0
     compute = float(config.precision.compute_bytes)
     engine, stage, offload = config.engine, config.zero_stage, config.offload
-    zero = dict(
+    zero: dict[str, Any] = dict(
         resident_buffers=0.0,
         held_per_layer=0.0,
         working_weights=0.0,
@@ -174,6 +187,9 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
                 "resident_buffers": master * P if engine is Engine.DDP else 0.0,
                 "layer_backward_buffers": (compute + master) * largest,
             },
+            # Between micro-steps each weight's gradient stays (DDP's no_sync).
+            accumulated_per_layer=master * per_layer,
+            accumulated_head=master * root,
         )
     if engine is Engine.FSDP:
         # Sharded fp32 weights, moments and gradients; unsharded compute-dtype weights of the
@@ -182,6 +198,7 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
         # A block's backward holds its unsharded gradient and the fp32 copy reduce-scattered.
         on_host = offload is Offload.PARAMS
         sharded = 3 * master * P / n
+        reduced = 4.0 if config.precision is Precision.BF16_MIXED else master
         return StateLayout(
             parameters=0.0 if on_host else master * P / n,
             optimizer=0.0 if on_host else moment_bytes(model, config, world_size),
@@ -194,10 +211,20 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
             layer_backward_buffers=(compute + master) * per_layer,
             step_extra=0.0,
             host=sharded + master * P / n if on_host else 0.0,
+            # Without the reduce-scatter (set_requires_gradient_sync(False)) each weight keeps
+            # its unsharded gradient, in the reduce dtype (fp32 under bf16 mixed), on the
+            # device even with parameter offload, until the last micro-step's reduction.
+            accumulated_per_layer=reduced * per_layer,
+            accumulated_head=reduced * root,
+            accumulated_in_place=False,
         )
     # DeepSpeed (fits of bench/model_states.py and of probes with activations, docs/estimator.md).
     # ZeRO-0 keeps compute-dtype and fp32 weights and the moments resident, makes
     # compute-dtype gradients in the backward and fp32 ones for the step: 20 bytes a parameter.
+    # Between micro-steps ZeRO-0 and -1 keep each weight's compute-dtype gradient, ZeRO-2 its
+    # reduced partition, and ZeRO-1/2 their reduce bucket (hidden² values, launch.py's
+    # bucket sizes); ZeRO-3 accumulates into its resident fp32 partition.
+    bucket = compute * model.hidden_size**2
     if stage == 0:
         return StateLayout(
             parameters=(compute + master) * P,
@@ -205,7 +232,16 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
             gradients_per_layer=compute * per_layer,
             gradients_head=compute * root,
             **{**zero, "step_extra": master * P},
+            accumulated_per_layer=compute * per_layer,
+            accumulated_head=compute * root,
         )
+    kept: dict[str, Any] = {
+        "accumulated_per_layer": 0.0
+        if stage == 3
+        else compute * per_layer / (n if stage == 2 else 1),
+        "accumulated_head": 0.0 if stage == 3 else compute * root / (n if stage == 2 else 1),
+        "accumulated_buffers": 0.0 if stage == 3 else bucket,
+    }
     # ZeRO-1/2: compute-dtype weights whole, master weights and moments partitioned, and
     # gradient partitions and flat buffers filling up to 2 + 24/N bytes a parameter at the
     # step. ZeRO-3 partitions the weights too and keeps an fp32 gradient partition resident:
@@ -225,6 +261,7 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
                 "resident_buffers": resident_grads,
                 "working_weights": 2 * compute * per_layer if stage == 3 else 0.0,
             },
+            **kept,
         )
     # Offload: master weights, moments and fp32 gradients on the host; the device keeps the
     # compute-dtype weights (only those gathered for the block at work with parameter offload)
@@ -240,10 +277,11 @@ def state_layout(model: ModelSpec, config: TrainConfig, world_size: int) -> Stat
             "working_weights": 2 * compute * per_layer if stage == 3 else 0.0,
             "host": states + master * P / n + (compute * P / n if params_off else 0.0),
         },
+        **kept,
     )
 
 
-def _lora_layout(model: ModelSpec, config: TrainConfig, zero: dict[str, float]) -> StateLayout:
+def _lora_layout(model: ModelSpec, config: TrainConfig, zero: dict[str, Any]) -> StateLayout:
     """LoRA on the plain engines: the frozen weights in 16 bits (fp32 in fp32), and fp32
     adapters (peft makes them fp32 whatever the base's dtype) with their fp32 gradients and
     Adam moments: 16 bytes an adapter parameter; DDP's buckets hold the adapters' gradients
@@ -263,6 +301,7 @@ def _lora_layout(model: ModelSpec, config: TrainConfig, zero: dict[str, float]) 
             "resident_buffers": 4.0 * adapters if config.engine is Engine.DDP else 0.0,
             "layer_backward_buffers": 4.0 * largest,
         },
+        accumulated_per_layer=4.0 * per_layer,
     )
 
 
@@ -321,6 +360,7 @@ def estimate_memory(
     world_size: int = 1,
     profile: ActivationProfile | None = None,
     cuda_allocator: bool = True,
+    grad_accum: int = 1,
 ) -> MemoryEstimate:
     """Peak live device bytes of one rank over a steady-state training step.
 
@@ -334,6 +374,9 @@ def estimate_memory(
         cuda_allocator: Add the CUDA caching allocator's unusable blocks
             (:attr:`MemoryEstimate.allocator_bytes`); False for a device whose tensors are
             counted exactly (the CPU's emulated device memory).
+        grad_accum: Micro-steps per optimizer step. From the second one on, the gradients
+            kept from the micro-steps before are alive through the forward and backward
+            (:class:`StateLayout`'s ``accumulated_*``): 2 or more give one peak.
 
     Returns:
         The peak, where it falls, and its breakdown.
@@ -365,12 +408,30 @@ def estimate_memory(
         "buffers": states.resident_buffers + states.root_weights,
     }
     points: list[tuple[str, dict[str, float]]] = []
+    # A later micro-step walks the same points with the kept gradients on top: all of them
+    # where its own gradients are added into them, or those of the blocks its backward has
+    # not reduced yet (``done``: blocks whose backward is over).
+    accumulating = grad_accum > 1
+    kept_grads = states.accumulated_head + layers * states.accumulated_per_layer
 
-    def point(phase: str, **parts: float) -> None:
+    def point(phase: str, made: float = 0.0, done: int | None = None, **parts: float) -> None:
+        """A point of the walk; ``made``: the weights' gradients among its ``gradients``
+        (the rest are the loss's transients); ``done``: blocks whose backward is over, or
+        None for the optimizer step (after the last micro-step)."""
         sums = dict.fromkeys(CATEGORIES, 0.0)
         for key, value in [*base.items(), *parts.items()]:
             sums[key] += value
         points.append((phase, sums))
+        if not accumulating or done is None:
+            return
+        if states.accumulated_in_place:
+            more = max(0.0, kept_grads - made)
+        else:
+            more = states.accumulated_head + (layers - done) * states.accumulated_per_layer
+        later = dict(sums)
+        later["gradients"] += more
+        later["buffers"] += states.accumulated_buffers
+        points.append((phase, later))
 
     head_copy = prof.head_weight_copy_bytes
     head_saved = prof.head_saved_per_token * tokens
@@ -386,6 +447,7 @@ def estimate_memory(
     if last_ck is not None:
         point(
             "forward",
+            done=0,
             activations=kept_before[last_ck] + saved,
             buffers=held_before[last_ck + 1]
             + prof.layer_weight_copy_bytes * (last_ck + 1)
@@ -394,12 +456,14 @@ def estimate_memory(
     copies_in_cache = prof.layer_weight_copy_bytes * layers if ac or config.ac_ops else all_held
     point(
         "loss",
+        done=0,
         activations=all_kept + head_saved + prof.head_forward_per_token * chunk,
         gradients=prof.head_loss_bytes,
         buffers=max(copies_in_cache, all_held) + head_copy + states.working_weights,
     )
     point(
         "backward",
+        done=0,
         activations=all_kept
         + head_saved
         + prof.head_backward_per_token * chunk
@@ -426,6 +490,8 @@ def estimate_memory(
         recast = prof.layer_weight_copy_bytes if recomputed(j) else 0.0
         point(
             "backward",
+            made=grads,
+            done=layers - 1 - j,
             activations=kept_before[j] + own + prof.layer_backward_per_token * tokens,
             gradients=grads,
             buffers=held_before[j + 1]
@@ -435,6 +501,8 @@ def estimate_memory(
         )
         point(
             "backward",
+            made=grads + states.gradients_per_layer,
+            done=layers - j,
             activations=kept_before[j],
             gradients=grads + states.gradients_per_layer,
             buffers=held_before[j] + states.working_weights,

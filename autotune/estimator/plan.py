@@ -247,6 +247,7 @@ def plan(
                 seq_len=workload.seq_len,
                 world_size=workload.world_size,
                 cuda_allocator=caching_allocator(gpu),
+                grad_accum=workload.grad_accum(mbs),
             )
 
         memories = {m: peak(m) for m in sizes}

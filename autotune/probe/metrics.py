@@ -112,7 +112,7 @@ def probe_throughput(
         optimizer_step_s=optimizer_step_s,
         micro_batch_size=micro_batch_size,
         seq_len=spec.seq_len,
-        grad_accum=spec.grad_accum,
+        grad_accum=spec.accumulation(micro_batch_size),
         world_size=spec.world_size,
         model_flops_per_token=model.flops_per_token(spec.seq_len, lora_rank=spec.config.lora_rank),
         hardware_flops_per_token=model.hardware_flops_per_token(

@@ -341,7 +341,7 @@ def _timing_problem(entry: Mapping[str, Any], spec: ProbeSpec) -> str | None:
         return f"size {mbs}'s timed window ({window} s) is not the sum of its timed steps"
     if not min(times) - _ABS_TOL_S <= step <= max(times) + _ABS_TOL_S:
         return f"size {mbs}'s step time ({step} s) is outside its timed steps' durations"
-    tokens = mbs * spec.seq_len * spec.grad_accum * spec.world_size
+    tokens = mbs * spec.seq_len * spec.accumulation(mbs) * spec.world_size
     if not _close(speed, tokens / step):
         return f"size {mbs}'s tokens/s ({speed}) is not {tokens} tokens a step over its step time"
     return None

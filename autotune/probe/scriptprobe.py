@@ -178,21 +178,6 @@ def _log_tail(folder: Path) -> str:
     return " | ".join(lines[-LOG_LINES:])
 
 
-MAX_PROBE_ACCUMULATION = 2
-"""Micro-steps per optimizer step of a job's probe, at most: from the second one on, the
-gradients of the one before are alive through its forward, which is the peak of training
-with accumulation; more micro-steps add time, not memory."""
-
-
-def accumulation(spec: ProbeSpec, micro_batch_size: int) -> int:
-    """Micro-steps per optimizer step of the job's run at ``micro_batch_size``: as training
-    accumulates at that size, up to :data:`MAX_PROBE_ACCUMULATION`."""
-    if spec.global_batch is None:
-        return spec.grad_accum
-    steps = spec.global_batch // (micro_batch_size * spec.world_size)
-    return max(1, min(MAX_PROBE_ACCUMULATION, steps))
-
-
 def _write_command(folder: Path, run: JobCommand, launch: Launch) -> None:
     """cmd.txt: this run of the job by hand, as the launcher ran it (the launcher's own
     lines name its worker, which a job's probe does not run)."""
@@ -238,7 +223,7 @@ def _run_size(
     warm: ForkServer | None,
 ) -> ProbeResult:
     one = dataclasses.replace(
-        spec, micro_batch_sizes=(micro_batch_size,), grad_accum=accumulation(spec, micro_batch_size)
+        spec, micro_batch_sizes=(micro_batch_size,), grad_accum=spec.accumulation(micro_batch_size)
     )
     launch = size_launch(one, micro_batch_size)
     steps = spec.warmup_steps + spec.timed_steps + SPARE_STEPS

@@ -10,7 +10,13 @@ from autotune.config import ConfigError, Engine, Precision, TrainConfig
 from autotune.rlhf import Placement, RLHFProbe
 from autotune.script import ScriptJob
 
-__all__ = ["ProbeSpec", "ProbeTemplate"]
+__all__ = ["MAX_PROBE_ACCUMULATION", "ProbeSpec", "ProbeTemplate"]
+
+MAX_PROBE_ACCUMULATION = 2
+"""Micro-steps per optimizer step of a probe, at most: from the second one on, the gradients
+of the one before are alive through its forward (and, where the engine skips the reduction
+until the last micro-step, kept unreduced: FSDP2 keeps each block's whole gradient), which is
+the peak of training with accumulation; more micro-steps add time, not memory."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,7 +37,8 @@ class ProbeSpec:
     seq_len: int = 2048
     """Tokens per sequence (the user's recipe; never changed by the tuner)."""
     grad_accum: int = 1
-    """Micro-steps per optimizer step during the probe."""
+    """Micro-steps per optimizer step during the probe where no global batch says
+    (:meth:`accumulation`)."""
     num_processes: int = 1
     """Ranks per node (the data-parallel world size on one node)."""
     nodes: int = 1
@@ -55,9 +62,9 @@ class ProbeSpec:
     """The user's training job to run instead of autotune's stand-in (each micro-batch size
     a run of its own); None: the stand-in."""
     global_batch: int | None = None
-    """The workload's global batch (sequences). A job's run at a size accumulates as training
-    does, up to 2 micro-steps: a micro-step's gradients are then alive through the next
-    one's forward, as in training (at 1 the optimizer step frees them first)."""
+    """The workload's global batch (sequences): each size accumulates as training does at it,
+    up to :data:`MAX_PROBE_ACCUMULATION` micro-steps (:meth:`accumulation`); None: every size
+    at ``grad_accum``."""
     rlhf: RLHFProbe | None = None
     """An RL iteration instead of a training step: the other models and the rollout engine's
     reservation (``autotune/probe/rlhf.py``); None: training alone."""
@@ -114,6 +121,16 @@ class ProbeSpec:
     def world_size(self) -> int:
         """Ranks in all: ``num_processes`` on each of ``nodes``."""
         return self.num_processes * self.nodes
+
+    def accumulation(self, micro_batch_size: int) -> int:
+        """Micro-steps per optimizer step the probe runs at ``micro_batch_size``: as training
+        accumulates at that size (the global batch over the size and the ranks), up to
+        :data:`MAX_PROBE_ACCUMULATION`; ``grad_accum`` without a global batch, and for an RL
+        iteration (whose micro-steps are its own)."""
+        if self.global_batch is None or self.rlhf is not None:
+            return self.grad_accum
+        steps = self.global_batch // (micro_batch_size * self.world_size)
+        return max(1, min(MAX_PROBE_ACCUMULATION, steps))
 
     @property
     def tokens_per_micro_step(self) -> int:

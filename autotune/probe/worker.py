@@ -42,6 +42,7 @@ from autotune.probe.metrics import now, probe_throughput, synchronize
 from autotune.probe.outcome import Outcome, Stage, is_oom_error
 from autotune.probe.report import RankReport
 from autotune.probe.spec import ProbeSpec
+from autotune.space import oom_rules_out
 
 if TYPE_CHECKING:
     from autotune.probe.rlhf import Iteration
@@ -174,6 +175,7 @@ class _StepLoop:
             seed=spec.seed + self.rank.rank,
             device=str(device),
         )
+        accumulation = spec.accumulation(micro_batch_size)
         meter.reset()
         self.stage = Stage.FORWARD
         _inject_fault(self.rank.rank, spec.config)
@@ -187,8 +189,8 @@ class _StepLoop:
                 synchronize(device)
                 window_start = now()
             loss = None
-            for micro in range(spec.grad_accum):
-                sync = micro == spec.grad_accum - 1
+            for micro in range(accumulation):
+                sync = micro == accumulation - 1
                 synchronize(device)
                 began = now()
                 self.stage = Stage.FORWARD
@@ -373,7 +375,7 @@ def _engine_context(spec: ProbeSpec, model: ModelSpec, rank: _Rank) -> EngineCon
         rank=rank.rank,
         world_size=rank.world_size,
         micro_batch_size=spec.micro_batch_sizes[0],
-        grad_accum=spec.grad_accum,
+        grad_accum=spec.accumulation(spec.micro_batch_sizes[0]),
         lr=spec.lr,
         seed=spec.seed,
     )
@@ -466,7 +468,8 @@ def _measure_size(
 
 
 def _measure(probe: _Probe, built: _Built) -> int:
-    """Measure each micro-batch size; on one rank an OOM skips the sizes above it."""
+    """Measure each micro-batch size; on one rank an OOM skips the sizes it rules out
+    (``space.oom_rules_out``: the larger ones that accumulate as it did)."""
     loop: _StepLoop | _IterationLoop = (
         _StepLoop(probe.spec, built.model, probe.rank, built.trainee)
         if built.iteration is None
@@ -474,8 +477,8 @@ def _measure(probe: _Probe, built: _Built) -> int:
     )
     failed_size: int | None = None
     for mbs in probe.spec.micro_batch_sizes:
-        if failed_size is not None and mbs >= failed_size:
-            continue  # memory only grows with the micro-batch: it cannot fit either
+        if failed_size is not None and oom_rules_out(failed_size, mbs, probe.spec.accumulation):
+            continue  # memory grows with the micro-batch: it cannot fit either
         failure = _measure_size(probe, built, loop, mbs)
         if failure is None:
             continue

@@ -111,6 +111,7 @@ def _memory_figure(
             seq_len=fp.seq_len,
             world_size=fp.gpus,
             cuda_allocator=cuda,
+            grad_accum=fp.workload.grad_accum(m.micro_batch_size),
         )
         for m in points
     ]

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow
 from autotune.search.residuals import Observation, ResidualModel
+from autotune.space import oom_rules_out
 from autotune.study.fingerprint import Objective
 from autotune.study.measurement import RETRYABLE, Measurement, pooled
 
@@ -160,20 +161,36 @@ def _by_config(measurements: list[Measurement]) -> dict[TrainConfig, _Seen]:
 
 @dataclass(frozen=True, slots=True)
 class _Memory:
-    """A configuration's calibrated memory line and its uncertainty."""
+    """A configuration's calibrated memory line and its uncertainty. ``whole``: the size
+    trained in one micro-step (the per-rank batch), which keeps no gradients between
+    micro-steps: its own line, the planner's offset (``space.oom_rules_out``)."""
 
     row: PlanRow
     seen: _Seen
+    whole: int
+
+    def accumulation(self, mbs: int) -> int:
+        """1 for the size trained in one micro-step, 2 (or more) below it."""
+        return 1 if mbs >= self.whole else 2
+
+    def alike(self, a: int, b: int) -> bool:
+        """Whether two sizes both accumulate, or neither does (one memory line)."""
+        return (self.accumulation(a) > 1) == (self.accumulation(b) > 1)
 
     def peak(self, mbs: int) -> float:
-        measured = sorted(self.seen.ok.items())
-        if len(measured) >= 2:
+        alike = [(m, p) for m, p in sorted(self.seen.ok.items()) if self.alike(m, mbs)]
+        measured = alike or sorted(self.seen.ok.items())
+        if len(alike) >= 2:
             (m1, p1), (m2, p2) = measured[0], measured[-1]
             return p2 + (p2 - p1) / (m2 - m1) * (mbs - m2)
-        if len(measured) == 1:
-            ((m1, p1),) = measured
+        if measured:
+            m1, p1 = measured[-1]
             return self.row.peak_at(mbs) + p1 - self.row.peak_at(m1)
         return self.row.peak_at(mbs)
+
+    def ruled_out(self, mbs: int) -> bool:
+        """An OOM measured at this size or one that rules it out."""
+        return any(oom_rules_out(o, mbs, self.accumulation) for o in self.seen.oom)
 
     @property
     def error(self) -> float:
@@ -184,9 +201,7 @@ class _Memory:
         """Fits by the calibrated line (measured sizes: as measured)."""
         if mbs in self.seen.ok:
             return mbs not in self.seen.oom
-        return (
-            mbs < min(self.seen.oom, default=mbs + 1) and self.peak(mbs) <= self.row.capacity_bytes
-        )
+        return not self.ruled_out(mbs) and self.peak(mbs) <= self.row.capacity_bytes
 
     def chance_to_fit(self, mbs: int) -> float:
         """1 where the calibrated line fits, falling to 0 at the edge of its uncertainty."""
@@ -199,7 +214,7 @@ class _Memory:
 
     def may_fit(self, mbs: int) -> bool:
         """Fits within the uncertainty of the calibrated line."""
-        if mbs in self.seen.ok or mbs >= min(self.seen.oom, default=mbs + 1):
+        if mbs in self.seen.ok or self.ruled_out(mbs):
             return self.fits(mbs)
         return self.peak(mbs) <= self._edge()
 
@@ -325,7 +340,7 @@ def _candidates(
         heavy = row.host is not None and row.host.node_bytes >= host_limit
         if not row.host_fits or (heavy and not s.ok):
             continue  # needs more host memory than the node has, or than a killed probe
-        memory = _Memory(row, s)
+        memory = _Memory(row, s, sizes[-1])
         open_sizes = [m for m in sizes if m in predicted and m not in s.ok and memory.may_fit(m)]
         if not open_sizes:
             continue  # every size that may fit is measured: the limit is bracketed
@@ -339,12 +354,21 @@ def _candidates(
             continue  # cannot beat the best measured, even optimistically
         fitting = [m for m in sizes if m in predicted and memory.fits(m)]
         target = fitting[-1] if fitting else open_sizes[0]
-        probe = {m for m in open_sizes if m >= target}
+        # One probe holds sizes alike in accumulation: the ranks of a probe end at an OOM, and
+        # one of a size that accumulates says nothing of the whole batch in one micro-step.
+        probe = {m for m in open_sizes if m >= target and memory.alike(m, target)}
         if not probe:  # the limit is measured; a smaller size is predicted faster
             target = max(open_sizes, key=lambda m: predicted[m])
             probe = {target}
         if not s.ok and target in open_sizes:
-            below = [m for m in sizes if m < target and m in predicted]
+            below = [
+                m
+                for m in sizes
+                if m < target
+                and m in predicted
+                and memory.alike(m, target)
+                and not memory.ruled_out(m)
+            ]
             if below:
                 probe.add(below[-1])  # a second point for the memory line and the speed
         # Expected objective: the calibrated prediction there times the chance that it fits

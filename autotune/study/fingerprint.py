@@ -18,10 +18,18 @@ from autotune.config import ConfigError
 from autotune.script import ScriptJob
 from autotune.space import Workload
 
-__all__ = ["DEFAULT_STORAGE", "Fingerprint", "Objective", "software_versions"]
+__all__ = ["DEFAULT_STORAGE", "PROBE_METHOD", "Fingerprint", "Objective", "software_versions"]
 
 DEFAULT_STORAGE = "sqlite:///trials/autotune.db"
 """Where studies live unless ``--storage`` says otherwise (relative to the working folder)."""
+
+
+PROBE_METHOD = 2
+"""How the probes measure, stored with each study: 1, autotune's stand-in at accumulation 1 (its
+optimizer step freed the gradients before the next forward); 2, every probe accumulating as
+training does, up to 2 micro-steps (``ProbeSpec.accumulation``), so the peak holds the
+gradients kept between micro-steps. Measurements of another method are another study, so a
+study of method 1 is measured again rather than mixed with method 2's."""
 
 
 class Objective(enum.StrEnum):
@@ -92,6 +100,8 @@ class Fingerprint:
     fields: framework, path, arguments, content hash); None: autotune's stand-in. The
     arguments are stored, and read back, with their secrets masked (``--db-password ***``):
     another password or token is the same study."""
+    method: int = PROBE_METHOD
+    """:data:`PROBE_METHOD` the probes measured with (a study stored without one: 1)."""
 
     def __post_init__(self) -> None:
         if self.script is not None:  # as stored: a study read back is masked too
@@ -110,7 +120,7 @@ class Fingerprint:
     @property
     def study_name(self) -> str:
         """Readable and unique, e.g. ``llama-7b/seq2048/gbs512@8xH100-80GB/`` followed by
-        ``torch2.13.0+ds0.19.8+tf5.23.0``.
+        ``torch2.13.0+ds0.19.8+tf5.23.0+probe2`` (the probes' method, from 2 on).
 
         CPU and simulated studies say so, and never mix with real GPU measurements.
         """
@@ -134,6 +144,8 @@ class Fingerprint:
             f"{short.get(k, k)}{self.software[k]}"
             for k in sorted(self.software, key=lambda k: (*_SOFTWARE, k).index(k))
         )
+        if self.method != 1:  # method 1's studies keep the names they were stored under
+            versions += f"+probe{self.method}"
         return f"{name}/{versions}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,4 +154,4 @@ class Fingerprint:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fingerprint:
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{"method": 1, **{k: v for k, v in data.items() if k in known}})

@@ -36,9 +36,11 @@ __all__ = [
     "pooled",
 ]
 
-RETRYABLE = ("interrupted", "stale")
+RETRYABLE = ("interrupted", "stale", "not_run")
 """Outcomes of trials that failed through no fault of their configuration (Ctrl-C, a tuner
-that died): the search retries such a point once."""
+that died, a size its probe stopped before: the ranks of a probe end at an OOM, and an OOM
+of a size that accumulates does not rule out the whole per-rank batch): the search retries
+such a point once."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -59,6 +59,7 @@ from autotune.config import (
 from autotune.probe.metrics import throughput
 from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult, SizeResult
+from autotune.space import oom_rules_out
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
 from autotune.study.measurement import Measurement, StoredTrial, best_point, decode
 from autotune.study.reader import (
@@ -562,10 +563,12 @@ class TrialStore:
             attrs.update(outcome=Outcome.HOST_OOM.value, message=result.message)
             return self._infeasible(trial, attrs, 1.0)
         if entry is None:
-            # Never run at this size: a larger-than-failed size (inferred OOM) or a probe that
-            # stopped early.
+            # Never run at this size: one an OOM rules out (inferred OOM: a larger size that
+            # accumulates alike, space.oom_rules_out) or a probe that stopped early.
             smaller_oom = any(
-                s.outcome is Outcome.OOM and s.micro_batch_size <= mbs for s in result.sizes
+                s.outcome is Outcome.OOM
+                and oom_rules_out(s.micro_batch_size, mbs, self.workload.grad_accum)
+                for s in result.sizes
             )
             if smaller_oom:
                 attrs.update(outcome=Outcome.OOM.value, inferred=True)

@@ -171,13 +171,14 @@ def test_the_chunked_loss_is_planned_only_where_it_pays(
 
 
 def test_the_chunked_loss_replaces_checkpointing_where_the_logits_stop_the_batch() -> None:
-    """qwen2.5-1.5b (vocabulary 151,936) on one A100 40GB: without checkpointing the model's own
-    loss fits micro-batch 1, the chunked one 2, which the plan ranks above checkpointing every
-    4th block at micro-batch 2 (one more forward of the output layer costs less)."""
+    """qwen2.5-1.5b (vocabulary 151,936) on one L40S (48 GB), accumulating (the fp32 gradients
+    kept between micro-steps): without checkpointing the model's own loss fits micro-batch 1,
+    the chunked one 2, which the plan ranks above checkpointing every 4th block (one more
+    forward of the output layer costs less)."""
     rows = plan(
         resolve_model("qwen2.5-1.5b"),
-        gpu_spec("a100-40gb"),
-        Workload(seq_len=2048, global_batch=64, world_size=1),
+        gpu_spec("l40s"),
+        Workload(seq_len=2048, global_batch=8, world_size=1),
         knobs=LOSSES_ONLY,
     )
     best = rows[0]
@@ -252,13 +253,18 @@ OPTIMIZERS_ONLY = dataclasses.replace(LADDER_ONLY, optimizers=tuple(Optimizer))
 
 def test_8bit_adamw_is_planned_only_where_it_pays() -> None:
     """llama-7b on one H100: fused AdamW's 16 bytes a parameter fit only with offload, 8-bit
-    AdamW's 10 fit without, and that row is the plan's best. Every 8-bit row fits a larger
+    AdamW's 10 fit without, and that row is the plan's best where nothing accumulates (with
+    accumulation the fp32 gradients kept through the forward leave it micro-batch 2, and
+    parameter offload at the whole batch is faster). Every 8-bit row fits a larger
     micro-batch than its twin with fused AdamW, is never faster at the same size, and none
     pairs with DeepSpeed or offload; the ladder alone has none."""
     spec, gpu = resolve_model("llama-7b"), gpu_spec("h100-80gb")
+    one_step = plan(spec, gpu, Workload(seq_len=2048, global_batch=1, world_size=1))[0]
+    assert one_step.config.optimizer is Optimizer.ADAMW_8BIT
+    assert one_step.config.engine is Engine.SINGLE
     work = Workload(seq_len=2048, global_batch=64, world_size=1)
     best = plan(spec, gpu, work)[0]
-    assert best.config.optimizer is Optimizer.ADAMW_8BIT and best.config.engine is Engine.SINGLE
+    assert best.config.offload.value == "params" and best.grad_accum == 1
     rows = plan(spec, gpu, work, knobs=OPTIMIZERS_ONLY)
     fused = {r.config: r for r in rows if r.config.optimizer is Optimizer.ADAMW}
     eight = [r for r in rows if r.config.optimizer is Optimizer.ADAMW_8BIT]

@@ -100,8 +100,9 @@ def _assert_trains(result: ProbeResult, num_processes: int) -> None:
 def test_supported_config_trains(
     run_probe: RunProbe, config: TrainConfig, num_processes: int
 ) -> None:
-    """This configuration trains on the CPU in this many processes."""
-    result = run_probe(config, num_processes=num_processes)
+    """This configuration trains on the CPU in this many processes, accumulating 2 micro-steps
+    an optimizer step as the search's probes do (DeepSpeed's boundary set by the step loop)."""
+    result = run_probe(config, num_processes=num_processes, grad_accum=2)
     _assert_trains(result, num_processes)
 
 

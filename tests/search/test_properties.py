@@ -29,7 +29,7 @@ from autotune.estimator.plan import PlanRow, plan
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
 from autotune.search.ladder import Proposal, propose
-from autotune.space import Workload, micro_batch_options
+from autotune.space import Workload, micro_batch_options, oom_rules_out
 from autotune.study.measurement import Measurement
 
 T = TypeVar("T")
@@ -92,7 +92,8 @@ def build_study(draw: Draw) -> tuple[int, list[Measurement]]:
     """A workload and a study of it, of one of two kinds:
 
     - open: some configurations measured at some sizes below their first out-of-memory size
-      (if any), each measured/predicted ratio drawn in 0.6-1.4 (so the bound keeps some
+      (if any; the whole per-rank batch, which keeps no gradients between micro-steps, out of
+      memory too or not), each measured/predicted ratio drawn in 0.6-1.4 (so the bound keeps some
       configurations open), some trials failed, interrupted or running elsewhere;
     - finished: every configuration measured up to its limit at speeds drawn close together
       (so only near-ties are left), at most one point re-measured so far.
@@ -139,6 +140,10 @@ def build_study(draw: Draw) -> tuple[int, list[Measurement]]:
                 add(config, mbs, "COMPLETE", "ok", value=value, peak_bytes=peak, repeat=repeat)
         if oom_at is not None:
             add(config, sizes[oom_at], "COMPLETE", "oom", value=0.0)
+            # The whole per-rank batch (one micro-step, no gradients kept) is open after an
+            # OOM of a size that accumulates: measured out of memory too, or not yet.
+            if oom_at < len(sizes) - 1 and (finished or draw.pick([False, True])):
+                add(config, sizes[-1], "COMPLETE", "oom", value=0.0)
         extra = draw.pick([None, None, "error", "interrupted", "running"])
         free = [m for m in below if m not in {x.micro_batch_size for x in measurements
                                               if x.config == config}]  # fmt: skip
@@ -188,7 +193,17 @@ def test_a_proposal_never_repeats_a_point_nor_defies_an_oom(
         return
     mine = [m for m in measurements if m.config == proposal.config]
     ooms = [m.micro_batch_size for m in mine if m.outcome == "oom"]
-    assert all(mbs < min(ooms) for mbs in proposal.micro_batch_sizes) if ooms else True
+
+    def accumulation(mbs: int) -> int:  # the largest size is the whole per-rank batch
+        return 1 if mbs == sizes[-1] else 2
+
+    for mbs in proposal.micro_batch_sizes:  # an OOM rules out the larger sizes alike
+        assert not any(oom_rules_out(o, mbs, accumulation) for o in ooms), (
+            ooms,
+            mbs,
+            sizes,
+            proposal,
+        )
     assert not any(m.state == "RUNNING" for m in mine), "a configuration running elsewhere"
     assert not any(m.outcome == "error" for m in mine), "a configuration that failed for good"
     assert list(proposal.micro_batch_sizes) == sorted(set(proposal.micro_batch_sizes))

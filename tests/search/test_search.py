@@ -139,11 +139,11 @@ def test_the_budget_stops_the_search_and_keeps_the_best(tmp_path: Path) -> None:
 def test_a_probe_that_cannot_finish_is_named_and_resumed(tmp_path: Path) -> None:
     """The budget stops the run before a probe it cannot finish; the run says which probe and
     how long it needs, and a resumed run with more budget starts with it."""
-    controller, _, _ = _controller(tmp_path, SCENARIOS[1], budget_s=60.0)
+    controller, _, _ = _controller(tmp_path, SCENARIOS[1], budget_s=600.0)
     summary = controller.run()
     following = summary.next_proposal
     assert following is not None and summary.next_s is not None
-    left = 60.0 - summary.elapsed_s
+    left = 600.0 - summary.elapsed_s
     assert summary.next_s > left
     assert following.config.label() in summary.stop_reason
     assert summary.to_dict()["next"]["micro_batch_sizes"] == list(following.micro_batch_sizes)
@@ -301,7 +301,7 @@ def test_search_lands_within_2_percent_when_the_estimator_is_off_by_10(
     def value(config: object, mbs: int) -> float:
         spec = ProbeSpec(
             model=name, config=config, micro_batch_sizes=(mbs,), seq_len=seq,  # type: ignore[arg-type]
-            num_processes=world, device="cuda",
+            num_processes=world, device="cuda", global_batch=gbs,  # accumulating as trained
         )  # fmt: skip
         ok = truth.launch(spec, tmp_path / "truth").ok_sizes()
         if not ok or ok[0].micro_step_s is None or ok[0].optimizer_step_s is None:

@@ -61,14 +61,19 @@ def _probe(
 
 def test_study_names_are_readable_and_separate_what_differs() -> None:
     name = _fingerprint(device="cuda").study_name
-    assert name == "llama-7b/seq4096/gbs512@8xH100-80GB/torch2.13.0+ds0.19.8+tf5.23.0"
+    assert name == "llama-7b/seq4096/gbs512@8xH100-80GB/torch2.13.0+ds0.19.8+tf5.23.0+probe2"
     assert _fingerprint().study_name != name  # simulated never mixes with real
     assert "2n16x" in _fingerprint(gpus=16, nodes=2).study_name
     assert _fingerprint(objective="mfu").study_name.split("/")[3] == "mfu"
     other = _fingerprint(software={"torch": "2.14.0", "deepspeed": "0.19.8", "transformers": "5"})
     assert other.study_name != _fingerprint().study_name
     driver = {**_fingerprint().software, "driver": "580.159.04"}
-    assert _fingerprint(software=driver).study_name.endswith("+tf5.23.0+drv580.159.04")
+    assert _fingerprint(software=driver).study_name.endswith("+tf5.23.0+drv580.159.04+probe2")
+    # Probes that accumulated (method 2) never mix with a study of the stand-in at
+    # accumulation 1, which keeps the name it was stored under (stored without a method).
+    stored = {k: v for k, v in _fingerprint(device="cuda").to_dict().items() if k != "method"}
+    old = Fingerprint.from_dict(stored)
+    assert old.method == 1 and old.study_name == name.removesuffix("+probe2")
     # A --device-memory cap is a study of its own: its trials' feasibility line differs.
     capped = _fingerprint(device="cuda", gpu_memory_bytes=40 << 30, capped=True).study_name
     assert capped.startswith("llama-7b/seq4096/gbs512@8xH100-80GB-cap40GiB/")

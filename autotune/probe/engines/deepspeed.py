@@ -21,13 +21,13 @@ class _DeepSpeedTrainee(Trainee):
         self.model = engine.module
 
     def forward(self, input_ids: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        # The step loop says where the boundary is (a probe's sizes may accumulate
+        # differently, where DeepSpeed's own count follows its config's one number).
+        self.engine.set_gradient_accumulation_boundary(sync)
         return self.engine(input_ids=input_ids, labels=input_ids).loss
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.engine.backward(loss)
-        if not sync:
-            # DeepSpeed counts micro-steps in step(): on accumulation steps it only advances.
-            self.engine.step()
 
     def optimizer_step(self) -> None:
         self.engine.step()
