@@ -796,6 +796,8 @@ def _selective_context():
 
 def apply_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """Checkpoint, then shard each decoder block and the root with fully_shard."""
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False  # as measured: no key-value cache kept while training
     blocks = decoder_blocks(model)
     for index, block in enumerate(blocks):
         if CHECKPOINT_EVERY and index % CHECKPOINT_EVERY == 0:
