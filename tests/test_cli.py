@@ -153,7 +153,8 @@ def test_run_on_the_cpu_finds_a_fit_records_trials_and_resumes(tmp_path: Path) -
 
 
 def test_run_on_a_simulated_gpu_says_so(tmp_path: Path) -> None:
-    args = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8")
+    # The simulated noise of seed 1 leaves near-ties with the best to re-measure.
+    args = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8", "--seed", "1")
     done = autotune(*args, "--seq-len", "4096", "--global-batch", "512", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
@@ -206,7 +207,7 @@ def test_a_probe_the_budget_cuts_short_is_recorded_as_interrupted(
     """Every rank hangs after its build: the budget's end, not a hang guard, stops the probe."""
     monkeypatch.setenv("AUTOTUNE_TEST_FAULT", "hang")
     args = ("run", "--model", "tiny", "--device", "cpu", "--device-memory", "4MiB")
-    done = autotune(*args, "--seq-len", "64", "--budget", "35s", "--json", cwd=tmp_path)
+    done = autotune(*args, "--seq-len", "64", "--budget", "12s", "--json", cwd=tmp_path)
     assert done.returncode == 1, done.stderr  # nothing measured, so no best
     summary = json.loads(done.stdout)
     assert summary["probes"] == 1 and summary["stop_reason"].startswith("budget spent")
@@ -315,7 +316,7 @@ def test_the_live_log_and_the_tables_show_one_figure_per_point(tmp_path: Path) -
     """Every size the live log reports is the figure the study recorded (at the workload's
     accumulation, which the line names), so the log and the tables never disagree; with
     ``--json`` the same progress goes to stderr and stdout is the summary alone."""
-    args = ("run", "--model", "tiny", "--simulate", "h100-80gb", "--global-batch", "256")
+    args = ("run", "--model", "qwen2.5-1.5b", "--simulate", "h100-80gb", "--global-batch", "256")
     done = autotune(*args, "--budget", "2m", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     json.loads(done.stdout)  # nothing but the summary
@@ -329,7 +330,7 @@ def test_the_live_log_and_the_tables_show_one_figure_per_point(tmp_path: Path) -
     }
     for size, speed, accum in logged:
         assert (int(size), int(speed.replace(",", "")), int(accum)) in recorded
-    assert any(int(accum) > 1 for _, _, accum in logged)  # the probe's own was 1
+    assert any(int(accum) > 2 for _, _, accum in logged)  # the probe's own was at most 2
 
 
 def test_run_takes_precision_and_attention_as_plan_and_probe_do(tmp_path: Path) -> None:
