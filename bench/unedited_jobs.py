@@ -32,7 +32,7 @@ from autotune.config import TrainConfig
 from autotune.models import resolve_model
 from autotune.probe.metrics import throughput
 from autotune.probe.outcome import Outcome
-from autotune.probe.scriptprobe import launch_script_probe, measured_environment
+from autotune.probe.scriptprobe import launch_script_probe, run_measured
 from autotune.probe.spec import ProbeSpec
 from autotune.script import ScriptJob
 
@@ -146,18 +146,12 @@ def measure(job: Job, budget: str, root: Path) -> dict[str, Any]:
         hardware_flops_per_token=1.0,
         peak_flops=None,
     ).tokens_per_second
-    measured = exported / "measured"
-    measured.mkdir()
-    (measured / "config.json").write_text(json.dumps(spec.to_dict()))
-    env = measured_environment(measured, dict(os.environ))
-    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
-    ran = subprocess.run(
-        ["sh", str(script)], cwd=exported, env=env, capture_output=True, text=True, timeout=900
-    )
-    if ran.returncode != 0:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    ran = run_measured(["sh", str(script)], spec, exported, env=env, timeout_s=900)
+    if ran.returncode != 0 or ran.reports[0] is None:
         row["error"] = f"the export: {ran.stderr.strip().splitlines()[-1:]}"
         return row
-    (entry,) = json.loads((measured / "rank0.json").read_text())["sizes"]
+    (entry,) = ran.reports[0]["sizes"]
     # The study's recorded peak (its probes accumulate as training does, up to 2 micro-steps).
     peak_probe = best.get("peak_bytes") or size.peak_allocated_bytes
     row.update(

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import autotune
 from autotune.launch import Launch, one_line
@@ -35,7 +38,14 @@ from autotune.probe.spec import ProbeSpec
 from autotune.probe.userjob import PROBE_DIR_ENV
 from autotune.script import JobCommand, ScriptJob, job_command, placed, shell_text, write_files
 
-__all__ = ["MEASURE_DIR", "ScriptSpawner", "launch_script_probe", "measured_environment"]
+__all__ = [
+    "MEASURE_DIR",
+    "MeasuredRun",
+    "ScriptSpawner",
+    "launch_script_probe",
+    "measured_environment",
+    "run_measured",
+]
 
 MEASURE_DIR = Path(__file__).parent / "measure"
 """The folder whose ``sitecustomize`` turns the measurement layer on in a job's ranks."""
@@ -55,6 +65,46 @@ def measured_environment(probe_dir: Path, base: dict[str, str]) -> dict[str, str
     if base.get("PYTHONPATH"):
         path.append(base["PYTHONPATH"])
     return {**base, PROBE_DIR_ENV: str(probe_dir), "PYTHONPATH": os.pathsep.join(path)}
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredRun:
+    """A run of the job outside autotune (an exported command, as its user runs it) with the
+    measurement layer on."""
+
+    returncode: int
+    stderr: str
+    reports: list[dict[str, Any] | None]
+    """Each rank's report (what a probe's rank writes), None where a rank wrote none."""
+
+
+def run_measured(
+    command: Sequence[str],
+    spec: ProbeSpec,
+    folder: Path,
+    *,
+    env: Mapping[str, str],
+    timeout_s: float,
+) -> MeasuredRun:
+    """Run ``command`` in ``folder`` with the measurement layer checking it against ``spec``
+    (its micro-batch, accumulation, checkpointing and engine) and reading each rank's steps
+    and peak, as in a probe; ``env`` is the environment the command would have without the
+    layer. The layer's files go to ``folder/measured``."""
+    measured = folder / "measured"
+    measured.mkdir(parents=True)
+    (measured / "config.json").write_text(json.dumps(spec.to_dict()))
+    done = subprocess.run(
+        list(command),
+        cwd=folder,
+        env=measured_environment(measured, dict(env)),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    paths = [measured / f"rank{rank}.json" for rank in range(spec.world_size)]
+    reports = [json.loads(path.read_text()) if path.is_file() else None for path in paths]
+    return MeasuredRun(returncode=done.returncode, stderr=done.stderr, reports=reports)
 
 
 def _transformers() -> str | None:

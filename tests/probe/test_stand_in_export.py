@@ -22,7 +22,7 @@ import pytest
 
 from autotune.config import TrainConfig
 from autotune.models import resolve_model
-from autotune.probe.scriptprobe import measured_environment
+from autotune.probe.scriptprobe import run_measured
 from autotune.probe.spec import ProbeSpec
 from autotune.script import ScriptJob
 
@@ -63,8 +63,6 @@ def run_export(settings: Path, best: dict, model: Path, folder: Path) -> list[in
     args = ("--settings", str(settings), "--model", str(model), "--seq-len", str(SEQ))
     args += ("--steps", "8")
     script = ROOT / "examples" / "train_fsdp.py"
-    measured = folder / "measured"
-    measured.mkdir(parents=True)
     spec = ProbeSpec(
         model=str(model),
         script=ScriptJob.read(script, "torchrun", args),
@@ -75,18 +73,13 @@ def run_export(settings: Path, best: dict, model: Path, folder: Path) -> list[in
         num_processes=RANKS,
         device="cpu",
     )
-    (measured / "config.json").write_text(json.dumps(spec.to_dict()))
-    env = measured_environment(measured, dict(os.environ))
-    env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}"]
-    done = subprocess.run(
-        [*command, str(script), *args],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = run_measured([*command, str(script), *args], spec, folder, env=env, timeout_s=600)
     assert done.returncode == 0, done.stderr[-3000:]
     peaks = []
-    for rank in range(RANKS):
-        report = json.loads((measured / f"rank{rank}.json").read_text())
+    for report in done.reports:
+        assert report is not None
         (entry,) = report["sizes"]
         assert report["status"] == "ok" and entry["outcome"] == "ok", entry.get("message")
         peaks.append(entry["peak_reserved_bytes"])

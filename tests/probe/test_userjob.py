@@ -42,7 +42,7 @@ from autotune.devices import LocalDevice
 from autotune.models import resolve_model
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.outcome import Outcome
-from autotune.probe.scriptprobe import launch_script_probe, measured_environment
+from autotune.probe.scriptprobe import launch_script_probe, run_measured
 from autotune.probe.spec import ProbeSpec
 from autotune.script import ScriptJob
 from autotune.search.ladder import Proposal, propose
@@ -197,8 +197,6 @@ def run_export(text: str, case: Case, best: dict[str, Any], folder: Path) -> dic
     folder.mkdir()
     script = folder / "run.sh"
     script.write_text(text)
-    measured = folder / "measured"
-    measured.mkdir()
     spec = ProbeSpec(
         model=str(case.model),
         script=case.job,
@@ -209,18 +207,13 @@ def run_export(text: str, case: Case, best: dict[str, Any], folder: Path) -> dic
         num_processes=case.ranks,
         device="cpu",
     )
-    (measured / "config.json").write_text(json.dumps(spec.to_dict()))
-    env = measured_environment(measured, dict(os.environ))
-    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // case.ranks))
-    done = subprocess.run(
-        ["sh", str(script)], cwd=folder, env=env, capture_output=True, text=True, timeout=UNTIL_S
-    )
+    done = run_measured(["sh", str(script)], spec, folder, env=env, timeout_s=UNTIL_S)
     assert done.returncode == 0, done.stderr[-3000:]
     entries = []
-    for rank in range(case.ranks):
-        report = json.loads((measured / f"rank{rank}.json").read_text())
-        assert report["status"] == "ok", report
+    for report in done.reports:
+        assert report is not None and report["status"] == "ok", report
         (entry,) = report["sizes"]
         entries.append(entry)
     return {"sizes": entries, "spec": spec}
