@@ -36,6 +36,7 @@ from autotune.config import (
     Engine,
     Knobs,
     Loss,
+    LossDtype,
     NothingFits,
     Optimizer,
     Precision,
@@ -48,7 +49,12 @@ from autotune.devices import Device, LocalDevice, ReplayDevice, SimulatedDevice
 from autotune.devices.base import SetupResult, SetupStep
 from autotune.estimator.host import estimate_host, usable_host_bytes
 from autotune.estimator.memory import estimate_memory
-from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, usable_bytes
+from autotune.estimator.plan import (
+    DEVICE_RESERVE_BYTES,
+    PlanRow,
+    point_estimates,
+    usable_bytes,
+)
 from autotune.estimator.plan import plan as plan_rows
 from autotune.estimator.rlhf import RLHFRow
 from autotune.estimator.rlhf import plan_rlhf as rlhf_rows
@@ -91,14 +97,19 @@ from autotune.script import (
     job_command,
     shell_text,
 )
-from autotune.space import Workload, micro_batch_options
+from autotune.space import Workload
 from autotune.study.fingerprint import (
     DEFAULT_STORAGE,
     Fingerprint,
     Objective,
     software_versions,
 )
-from autotune.study.measurement import Measurement, StudyResult, best_point
+from autotune.study.measurement import (
+    Measurement,
+    StudyResult,
+    best_point,
+    measured_loss_dtype,
+)
 from autotune.study.urls import masked
 from autotune.units import format_bytes, parse_duration, parse_fraction, parse_size
 
@@ -242,6 +253,7 @@ class Plan:
             "gpus": self.workload.world_size,
             "seq_len": self.workload.seq_len,
             "global_batch": self.workload.global_batch,
+            "loss_dtype": self.workload.loss_dtype.value,
             "predicted": True,
             "seconds": self.seconds,
             "host": self.host.to_dict(),
@@ -322,6 +334,7 @@ def plan(
     lora_rank: int | None = None,
     activation_offload: bool = True,
     offload: bool = True,
+    loss_dtype: LossDtype | str = LossDtype.FP32,
 ) -> Plan:
     """Predict peak memory and throughput of every configuration (no GPU needed).
 
@@ -351,6 +364,9 @@ def plan(
             ranked after every full fine-tuning row that fits; None: full fine-tuning alone.
         activation_offload: Try activation offload (``act:host``) where it pays.
         offload: Include the CPU-offload rungs (``--no-offload`` leaves them out).
+        loss_dtype: The dtype your job's loss takes the logits in (``fp32``: the model's own
+            loss, as autotune's stand-in and exports; ``logits``: their own, as a plain loop
+            in pure bf16 takes them). ``run --script`` measures it instead.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     _check_attention(Attention(attention), "plan", precision)
@@ -370,6 +386,8 @@ def plan(
         _bytes(host_memory, "--host-memory"), _count(host_cores, "--host-cores"), here=local
     )
     workload = _workload(spec, seq_len, global_batch, _count(gpus, "--gpus") or here)
+    chosen = parse_choice(LossDtype, loss_dtype, "loss dtype") or LossDtype.FP32
+    workload = dataclasses.replace(workload, loss_dtype=chosen)
     started = time.perf_counter()
     rows = plan_rows(
         spec,
@@ -818,6 +836,9 @@ class Tuning:
     trials_dir: Path
     storage: str
     """The storage URL, as given."""
+    replan: Callable[[Workload], list[PlanRow]] | None = None
+    """The planner's predictions for another workload (a user's job: once a probe has seen
+    the dtype its loss takes the logits in); None: the rows stand."""
 
     @property
     def fingerprint(self) -> Fingerprint:
@@ -844,6 +865,7 @@ class Tuning:
             budget_s=self.budget_s,
             trials_dir=self.trials_dir,
             on_event=on_event,
+            replan=self.replan,
         )
 
     def run(self, on_event: Callable[[Event], None] | None = None) -> RunSummary:
@@ -1069,22 +1091,26 @@ def _prepare(
     )
     share = _fraction(headroom, "headroom")
     capped_gpu = gpu if cap is None or on_cpu else dataclasses.replace(gpu, memory_bytes=cap)
-    rows = plan_rows(
-        spec,
-        capped_gpu,  # a cap is what the allocator may hold: the plan's capacity, no reserve
-        workload,
-        engines=engines,
-        precision=chosen_precision,
-        attention=chosen_attention,
-        reserve=0 if on_cpu or cap is not None else DEVICE_RESERVE_BYTES,
-        offload=not on_cpu,  # a CPU emulating a device has no host to offload to
-        host_memory_bytes=_host_for(chosen, host),
-        host_cores=_cores_for(chosen, cores),
-        device="cpu" if on_cpu else "cuda",
-        gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
-        knobs=knobs,
-        planned_out=True,  # the search revives a knob whose twin's prediction fails
-    )
+
+    def planned(workload: Workload) -> list[PlanRow]:
+        return plan_rows(
+            spec,
+            capped_gpu,  # a cap is what the allocator may hold: the plan's capacity, no reserve
+            workload,
+            engines=engines,
+            precision=chosen_precision,
+            attention=chosen_attention,
+            reserve=0 if on_cpu or cap is not None else DEVICE_RESERVE_BYTES,
+            offload=not on_cpu,  # a CPU emulating a device has no host to offload to
+            host_memory_bytes=_host_for(chosen, host),
+            host_cores=_cores_for(chosen, cores),
+            device="cpu" if on_cpu else "cuda",
+            gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
+            knobs=knobs,
+            planned_out=True,  # the search revives a knob whose twin's prediction fails
+        )
+
+    rows = planned(workload)
     if check_only:
         from autotune.study.reader import check_storage
 
@@ -1096,11 +1122,13 @@ def _prepare(
     from autotune.study.store import TrialStore
 
     store = TrialStore(fingerprint, storage=storage, headroom=share)
-    store.estimates = {
-        (row.config, size): (row.speeds.get(size), row.peak_at(size))
-        for row in rows
-        for size in micro_batch_options(workload)
-    }
+    if job is not None:
+        # What an earlier run's probes saw the job's loss do (a study of the stand-in: fp32).
+        seen = measured_loss_dtype(store.measurements())
+        if seen is not None and seen is not workload.loss_dtype:
+            store.workload = workload = dataclasses.replace(workload, loss_dtype=seen)
+            rows = planned(workload)
+    store.estimates = point_estimates(rows, workload)
     template = ProbeTemplate(
         model=model,
         seq_len=workload.seq_len,
@@ -1123,6 +1151,7 @@ def _prepare(
         budget_s=budget_s,
         trials_dir=Path(trials_dir),
         storage=storage,
+        replan=None if job is None else planned,
     )
 
 

@@ -27,6 +27,7 @@ from autotune.config import (
     ConfigError,
     Engine,
     Loss,
+    LossDtype,
     NothingFits,
     Offload,
     Optimizer,
@@ -683,6 +684,14 @@ def plan(
             help="Try the trainer's CPU offload rungs (default: yes; with --rlhf: no).",
         ),
     ] = None,
+    loss_dtype: Annotated[
+        LossDtype | None,
+        typer.Option(
+            help="The dtype your job's loss takes the logits in: fp32 (the model's own loss, "
+            "as autotune's exports train; the default) or logits (their own: F.cross_entropy "
+            "of bf16 logits in pure bf16). run --script measures it.",
+        ),
+    ] = None,
     rlhf: RlhfOption = None,
     rollout_share: RolloutShareOption = None,
     sleep: SleepOption = None,
@@ -720,6 +729,7 @@ def plan(
             "--loss": loss,
             "--optimizer": optimizer,
             "--allow": allow,
+            "--loss-dtype": loss_dtype,
         },
         why=" (its trainer climbs the ladder's rungs alone)",
     )
@@ -760,14 +770,16 @@ def plan(
         lora_rank=lora_rank if _allowed(allow) else None,
         activation_offload=act_offload,
         offload=True if offload is None else offload,
+        loss_dtype=loss_dtype or LossDtype.FP32,
     )
     if json_output:
         _print_json(found.to_dict())
         return
     w = found.workload
+    own = ", the loss in the logits' dtype" if w.loss_dtype is LossDtype.LOGITS else ""
     title = (
         f"{found.model.name} on {w.world_size} x {found.gpu.name}, seq {w.seq_len}, global "
-        f"batch {w.global_batch}: predicted, not measured"
+        f"batch {w.global_batch}{own}: predicted, not measured"
     )
     console.print(found.host.text(), style="dim", markup=False, highlight=False)
     console.print(plan_table(found.rows, title=title, top=top, seconds=found.seconds))

@@ -102,6 +102,24 @@ class Loss(enum.StrEnum):
     no logits kept, nothing recomputed."""
 
 
+class LossDtype(enum.StrEnum):
+    """The dtype the training job's loss takes the logits in: a property of the job (its
+    framework's loss), not a knob. It sets memory only where the logits are made in 16 bits
+    outside autocast (pure bf16 training, FSDP2 and DeepSpeed in their 16-bit compute): under
+    autocast, ``cross_entropy`` and ``log_softmax`` run in fp32 whatever the job asks (they are
+    on autocast's fp32 list), and in fp32 training the logits are fp32 already."""
+
+    FP32 = "fp32"
+    """The logits copied to fp32 before the log-softmax, whose fp32 output is kept for the
+    backward: transformers' ``ForCausalLMLoss`` (``logits.float()``) and torchtitan's
+    ``cross_entropy_loss`` (``pred.flatten(0, 1).float()``), so autotune's stand-in and every
+    export it writes; the default."""
+    LOGITS = "logits"
+    """In the logits' own dtype: no fp32 copy, the log-probabilities and their gradients in 16
+    bits (``F.cross_entropy`` on bf16 logits outside autocast, as a plain loop writes it). The
+    job holds the logits it made the loss from through the backward."""
+
+
 class Optimizer(enum.StrEnum):
     """The optimizer and the bytes of its state."""
 

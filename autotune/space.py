@@ -23,10 +23,12 @@ from autotune.config import (
     Engine,
     Knobs,
     Loss,
+    LossDtype,
     Offload,
     Optimizer,
     Precision,
     TrainConfig,
+    parse_choice,
 )
 
 __all__ = [
@@ -54,8 +56,13 @@ class Workload:
     """Sequences per optimizer step over all ranks."""
     world_size: int
     """Data-parallel ranks (GPUs)."""
+    loss_dtype: LossDtype = LossDtype.FP32
+    """The dtype the job's loss takes the logits in: the stand-in's and every export's is
+    fp32 (the model's own loss); a user's job's is measured by its first probe."""
 
     def __post_init__(self) -> None:
+        chosen = parse_choice(LossDtype, self.loss_dtype, "loss dtype")
+        object.__setattr__(self, "loss_dtype", chosen)
         for name in ("seq_len", "global_batch", "world_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1")

@@ -10,13 +10,19 @@ autotune tunes it unedited, told which of its flags carries each knob:
     autotune run --script examples/train_torchrun_plain.py --framework torchrun --engine ddp \\
         --batch-flag --batch-size --accum-flag --grad-accum \\
         --checkpointing-flag --activation-checkpointing -- --model MODEL_DIR
+
+With ``--bf16 --loss-from-logits`` it trains the model in bf16 itself and takes the
+cross-entropy of the bf16 logits, without the fp32 copy the model's own loss makes; the
+measurement layer sees which dtype the loss ran in.
 """
 
 import argparse
+import contextlib
 import os
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
@@ -28,6 +34,14 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--bf16", action="store_true", help="train the model in bf16 itself (no autocast)"
+    )
+    parser.add_argument(
+        "--loss-from-logits",
+        action="store_true",
+        help="compute the cross-entropy here from the logits, in their dtype",
+    )
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -44,6 +58,8 @@ def main() -> None:
     config = AutoConfig.from_pretrained(args.model)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device)
+    if args.bf16:
+        model = model.to(torch.bfloat16)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if distributed:
@@ -56,8 +72,18 @@ def main() -> None:
             ids = torch.randint(
                 0, config.vocab_size, (args.batch_size, args.seq_len), generator=generator
             ).to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss / args.grad_accum
+            mixed = (
+                contextlib.nullcontext()
+                if args.bf16
+                else torch.autocast(device.type, dtype=torch.bfloat16)
+            )
+            with mixed:
+                if args.loss_from_logits:
+                    logits = model(input_ids=ids).logits
+                    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+                else:
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss = loss / args.grad_accum
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

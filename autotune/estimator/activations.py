@@ -26,7 +26,15 @@ import enum
 import math
 from dataclasses import dataclass
 
-from autotune.config import LOSS_CHUNK_TOKENS, Attention, Engine, Loss, Precision, TrainConfig
+from autotune.config import (
+    LOSS_CHUNK_TOKENS,
+    Attention,
+    Engine,
+    Loss,
+    LossDtype,
+    Precision,
+    TrainConfig,
+)
 from autotune.models import ModelSpec
 
 __all__ = ["ActivationProfile", "Regime", "activation_profile", "regime_of"]
@@ -129,13 +137,20 @@ def _gelu_saved(model: ModelSpec) -> int:
     return 4 if model.activation in ("gelu_new", "gelu_pytorch_tanh") else 1
 
 
-def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> ActivationProfile:
+def activation_profile(
+    model: ModelSpec,
+    config: TrainConfig,
+    seq_len: int,
+    loss_dtype: LossDtype = LossDtype.FP32,
+) -> ActivationProfile:
     """Activation bytes of ``model`` trained as ``config`` at sequence length ``seq_len``.
 
     Args:
         model: The model shape.
         config: Supplies the precision/engine (dtype regime) and the attention kernel.
         seq_len: Tokens per sequence; eager attention saves seq × seq scores per head.
+        loss_dtype: The dtype the job's loss takes the logits in (the model's own loss:
+            fp32); it counts only where the logits are made in 16 bits outside autocast.
 
     Returns:
         The per-token and per-layer figures the memory timeline adds up.
@@ -207,6 +222,13 @@ def activation_profile(model: ModelSpec, config: TrainConfig, seq_len: int) -> A
     # Under autocast the final norm's fp32 output lives on in the returned model output.
     head_forward = logits + (4 * d if regime is Regime.AUTOCAST else 0) + 8
     head_backward = 8 * V
+    if loss_dtype is LossDtype.LOGITS and regime is Regime.LOW and config.loss is Loss.FULL:
+        # The log-softmax in the logits' dtype: no fp32 copy, its output (kept for the
+        # backward) and both gradients in 16 bits; the job made the loss from logits it
+        # still holds (a plain loop's variable) through the backward.
+        head_saved = norm + head_input + act * V + 16
+        head_forward = act * V + 8
+        head_backward = 3 * act * V
     chunk = None
     head_backward_all, head_weight_grad = 0, 0
     if config.loss is Loss.CHUNKED:

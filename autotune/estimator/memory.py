@@ -29,6 +29,7 @@ from autotune.config import (
     OPTIMIZER_8BIT_BLOCK,
     OPTIMIZER_8BIT_MIN_VALUES,
     Engine,
+    LossDtype,
     Offload,
     Optimizer,
     Precision,
@@ -361,6 +362,7 @@ def estimate_memory(
     profile: ActivationProfile | None = None,
     cuda_allocator: bool = True,
     grad_accum: int = 1,
+    loss_dtype: LossDtype = LossDtype.FP32,
 ) -> MemoryEstimate:
     """Peak live device bytes of one rank over a steady-state training step.
 
@@ -377,12 +379,14 @@ def estimate_memory(
         grad_accum: Micro-steps per optimizer step. From the second one on, the gradients
             kept from the micro-steps before are alive through the forward and backward
             (:class:`StateLayout`'s ``accumulated_*``): 2 or more give one peak.
+        loss_dtype: The dtype the job's loss takes the logits in
+            (:func:`~autotune.estimator.activations.activation_profile`).
 
     Returns:
         The peak, where it falls, and its breakdown.
     """
     states = state_layout(model, config, world_size)
-    prof = profile or activation_profile(model, config, seq_len)
+    prof = profile or activation_profile(model, config, seq_len, loss_dtype)
     tokens = float(micro_batch_size * seq_len)
     layers = model.num_layers
     ac = config.ac_every

@@ -44,6 +44,7 @@ __all__ = [
     "caching_allocator",
     "default_precision",
     "plan",
+    "point_estimates",
     "usable_bytes",
 ]
 
@@ -248,6 +249,7 @@ def plan(
                 world_size=workload.world_size,
                 cuda_allocator=caching_allocator(gpu),
                 grad_accum=workload.grad_accum(mbs),
+                loss_dtype=workload.loss_dtype,
             )
 
         memories = {m: peak(m) for m in sizes}
@@ -308,6 +310,18 @@ def plan(
         )
 
     return ranked(kept) + (ranked(left_out) if planned_out else [])
+
+
+def point_estimates(
+    rows: Iterable[PlanRow], workload: Workload
+) -> dict[tuple[TrainConfig, int], tuple[float | None, float | None]]:
+    """Each configuration's predicted tokens/s and peak bytes at each micro-batch of the
+    workload: what a trial records beside its measurement (the prediction gap)."""
+    return {
+        (row.config, size): (row.speeds.get(size), row.peak_at(size))
+        for row in rows
+        for size in micro_batch_options(workload)
+    }
 
 
 def _paying(rows: list[PlanRow], capacity: int) -> tuple[list[PlanRow], list[PlanRow]]:

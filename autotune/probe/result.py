@@ -88,6 +88,9 @@ class SizeResult:
     """Activation offload's host copies at their peak (the emulated host pool on the CPU);
     0 without it."""
     memory_source: str | None = None
+    loss_dtype: str | None = None
+    """The dtype a user's job's loss took the logits in, as the measurement layer saw it
+    (:class:`~autotune.config.LossDtype`); None: autotune's stand-in (fp32), or not seen."""
     simulated: bool = False
     """Answered by the simulated device (the estimator), not measured."""
     extra: Mapping[str, Any] = field(default_factory=dict)

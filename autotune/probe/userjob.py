@@ -301,6 +301,9 @@ class Layer:
         self.stage = Stage.BUILD
         self.vocab_rows = 0
         """Rows of the largest embedding fed token ids so far: the token embedding."""
+        self.loss_dtype: Any = None
+        """The :class:`~autotune.config.LossDtype` the job's loss took the logits in (its
+        last training call over the vocabulary); None: not seen (:meth:`_watch_loss`)."""
         self._last_ids: Any = None
         """The token ids of the micro-step beginning (while :meth:`_micro_step` runs)."""
         self.host_data_bytes = 0
@@ -327,6 +330,8 @@ class Layer:
         optimizer.register_optimizer_step_pre_hook(self._pre_step)
         optimizer.register_optimizer_step_post_hook(self._post_step)
         self._count_checkpoints()
+        self._watch_loss()
+        self._watch_backward()
         previous = sys.excepthook
 
         def excepthook(kind: Any, error: BaseException, tb: Any) -> None:
@@ -393,13 +398,78 @@ class Layer:
             return original(function, *args, **kwargs)
 
         checkpointing.checkpoint = counted
-        for module in list(sys.modules.values()):
-            names = getattr(module, "__dict__", None)
-            if not isinstance(names, dict):
-                continue
-            for name, value in list(names.items()):
-                if value is original:
-                    setattr(module, name, counted)
+        _rebind(original, counted)
+
+    def _watch_backward(self) -> None:
+        """End a micro-step's forward where its backward begins: ``torch.autograd.backward``
+        wrapped (``Tensor.backward``, and so accelerate's, DeepSpeed's and the Trainer's,
+        call it), for a job whose model returns logits and whose loss is made outside any
+        module (:meth:`_post_forward` sees no loss there). A reentrant checkpoint's own call
+        in the backward finds the stage past the forward already."""
+        import torch.autograd
+
+        original = torch.autograd.backward
+
+        @functools.wraps(original)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if self.stage is Stage.FORWARD and self.current is not None:
+                self.stage = Stage.BACKWARD
+                loss = args[0] if args else kwargs.get("tensors")
+                if isinstance(loss, self.torch.Tensor) and loss.numel() == 1:
+                    self.current.losses.append(float(loss.detach().float().item()))
+            return original(*args, **kwargs)
+
+        torch.autograd.backward = backward
+        _rebind(original, backward)
+
+    def _watch_loss(self) -> None:
+        """See the dtype the job's loss takes the logits in: ``F.cross_entropy`` and
+        ``F.log_softmax`` wrapped (and every module's name for them already imported), each
+        call over the vocabulary (the token embedding's rows, in the class dimension) in a
+        training micro-step recorded. What counts is the dtype the op runs in: fp32 for fp32
+        input or under autocast (both ops are on its fp32 list), else the logits' own. A
+        fused kernel (Liger-Kernel's) or a compiled loss calls neither: nothing is recorded."""
+        import torch.nn.functional as F
+
+        from autotune.config import LossDtype
+
+        torch = self.torch
+
+        def seen(logits: Any, dim: int) -> None:
+            if self.current is None or self.stage not in (Stage.FORWARD, Stage.BACKWARD):
+                return
+            if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+                return
+            if not (logits.requires_grad and torch.is_grad_enabled()) or not self.vocab_rows:
+                return
+            if logits.dim() == 0 or logits.shape[dim] != self.vocab_rows:
+                return
+            wide = logits.dtype in (torch.float32, torch.float64)
+            upcast = wide or torch.is_autocast_enabled(logits.device.type)
+            self.loss_dtype = LossDtype.FP32 if upcast else LossDtype.LOGITS
+
+        def watched(original: Any, class_dim: Any) -> Any:
+            @functools.wraps(original)
+            def call(input: Any, *args: Any, **kwargs: Any) -> Any:
+                if not torch.compiler.is_compiling():
+                    with contextlib.suppress(Exception):  # the job's call is never at risk
+                        seen(input, class_dim(input, args, kwargs))
+                return original(input, *args, **kwargs)
+
+            return call
+
+        def entropy_dim(input: Any, args: Any, kwargs: Any) -> int:
+            return 1 if input.dim() >= 2 else 0
+
+        def softmax_dim(input: Any, args: Any, kwargs: Any) -> int:
+            dim = kwargs.get("dim", args[0] if args else None)
+            return -1 if dim is None else int(dim)
+
+        for name, class_dim in (("cross_entropy", entropy_dim), ("log_softmax", softmax_dim)):
+            original = getattr(F, name)
+            replacement = watched(original, class_dim)
+            setattr(F, name, replacement)
+            _rebind(original, replacement)
 
     def _checkpoint_problem(self, step: _Step) -> str | None:
         """Whether the job checkpointed the blocks autotune asked for, or what it did."""
@@ -655,6 +725,7 @@ class Layer:
             "wrapper": self.steps[-1].wrappers[-1].name,
             "checkpointed_blocks": self.steps[-1].checkpoints / self.steps[-1].micro_steps,
             "host_data_bytes": self.host_data_bytes,
+            "loss_dtype": None if self.loss_dtype is None else self.loss_dtype.value,
             **speed.to_dict(),
             **memory,
         }
@@ -756,6 +827,18 @@ class Layer:
         self._fail_size(
             Outcome.ERROR, self.stage, message, "EndedEarly", self.meter.read(), mistake=True
         )
+
+
+def _rebind(original: Any, replacement: Any) -> None:
+    """Point every loaded module's name for ``original`` at ``replacement`` (names bound by
+    ``from ... import`` before the layer was installed: a warm process has imported them)."""
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for name, value in list(names.items()):
+            if value is original:
+                setattr(module, name, replacement)
 
 
 def _finite(value: float) -> bool:

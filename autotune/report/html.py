@@ -25,11 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.config import LossDtype
 from autotune.estimator.memory import CATEGORIES, estimate_memory
 from autotune.models import ModelSpec
 from autotune.script import ScriptJob
 from autotune.study.fingerprint import Fingerprint
-from autotune.study.measurement import Measurement, StudyResult, parse_time, prediction_gap
+from autotune.study.measurement import (
+    Measurement,
+    StudyResult,
+    measured_loss_dtype,
+    parse_time,
+    prediction_gap,
+)
 from autotune.study.reader import sqlite_path
 from autotune.units import format_bytes, format_duration
 
@@ -103,6 +110,7 @@ def _memory_figure(
     fp = study.fingerprint
     points = _latest_per_point(study.measurements)
     names = [f"{m.config.label()} · mb {m.micro_batch_size}" for m in points]
+    loss_dtype = measured_loss_dtype(study.measurements) or LossDtype.FP32
     estimates = [
         estimate_memory(
             model,
@@ -112,6 +120,7 @@ def _memory_figure(
             world_size=fp.gpus,
             cuda_allocator=cuda,
             grad_accum=fp.workload.grad_accum(m.micro_batch_size),
+            loss_dtype=loss_dtype,
         )
         for m in points
     ]

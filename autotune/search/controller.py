@@ -25,6 +25,7 @@ neither the probe's timeout nor the measured probe durations that scale the pred
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import os
@@ -39,17 +40,17 @@ from typing import Any
 
 from optuna.trial import Trial
 
-from autotune.config import ConfigError
+from autotune.config import ConfigError, LossDtype
 from autotune.devices.base import Clock, Device, SetupResult
 from autotune.estimator.cost import build_seconds, probe_seconds
-from autotune.estimator.plan import PlanRow
+from autotune.estimator.plan import PlanRow, point_estimates
 from autotune.models import resolve_model
 from autotune.probe.launcher import folder_fault, folder_hint, new_probe_dir
 from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.search.ladder import Proposal, propose
-from autotune.space import micro_batch_options
+from autotune.space import Workload, micro_batch_options
 from autotune.study.measurement import Measurement
 from autotune.study.store import STORAGE_ERRORS, TrialStore, storage_problem
 
@@ -187,6 +188,9 @@ class Controller:
         clock: Charges the budget; by default the device's own clock.
         probe_timeout_s: The longest a probe may run before it is taken to hang.
         on_event: Called at each step of the loop (the live view).
+        replan: The planner's rows for another workload: called when a probe of a user's
+            job saw its loss take the logits in another dtype than the rows assumed
+            (:meth:`_learn_loss_dtype`); None: the rows stand.
     """
 
     def __init__(
@@ -201,6 +205,7 @@ class Controller:
         clock: Clock | None = None,
         probe_timeout_s: float = 900.0,
         on_event: Callable[[Event], None] | None = None,
+        replan: Callable[[Workload], list[PlanRow]] | None = None,
     ) -> None:
         if budget_s <= 0:
             raise ConfigError("the budget must be positive, like 30m")
@@ -213,6 +218,7 @@ class Controller:
         self.clock = clock or device.clock()
         self.probe_timeout_s = probe_timeout_s
         self.on_event = on_event or (lambda event: None)
+        self.replan = replan
         self._durations: list[float] = []
         self._predicted: list[float] = []
         """Predicted durations of the probes in ``_durations``, in order."""
@@ -551,7 +557,28 @@ class Controller:
             with contextlib.suppress(*STORAGE_ERRORS):
                 self.store.interrupt(trials, probe_dir, "its result could not be recorded")
             raise
+        self._learn_loss_dtype(result)
         return result
+
+    def _learn_loss_dtype(self, result: ProbeResult) -> None:
+        """Re-plan once a probe of the user's job saw its loss take the logits in another
+        dtype than the rows assume (fp32 until measured): every prediction from here on
+        counts the job's own logits term, and the measurements recorded so far are read
+        against the new predictions (the ladder calibrates on their ratios)."""
+        seen = next((s.loss_dtype for s in result.sizes if s.loss_dtype), None)
+        if self.replan is None or seen is None:
+            return
+        try:
+            dtype = LossDtype(seen)
+        except ValueError:
+            return
+        if dtype is self.store.workload.loss_dtype:
+            return
+        workload = dataclasses.replace(self.store.workload, loss_dtype=dtype)
+        self.rows = self.replan(workload)
+        self._rows = {row.config: row for row in self.rows}
+        self.store.workload = workload
+        self.store.estimates = point_estimates(self.rows, workload)
 
     def _launch(self, spec: ProbeSpec, probe_dir: Path, trials: list[Trial]) -> ProbeResult:
         """The device's answer to ``spec``; a probe folder the device itself cannot write (a

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from autotune.config import TrainConfig
+from autotune.config import LossDtype, TrainConfig
 from autotune.study.fingerprint import Fingerprint
 
 __all__ = [
@@ -356,28 +356,53 @@ class PredictionGap:
     memory_ratio: float | None
     """Measured peak bytes over predicted (above 1: more memory than predicted)."""
     points: int
+    loss_dtype: LossDtype | None = None
+    """The dtype the job's loss took the logits in, where the measurement layer saw it."""
 
     def text(self) -> str:
-        """``tokens/s 0.31x and peak memory 1.24x the estimator's prediction (3 points)``."""
+        """``tokens/s 0.31x and peak memory 1.24x the estimator's prediction (3 points)``,
+        then what the job's loss was seen to do (``; its loss takes the logits in their own
+        dtype``)."""
         parts = []
         if self.speed_ratio is not None:
             parts.append(f"tokens/s {self.speed_ratio:.2f}x")
         if self.memory_ratio is not None:
             parts.append(f"peak memory {self.memory_ratio:.2f}x")
         plural = "" if self.points == 1 else "s"
-        return f"{' and '.join(parts)} the estimator's prediction ({self.points} point{plural})"
+        text = f"{' and '.join(parts)} the estimator's prediction ({self.points} point{plural})"
+        if self.loss_dtype is LossDtype.LOGITS:
+            text += "; its loss takes the logits in their own dtype (no fp32 copy)"
+        elif self.loss_dtype is LossDtype.FP32:
+            text += "; its loss takes the logits in fp32"
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "speed_ratio": self.speed_ratio,
             "memory_ratio": self.memory_ratio,
             "points": self.points,
+            "loss_dtype": None if self.loss_dtype is None else self.loss_dtype.value,
         }
+
+
+def measured_loss_dtype(measurements: Iterable[Measurement]) -> LossDtype | None:
+    """The dtype a user's job's loss took the logits in, as its newest probe that saw it
+    recorded (the layer's ``loss_dtype``); None where none did (autotune's stand-in, a fused
+    or compiled loss, a study measured before the layer looked)."""
+    seen = [m for m in measurements if isinstance(m.attrs.get("loss_dtype"), str)]
+    if not seen:
+        return None
+    newest = max(seen, key=lambda m: m.number).attrs["loss_dtype"]
+    try:
+        return LossDtype(newest)
+    except ValueError:
+        return None  # a dtype a newer layer knows and this version does not
 
 
 def prediction_gap(measurements: Iterable[Measurement]) -> PredictionGap | None:
     """The gap between the points that ran and the estimator's predictions recorded with
     them (``estimate_tokens_per_second``, ``estimate_peak_bytes``), or None without any."""
+    measurements = list(measurements)
     speeds: list[float] = []
     memories: list[float] = []
     count = 0
@@ -400,4 +425,5 @@ def prediction_gap(measurements: Iterable[Measurement]) -> PredictionGap | None:
         speed_ratio=statistics.median(speeds) if speeds else None,
         memory_ratio=statistics.median(memories) if memories else None,
         points=count,
+        loss_dtype=measured_loss_dtype(measurements),
     )

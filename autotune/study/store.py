@@ -698,6 +698,7 @@ _MEASURED = (
     "peak_allocated_bytes",
     "peak_reserved_bytes",
     "alloc_retries",
+    "loss_dtype",
 )
 """What a trial keeps of its size's probe result (at the probe's accumulation count)."""
 

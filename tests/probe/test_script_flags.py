@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune.config import ConfigError, Engine, Knobs, TrainConfig
+from autotune import trials
+from autotune.config import ConfigError, Engine, Knobs, LossDtype, TrainConfig
+from autotune.estimator.memory import estimate_memory
 from autotune.launch import Launch
 from autotune.models import resolve_model
 from autotune.probe.forkserver import ForkServer
@@ -33,6 +35,7 @@ from autotune.script import (
     recognised_flags,
 )
 from autotune.space import configurations
+from autotune.study.measurement import Measurement
 
 PLAIN = Path(__file__).resolve().parents[2] / "examples" / "train_torchrun_plain.py"
 FLAGS = {
@@ -174,7 +177,9 @@ def test_an_unedited_script_is_probed_through_its_own_flags(
     assert "where autotune asked for" in result.message, result.message
 
 
-def _run(tmp_path: Path, script: Path, *options: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path, script: Path, *options: str, script_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     """``autotune run --script`` of ``script`` on 1 CPU rank under a 64 MiB cap."""
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
@@ -185,7 +190,7 @@ def _run(tmp_path: Path, script: Path, *options: str) -> subprocess.CompletedPro
         *("--global-batch", "8", "--budget", "3m"),
         *("--storage", f"sqlite:///{tmp_path}/study.db", "--trials-dir", str(tmp_path / "t")),
         *options,
-        *("--", "--model", str(model), "--seq-len", "64"),
+        *("--", "--model", str(model), "--seq-len", "64", *script_args),
     ]
     return subprocess.run(
         [str(Path(sys.executable).with_name("autotune")), *args],
@@ -241,11 +246,37 @@ def test_a_job_that_crashes_at_its_first_probe_stops_the_run_quoting_its_error(
 
 @pytest.mark.slow
 def test_an_unedited_script_is_tuned_through_the_flags_found_in_it(tmp_path: Path) -> None:
-    """``autotune run --script`` of the plain script with no flag named: its first line names
-    the flags found, and the run ends with a best measured through them (exit 0)."""
-    done = _run(tmp_path, PLAIN, "--engine", "single", "--json")
+    """``autotune run --script`` of the plain script with no flag named, in pure bf16 with its
+    loss taken from the bf16 logits (its own ``--bf16 --loss-from-logits``): its first line
+    names the flags found, and the run ends with a best measured through them (exit 0).
+
+    The first probe sees the loss's dtype; the predictions recorded with every later trial
+    count the job's own logits term (no fp32 copy), and the end of the run says so."""
+    done = _run(
+        tmp_path,
+        PLAIN,
+        *("--engine", "single", "--precision", "bf16", "--json"),
+        script_args=("--bf16", "--loss-from-logits"),
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "its own flags --batch-size (micro-batch), --grad-accum (accumulation)" in done.stderr
     summary = json.loads(done.stdout)
     assert summary["best"] is not None and summary["mistake"] is None
-    assert summary["best"]["label"] in ("single ac:off", "single ac:every")
+    assert summary["best"]["label"] in ("single ac:off bf16", "single ac:every bf16")
+    assert summary["prediction_gap"]["loss_dtype"] == "logits"
+    [study] = trials(storage=f"sqlite:///{tmp_path}/study.db")
+    measured = sorted((m for m in study.measurements if m.outcome == "ok"), key=lambda m: m.number)
+    assert measured and all(m.attrs["loss_dtype"] == "logits" for m in measured)
+    first = min(m.attrs["probe_dir"] for m in measured)
+    model = resolve_model(str(tmp_path / "model"))
+
+    def predicted(m: Measurement, loss_dtype: LossDtype) -> int:
+        return estimate_memory(
+            model, m.config, micro_batch_size=m.micro_batch_size, seq_len=64,
+            cuda_allocator=False, grad_accum=m.grad_accum, loss_dtype=loss_dtype,
+        ).peak_bytes  # fmt: skip
+
+    for m in measured:
+        assumed = LossDtype.FP32 if m.attrs["probe_dir"] == first else LossDtype.LOGITS
+        assert m.attrs["estimate_peak_bytes"] == predicted(m, assumed), m
+    assert len({m.attrs["probe_dir"] for m in measured}) > 1  # a probe after the first
