@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune import trials
+from autotune import prepare, trials
 from autotune.config import ConfigError, Engine, Knobs, LossDtype, TrainConfig
 from autotune.estimator.memory import estimate_memory
 from autotune.launch import Launch
@@ -280,3 +280,22 @@ def test_an_unedited_script_is_tuned_through_the_flags_found_in_it(tmp_path: Pat
         assumed = LossDtype.FP32 if m.attrs["probe_dir"] == first else LossDtype.LOGITS
         assert m.attrs["estimate_peak_bytes"] == predicted(m, assumed), m
     assert len({m.attrs["probe_dir"] for m in measured}) > 1  # a probe after the first
+    # The next run of the same job plans with the dtype from its first probe on.
+    again = prepare(
+        str(tmp_path / "model"),
+        script=str(PLAIN),
+        framework="torchrun",
+        script_args=("--model", str(tmp_path / "model"), "--seq-len", "64", "--bf16",
+                     "--loss-from-logits"),
+        engines=[Engine.SINGLE], precision="bf16", gpus=1, device="cpu", device_memory="64MiB",
+        seq_len=64, global_batch=8, budget="3m", storage=f"sqlite:///{tmp_path}/study.db",
+        trials_dir=str(tmp_path / "t"), warm=False,
+    )  # fmt: skip
+    try:
+        assert again.fingerprint.study_name == study.fingerprint.study_name
+        assert again.workload.loss_dtype is LossDtype.LOGITS
+        assert again.store.estimates[(measured[0].config, measured[0].micro_batch_size)][1] == (
+            predicted(measured[0], LossDtype.LOGITS)
+        )
+    finally:
+        again.device.close()
