@@ -1129,7 +1129,7 @@ def run(
             )
         if gap is not None:
             console.print(
-                f"your job ran at {gap.text()} for autotune's stand-in",
+                f"your job ran at {gap.text()} for autotune's stand-in{gap.loss_note()}",
                 markup=False,
                 highlight=False,
             )

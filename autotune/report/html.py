@@ -433,7 +433,7 @@ def render_html(
         meta.append(("job", f"{job.path} ({job.framework.value}) {' '.join(job.args)}"))
         gap = prediction_gap(study.measurements)
         if gap is not None:
-            meta.append(("your job", f"{gap.text()} for autotune's stand-in"))
+            meta.append(("your job", f"{gap.text()} for autotune's stand-in{gap.loss_note()}"))
     if budget_s is not None:
         meta.append(("budget", format_duration(budget_s)))
     meta_rows = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in meta)

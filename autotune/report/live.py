@@ -155,8 +155,8 @@ class RunView:
         if gap is not None:
             self._gap_said = True
             self.console.print(
-                f"  your job: {gap.text()} for autotune's stand-in; the search now "
-                "calibrates on your job",
+                f"  your job: {gap.text()} for autotune's stand-in{gap.loss_note()}; the "
+                "search now calibrates on your job",
                 style="dim",
                 markup=False,
                 highlight=False,

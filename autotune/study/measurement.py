@@ -360,21 +360,24 @@ class PredictionGap:
     """The dtype the job's loss took the logits in, where the measurement layer saw it."""
 
     def text(self) -> str:
-        """``tokens/s 0.31x and peak memory 1.24x the estimator's prediction (3 points)``,
-        then what the job's loss was seen to do (``; its loss takes the logits in their own
-        dtype``)."""
+        """``tokens/s 0.31x and peak memory 1.24x the estimator's prediction (3 points)``."""
         parts = []
         if self.speed_ratio is not None:
             parts.append(f"tokens/s {self.speed_ratio:.2f}x")
         if self.memory_ratio is not None:
             parts.append(f"peak memory {self.memory_ratio:.2f}x")
         plural = "" if self.points == 1 else "s"
-        text = f"{' and '.join(parts)} the estimator's prediction ({self.points} point{plural})"
+        return f"{' and '.join(parts)} the estimator's prediction ({self.points} point{plural})"
+
+    def loss_note(self) -> str:
+        """What the job's loss was seen to do where it is not the stand-in's (fp32), as a
+        clause to follow :meth:`text`; empty otherwise."""
         if self.loss_dtype is LossDtype.LOGITS:
-            text += "; its loss takes the logits in their own dtype (no fp32 copy)"
-        elif self.loss_dtype is LossDtype.FP32:
-            text += "; its loss takes the logits in fp32"
-        return text
+            return (
+                "; its loss takes the logits in their own dtype, with no fp32 copy (the "
+                "predictions count it from then on)"
+            )
+        return ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
