@@ -108,7 +108,7 @@ from autotune.study.measurement import (
     Measurement,
     StudyResult,
     best_point,
-    measured_loss_dtype,
+    measured_workload,
 )
 from autotune.study.urls import masked
 from autotune.units import format_bytes, parse_duration, parse_fraction, parse_size
@@ -1123,10 +1123,10 @@ def _prepare(
 
     store = TrialStore(fingerprint, storage=storage, headroom=share)
     if job is not None:
-        # What an earlier run's probes saw the job's loss do (a study of the stand-in: fp32).
-        seen = measured_loss_dtype(store.measurements())
-        if seen is not None and seen is not workload.loss_dtype:
-            store.workload = workload = dataclasses.replace(workload, loss_dtype=seen)
+        # What an earlier run's probes measured of the job (the stand-in trains as asked).
+        seen = measured_workload(workload, store.measurements())
+        if seen != workload:
+            store.workload = workload = seen
             rows = planned(workload)
     store.estimates = point_estimates(rows, workload)
     template = ProbeTemplate(

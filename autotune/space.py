@@ -11,6 +11,7 @@ configurations that way; the planner, the search and the exports all enumerate t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -59,10 +60,18 @@ class Workload:
     loss_dtype: LossDtype = LossDtype.FP32
     """The dtype the job's loss takes the logits in: the stand-in's and every export's is
     fp32 (the model's own loss); a user's job's is measured by its first probe."""
+    one_rank_engine: Engine | None = None
+    """The engine a user's job trains under at one rank, whether a configuration asks for one
+    process or DDP (the Trainer and accelerate launched by torchrun wrap a lone rank in DDP,
+    with its gradient buckets; a plain loop may not): measured by a probe. None: as asked."""
 
     def __post_init__(self) -> None:
         chosen = parse_choice(LossDtype, self.loss_dtype, "loss dtype")
         object.__setattr__(self, "loss_dtype", chosen)
+        engine = parse_choice(Engine, self.one_rank_engine, "engine")
+        if engine not in (None, Engine.SINGLE, Engine.DDP):
+            raise ConfigError(f"a lone rank trains with no wrapper or DDP, not {engine}")
+        object.__setattr__(self, "one_rank_engine", engine)
         for name in ("seq_len", "global_batch", "world_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1")
@@ -76,6 +85,19 @@ class Workload:
                 f"global batch {self.global_batch} is not a multiple of {self.world_size} GPUs: "
                 f"use a global batch divisible by {self.world_size}"
             )
+
+    def as_trained(self, config: TrainConfig) -> TrainConfig:
+        """``config`` as the job trains it: at one rank, one process or DDP as the job wraps
+        it (:attr:`one_rank_engine`); otherwise as asked."""
+        engine = self.one_rank_engine
+        if (
+            engine is None
+            or self.world_size != 1
+            or config.engine not in (Engine.SINGLE, Engine.DDP)
+            or config.engine is engine
+        ):
+            return config
+        return dataclasses.replace(config, engine=engine)
 
     @property
     def per_rank_batch(self) -> int:

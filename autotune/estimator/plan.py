@@ -243,7 +243,7 @@ def plan(
         def peak(mbs: int, config: TrainConfig = config) -> MemoryEstimate:
             return estimate_memory(
                 model,
-                config,
+                workload.as_trained(config),  # a user's job at one rank: its own wrapper
                 micro_batch_size=mbs,
                 seq_len=workload.seq_len,
                 world_size=workload.world_size,

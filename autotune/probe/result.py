@@ -91,6 +91,10 @@ class SizeResult:
     loss_dtype: str | None = None
     """The dtype a user's job's loss took the logits in, as the measurement layer saw it
     (:class:`~autotune.config.LossDtype`); None: autotune's stand-in (fp32), or not seen."""
+    trained_engine: str | None = None
+    """The engine a user's job trained under, as the measurement layer saw its wrapper
+    (:class:`~autotune.config.Engine`; at one rank DDP and none are both taken for either);
+    None: autotune's stand-in, which trains as asked."""
     simulated: bool = False
     """Answered by the simulated device (the estimator), not measured."""
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -723,6 +723,7 @@ class Layer:
             "tokens_counted": bool(self.vocab_rows),
             "optimizers": sorted(self.optimizers),
             "wrapper": self.steps[-1].wrappers[-1].name,
+            "trained_engine": self.steps[-1].wrappers[-1].engine.value,
             "checkpointed_blocks": self.steps[-1].checkpoints / self.steps[-1].micro_steps,
             "host_data_bytes": self.host_data_bytes,
             "loss_dtype": None if self.loss_dtype is None else self.loss_dtype.value,

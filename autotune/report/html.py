@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.config import LossDtype
 from autotune.estimator.memory import CATEGORIES, estimate_memory
 from autotune.models import ModelSpec
 from autotune.script import ScriptJob
@@ -33,7 +32,7 @@ from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import (
     Measurement,
     StudyResult,
-    measured_loss_dtype,
+    measured_workload,
     parse_time,
     prediction_gap,
 )
@@ -110,17 +109,17 @@ def _memory_figure(
     fp = study.fingerprint
     points = _latest_per_point(study.measurements)
     names = [f"{m.config.label()} · mb {m.micro_batch_size}" for m in points]
-    loss_dtype = measured_loss_dtype(study.measurements) or LossDtype.FP32
+    workload = measured_workload(fp.workload, study.measurements)
     estimates = [
         estimate_memory(
             model,
-            m.config,
+            workload.as_trained(m.config),
             micro_batch_size=m.micro_batch_size,
             seq_len=fp.seq_len,
             world_size=fp.gpus,
             cuda_allocator=cuda,
-            grad_accum=fp.workload.grad_accum(m.micro_batch_size),
-            loss_dtype=loss_dtype,
+            grad_accum=workload.grad_accum(m.micro_batch_size),
+            loss_dtype=workload.loss_dtype,
         )
         for m in points
     ]

@@ -25,7 +25,6 @@ neither the probe's timeout nor the measured probe durations that scale the pred
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import functools
 import os
@@ -40,7 +39,7 @@ from typing import Any
 
 from optuna.trial import Trial
 
-from autotune.config import ConfigError, LossDtype
+from autotune.config import ConfigError
 from autotune.devices.base import Clock, Device, SetupResult
 from autotune.estimator.cost import build_seconds, probe_seconds
 from autotune.estimator.plan import PlanRow, point_estimates
@@ -51,7 +50,7 @@ from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.search.ladder import Proposal, propose
 from autotune.space import Workload, micro_batch_options
-from autotune.study.measurement import Measurement
+from autotune.study.measurement import Measurement, measured_workload
 from autotune.study.store import STORAGE_ERRORS, TrialStore, storage_problem
 
 __all__ = ["Controller", "Event", "RunSummary"]
@@ -190,7 +189,7 @@ class Controller:
         on_event: Called at each step of the loop (the live view).
         replan: The planner's rows for another workload: called when a probe of a user's
             job saw its loss take the logits in another dtype than the rows assumed
-            (:meth:`_learn_loss_dtype`); None: the rows stand.
+            (:meth:`_learn_job`); None: the rows stand.
     """
 
     def __init__(
@@ -557,24 +556,20 @@ class Controller:
             with contextlib.suppress(*STORAGE_ERRORS):
                 self.store.interrupt(trials, probe_dir, "its result could not be recorded")
             raise
-        self._learn_loss_dtype(result)
+        self._learn_job()
         return result
 
-    def _learn_loss_dtype(self, result: ProbeResult) -> None:
-        """Re-plan once a probe of the user's job saw its loss take the logits in another
-        dtype than the rows assume (fp32 until measured): every prediction from here on
-        counts the job's own logits term, and the measurements recorded so far are read
-        against the new predictions (the ladder calibrates on their ratios)."""
-        seen = next((s.loss_dtype for s in result.sizes if s.loss_dtype), None)
-        if self.replan is None or seen is None:
+    def _learn_job(self) -> None:
+        """Re-plan once probes of the user's job measured it otherwise than the rows assume
+        (:func:`~autotune.study.measurement.measured_workload`: the dtype its loss takes the
+        logits in, the wrapper of a lone rank): every prediction from here on counts the
+        job's own terms, and the measurements recorded so far are read against the new
+        predictions (the ladder calibrates on their ratios)."""
+        if self.replan is None:
             return
-        try:
-            dtype = LossDtype(seen)
-        except ValueError:
+        workload = measured_workload(self.store.workload, self.store.measurements())
+        if workload == self.store.workload:
             return
-        if dtype is self.store.workload.loss_dtype:
-            return
-        workload = dataclasses.replace(self.store.workload, loss_dtype=dtype)
         self.rows = self.replan(workload)
         self._rows = {row.config: row for row in self.rows}
         self.store.workload = workload

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from autotune.config import LossDtype, TrainConfig
+from autotune.config import Engine, LossDtype, TrainConfig
+from autotune.space import Workload
 from autotune.study.fingerprint import Fingerprint
 
 __all__ = [
@@ -400,6 +401,28 @@ def measured_loss_dtype(measurements: Iterable[Measurement]) -> LossDtype | None
         return LossDtype(newest)
     except ValueError:
         return None  # a dtype a newer layer knows and this version does not
+
+
+def measured_workload(workload: Workload, measurements: Iterable[Measurement]) -> Workload:
+    """``workload`` with what probes of a user's job measured of it: the dtype its loss
+    takes the logits in (:func:`measured_loss_dtype`) and, at one rank, the engine it wraps a
+    lone rank in (the newest probe's ``trained_engine`` of a one-process or DDP
+    configuration). Unchanged for autotune's stand-in, whose probes record neither."""
+    measurements = list(measurements)
+    loss_dtype = measured_loss_dtype(measurements) or workload.loss_dtype
+    engine = workload.one_rank_engine
+    if workload.world_size == 1:
+        seen = [
+            m
+            for m in measurements
+            if m.config.engine in (Engine.SINGLE, Engine.DDP)
+            and m.attrs.get("trained_engine") in (Engine.SINGLE.value, Engine.DDP.value)
+        ]
+        if seen:
+            engine = Engine(max(seen, key=lambda m: m.number).attrs["trained_engine"])
+    if (loss_dtype, engine) == (workload.loss_dtype, workload.one_rank_engine):
+        return workload
+    return dataclasses.replace(workload, loss_dtype=loss_dtype, one_rank_engine=engine)
 
 
 def prediction_gap(measurements: Iterable[Measurement]) -> PredictionGap | None:

@@ -699,6 +699,7 @@ _MEASURED = (
     "peak_reserved_bytes",
     "alloc_retries",
     "loss_dtype",
+    "trained_engine",
 )
 """What a trial keeps of its size's probe result (at the probe's accumulation count)."""
 

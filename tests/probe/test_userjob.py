@@ -25,6 +25,7 @@ recorded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -36,9 +37,10 @@ from typing import Any
 
 import pytest
 
-from autotune.api import prepare
+from autotune.api import prepare, trials
 from autotune.config import Engine, TrainConfig
 from autotune.devices import LocalDevice
+from autotune.estimator.memory import estimate_memory
 from autotune.models import resolve_model
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.outcome import Outcome
@@ -275,9 +277,27 @@ def check_tuned_and_exported(tmp_path: Path, case: Case, *, cap: int | None = No
 def test_a_trainer_script_is_tuned_exported_and_its_export_runs_as_probed(
     tmp_path: Path, model_dir: Path, fork_server: ForkServer
 ) -> None:
+    """... and a lone rank of the Trainer under torchrun trains in DDP: once a probe saw its
+    wrapper, the predictions recorded with every later trial count DDP's gradient buckets
+    (4 bytes a parameter the one-process configuration does not keep)."""
     args = tuple(hf_args(model_dir, tmp_path / "out"))
     case = Case(EXAMPLES / "train_hf.py", "hf", args, model_dir, warm=fork_server)
     check_tuned_and_exported(tmp_path, case)
+    [study] = trials(storage=f"sqlite:///{tmp_path}/at.db")
+    ran = [m for m in study.measurements if m.outcome == "ok"]
+    assert ran and all(m.attrs["trained_engine"] == "ddp" for m in ran)
+    first = min(m.attrs["probe_dir"] for m in study.measurements)
+    later = [m for m in ran if m.attrs["probe_dir"] != first]
+    assert later, "a probe after the first"
+    model = resolve_model(str(model_dir))
+    for m in later:
+        assert m.config.engine is Engine.SINGLE
+        as_trained = estimate_memory(
+            model, dataclasses.replace(m.config, engine=Engine.DDP),
+            micro_batch_size=m.micro_batch_size, seq_len=SEQ, cuda_allocator=False,
+            grad_accum=m.grad_accum,
+        )  # fmt: skip
+        assert m.attrs["estimate_peak_bytes"] == as_trained.peak_bytes, m
 
 
 def test_a_torchrun_script_over_two_ranks_is_tuned_and_its_export_runs_as_probed(
