@@ -399,6 +399,7 @@ def _trainer(
             seq_len=work.seq_len,
             world_size=world,
             cuda_allocator=caching_allocator(gpu),
+            grad_accum=accum,  # each trained model steps over the rollout's micro-batches
         )
         for role, m in trained
     }

@@ -33,9 +33,15 @@ SEQ = 256
 
 
 def predicted(
-    model: str, rlhf: RLHFProbe, mbs: int, config: TrainConfig | None = None, world: int = 1
+    model: str,
+    rlhf: RLHFProbe,
+    mbs: int,
+    config: TrainConfig | None = None,
+    world: int = 1,
+    accum: int = 1,
 ) -> RLHFRow:
-    """The estimator's phases for the probe's iteration at ``mbs`` (one micro-step a rank)."""
+    """The estimator's phases for the probe's iteration at ``mbs`` (``accum`` micro-steps a
+    rank)."""
     spec = resolve_model(model)
     models = RLHFModels(
         policy=spec,
@@ -48,7 +54,7 @@ def predicted(
         models=models,
         seq_len=SEQ,
         response_len=SEQ // 2,
-        rollout_batch=mbs * world,
+        rollout_batch=mbs * world * accum,
         world_size=world,
     )
     return estimate_rlhf(
@@ -81,11 +87,13 @@ def run_rlhf(
     sizes: tuple[int, ...],
     config: TrainConfig | None = None,
     world: int = 1,
+    accum: int = 1,
 ) -> Any:
     return api.probe(
         model,
         config or TrainConfig(),
         micro_batch_sizes=sizes,
+        grad_accum=accum,
         gpus=world,
         seq_len=SEQ,
         device="cpu",
@@ -129,6 +137,23 @@ def test_ppo_with_four_models_beside_the_engine_share_matches_each_phase(
     # The size's peak is the iteration's: the training phase, on top of the engine.
     assert size.peak_allocated_bytes == max(peaks.values()) == peaks["training"]
     assert all(loss == loss for loss in size.losses)  # finite, not NaN
+
+
+def test_the_training_phase_holds_the_gradients_kept_between_micro_steps(
+    tmp_path: Path,
+) -> None:
+    """PPO over a rollout of 2 micro-batches of 4: each trained model's second micro-step
+    runs with the first one's gradients kept (-3.3 % predicted without them, -0.2 % with)."""
+    rlhf = iteration("tiny", "ppo", 0.5)
+    result = run_rlhf(tmp_path, "tiny", rlhf, (4,), accum=2)
+    (size,) = result.sizes
+    assert size.outcome is Outcome.OK, result.sizes
+    measured = size.extra["rlhf"]
+    row = predicted("tiny", rlhf, 4, accum=2)
+    assert row.grad_accum == 2
+    ours = measured["phase_peak_bytes"]["training"] - measured["reservation_bytes"]
+    theirs = row.phases["training"] - row.parts["training"]["engine"]
+    assert abs(theirs / ours - 1) < 0.02, (ours, theirs)
 
 
 def test_grpo_with_the_engine_asleep_frees_its_share_after_the_rollout(tmp_path: Path) -> None:
