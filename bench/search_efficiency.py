@@ -200,8 +200,9 @@ def true_value(s: Scenario, config: TrainConfig, mbs: int) -> float:
     w = s.workload
     memory_factor, time_factor = s.device.bias(s.model_name, config, mbs)
     memory = estimate_memory(
-        model, config, micro_batch_size=mbs, seq_len=w.seq_len, world_size=w.world_size
-    )
+        model, config, micro_batch_size=mbs, seq_len=w.seq_len, world_size=w.world_size,
+        grad_accum=w.grad_accum(mbs),  # the gradients kept between micro-steps
+    )  # fmt: skip
     if memory.device_bytes * memory_factor > s.capacity:  # as the simulated GPU decides
         return 0.0
     if s.host_bytes is not None:

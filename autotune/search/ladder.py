@@ -15,7 +15,8 @@ bound over the configurations of the space, with the estimator as the bound:
    closely, an unmeasured one by the groups it shares with measured ones, as far as the
    data shows them shared.
 3. Memory predictions carry an uncertainty: ``PRIOR_ERROR`` before a configuration is
-   measured, ``ONE_POINT_ERROR`` with one measured point, none with two or more. A memory
+   measured, ``ONE_POINT_ERROR`` with one measured point, none with two or more of the
+   size's class (accumulating, or the whole per-rank batch: ``_Memory.error``). A memory
    prediction may be high or low by its uncertainty: a size fits for sure below the
    capacity, and may fit up to capacity / (1 - uncertainty).
 4. The next probe goes to the open configuration with the highest expected throughput at the
@@ -192,10 +193,15 @@ class _Memory:
         """An OOM measured at this size or one that rules it out."""
         return any(oom_rules_out(o, mbs, self.accumulation) for o in self.seen.oom)
 
-    @property
-    def error(self) -> float:
-        points = len(self.seen.ok)
-        return 0.0 if points >= 2 else ONE_POINT_ERROR if points == 1 else PRIOR_ERROR
+    def error(self, mbs: int) -> float:
+        """How far :meth:`peak` may be off at ``mbs``: nothing on a line of two measured
+        sizes of its class (both accumulating, or both the whole batch), one point's error
+        where the line is one measured size moved by the planner's slope (of its class or the
+        other's), the prior with nothing measured."""
+        alike = sum(1 for m in self.seen.ok if self.alike(m, mbs))
+        if alike >= 2:
+            return 0.0
+        return ONE_POINT_ERROR if self.seen.ok else PRIOR_ERROR
 
     def fits(self, mbs: int) -> bool:
         """Fits by the calibrated line (measured sizes: as measured)."""
@@ -207,21 +213,21 @@ class _Memory:
         """1 where the calibrated line fits, falling to 0 at the edge of its uncertainty."""
         if self.fits(mbs):
             return 1.0
-        if not self.may_fit(mbs) or not self.error:
+        if not self.may_fit(mbs) or not self.error(mbs):
             return 0.0
-        capacity, edge = self.row.capacity_bytes, self._edge()
+        capacity, edge = self.row.capacity_bytes, self._edge(mbs)
         return max(0.0, (edge - self.peak(mbs)) / (edge - capacity))
 
     def may_fit(self, mbs: int) -> bool:
         """Fits within the uncertainty of the calibrated line."""
         if mbs in self.seen.ok or self.ruled_out(mbs):
             return self.fits(mbs)
-        return self.peak(mbs) <= self._edge()
+        return self.peak(mbs) <= self._edge(mbs)
 
-    def _edge(self) -> float:
-        """The largest predicted peak that may still fit: the prediction may be high by
-        ``error`` of the truth."""
-        return self.row.capacity_bytes / (1 - self.error)
+    def _edge(self, mbs: int) -> float:
+        """The largest predicted peak at ``mbs`` that may still fit: the prediction may be
+        high by :meth:`error` of the truth."""
+        return self.row.capacity_bytes / (1 - self.error(mbs))
 
 
 def predictions(row: PlanRow, objective: Objective) -> Mapping[int, float]:
