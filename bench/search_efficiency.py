@@ -253,6 +253,7 @@ class _Prober:
             model=self.s.model_name, config=config, micro_batch_sizes=tuple(sizes),
             seq_len=w.seq_len, num_processes=w.world_size, device=self.s.probe_device,
             device_memory_bytes=self.s.device_memory_bytes,
+            global_batch=w.global_batch,  # each size accumulates as training does
         )  # fmt: skip
         result = self.s.device.launch(spec, self.tmp / f"p{self.launches}")
         self.elapsed += result.wall_s
