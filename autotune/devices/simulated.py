@@ -101,9 +101,12 @@ class ErrorTerm:
     factor ``(1 + g) ** log2(mbs)``, g drawn in the range: fragmentation that grows with the
     activations); ``cliff`` slows every micro-batch from a size drawn in ``cliff_from`` up
     (a kernel or allocator cliff, so throughput need not grow with the micro-batch).
-    ``only`` limits the term to configurations with (``offload``) or without
-    (``no-offload``) offload. The host factor ignores checkpointing (the offloaded states do
-    not depend on it, nor on op-level checkpointing and the loss)."""
+    ``tail_share`` of the groups are outliers: their time factor is multiplied or divided
+    (a coin) by a factor drawn in ``tail`` (a configuration that hits a fast kernel or a slow
+    path: heavy tails rather than one spread for all). ``only`` limits the term to
+    configurations with (``offload``) or without (``no-offload``) offload. The host factor
+    ignores checkpointing (the offloaded states do not depend on it, nor on op-level
+    checkpointing and the loss)."""
 
     by: tuple[str, ...] = ("config",)
     time: tuple[float, float] = (1.0, 1.0)
@@ -112,6 +115,8 @@ class ErrorTerm:
     memory_per_doubling: tuple[float, float] = (0.0, 0.0)
     cliff: tuple[float, float] = (1.0, 1.0)
     cliff_from: tuple[int, int] = (1, 1)
+    tail: tuple[float, float] = (1.0, 1.0)
+    tail_share: float = 0.0
     only: str | None = None
 
     def __post_init__(self) -> None:
@@ -120,6 +125,8 @@ class ErrorTerm:
             raise ValueError(f"error term by {sorted(unknown)}: use {', '.join(FEATURES)}, config")
         if self.only not in (None, "offload", "no-offload"):
             raise ValueError(f"error term only {self.only!r}: use offload or no-offload")
+        if not 0.0 <= self.tail_share <= 1.0:
+            raise ValueError(f"error term tail_share {self.tail_share}: use a share in 0..1")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ErrorTerm:
@@ -158,6 +165,9 @@ class ErrorTerm:
         low, high = (int(math.log2(max(1, size))) for size in self.cliff_from)
         if micro_batch_size >= 2 ** rng.randint(low, high):
             time *= rng.uniform(*self.cliff)
+        if self.tail_share and rng.random() < self.tail_share:  # drawn after the others
+            outlier = rng.uniform(*self.tail)
+            time *= outlier if rng.random() < 0.5 else 1 / outlier
         return memory, time
 
     def host_factor(self, seed: int, index: int, model: str, config: TrainConfig) -> float:

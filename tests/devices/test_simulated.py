@@ -121,6 +121,27 @@ def test_memory_error_may_grow_with_the_micro_batch_and_throughput_may_fall_off_
     assert [t for _, t in factors.values()] == [1.0, 1.0, 1.0, 1.25, 1.25]
 
 
+def test_a_heavy_tailed_term_puts_its_share_of_configurations_far_off_either_way() -> None:
+    """``tail_share`` of the configurations are 1.5-3x faster or slower, the rest within the
+    term's own range; a term without a tail draws what it drew before the tail existed."""
+    configs = [
+        TrainConfig(engine=e, zero_stage=z, ac_every=ac)
+        for e, z in (("single", 0), ("ddp", 0), ("fsdp", 2), ("fsdp", 3), ("deepspeed", 1))
+        for ac in (0, 1, 2, 4)
+    ]
+    tailed = ErrorTerm(time=(0.95, 1.05), tail=(1.5, 3.0), tail_share=0.25)
+    device = SimulatedDevice.named("h100-80gb", seed=7, errors=(tailed,))
+    times = [device.bias("llama-7b", c, 2)[1] for c in configs]
+    far = [t for t in times if not 0.95 <= t <= 1.05]
+    assert all(0.95 / 3.0 <= t <= 0.95 / 1.5 or 1.5 * 0.95 <= t <= 3.0 * 1.05 for t in far)
+    assert 1 <= len(far) <= len(configs) // 2  # 5 expected of 20
+    plain = SimulatedDevice.named("h100-80gb", seed=7, errors=(ErrorTerm(time=(0.95, 1.05)),))
+    near = [t for t in times if 0.95 <= t <= 1.05]
+    assert near and set(near) <= {plain.bias("llama-7b", c, 2)[1] for c in configs}
+    with pytest.raises(ValueError, match=r"share in 0\.\.1"):
+        ErrorTerm(tail=(1.5, 3.0), tail_share=1.5)
+
+
 def test_an_error_term_says_what_it_cannot_take() -> None:
     with pytest.raises(ValueError, match="use engine"):
         ErrorTerm(by=("layers",))
