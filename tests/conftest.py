@@ -78,12 +78,12 @@ SERIAL = (
     "tests/probe/test_ops.py",
     "tests/probe/test_warm.py",
     "tests/search/test_run_e2e.py",
-    "tests/study/test_postgres.py",
-    "tests/study/test_storage_faults.py",
 )
 """Where real probes and tuners race the clock (probe timeouts, tuners killed once their
-ranks run, signals, lock waits, full disks): ``make test`` runs these alone, after the rest
-has run on both cores (``-n 2``), so no other test takes their cores."""
+ranks run, signals): ``make test`` runs these alone, after the rest has run on both cores
+(``-n 2``), so no other test takes their cores. The trial database's faults and PostgreSQL's
+workers (tests/study/) run with the rest: their tuners answer from the simulated GPU, on its
+clock, and every wait there is bounded by the product's own timeouts, not the test's."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
