@@ -837,8 +837,8 @@ class Tuning:
     storage: str
     """The storage URL, as given."""
     replan: Callable[[Workload], list[PlanRow]] | None = None
-    """The planner's predictions for another workload (a user's job: once a probe has seen
-    the dtype its loss takes the logits in); None: the rows stand."""
+    """The planner's predictions for another workload (a user's job, once its probes have
+    measured it otherwise than assumed: ``measured_workload``); None: the rows stand."""
 
     @property
     def fingerprint(self) -> Fingerprint:

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.config import Engine, TrainConfig
+from autotune.config import Engine, LossDtype, TrainConfig
 from autotune.probe.lifetime import adopt_orphans, end_descendants
 from autotune.probe.ops import deepspeed_ops, extensions_dir, load_ops
 from autotune.probe.outcome import Outcome, Stage, is_oom_error
@@ -301,7 +301,7 @@ class Layer:
         self.stage = Stage.BUILD
         self.vocab_rows = 0
         """Rows of the largest embedding fed token ids so far: the token embedding."""
-        self.loss_dtype: Any = None
+        self.loss_dtype: LossDtype | None = None
         """The :class:`~autotune.config.LossDtype` the job's loss took the logits in (its
         last training call over the vocabulary); None: not seen (:meth:`_watch_loss`)."""
         self._last_ids: Any = None
@@ -430,8 +430,6 @@ class Layer:
         input or under autocast (both ops are on its fp32 list), else the logits' own. A
         fused kernel (Liger-Kernel's) or a compiled loss calls neither: nothing is recorded."""
         import torch.nn.functional as F
-
-        from autotune.config import LossDtype
 
         torch = self.torch
 

@@ -187,9 +187,9 @@ class Controller:
         clock: Charges the budget; by default the device's own clock.
         probe_timeout_s: The longest a probe may run before it is taken to hang.
         on_event: Called at each step of the loop (the live view).
-        replan: The planner's rows for another workload: called when a probe of a user's
-            job saw its loss take the logits in another dtype than the rows assumed
-            (:meth:`_learn_job`); None: the rows stand.
+        replan: The planner's rows for another workload: called when probes of a user's
+            job measured it otherwise than the rows assume (its loss's dtype, a lone rank's
+            wrapper: :meth:`_learn_job`); None: the rows stand.
     """
 
     def __init__(
