@@ -52,8 +52,9 @@ structures of its own beside the eight: ``heavy-tail`` (15 % of the configuratio
 either way), ``noise-5`` and ``noise-10`` (the family's errors measured with 5 % and 10 %
 timing noise between repeats), ``memory-under`` (memory 0-12 % over the prediction, shared by
 engine × offload) and ``recompute`` (checkpointing's recompute x0.75-1.25, shared by the
-checkpointing level). A structure's ``noise`` sets the simulated GPU's timing noise (2 %
-unless it says).
+checkpointing level); and ``robust-2`` (seeds 15-17, the same thirteen structures) once the
+search had been changed on ``robust``, before it was run on these seeds. A structure's
+``noise`` sets the simulated GPU's timing noise (2 % unless it says).
 
 ``--knobs planned`` searches (and enumerates for the oracle) the space with the knobs beyond
 the ladder a plan shows (the chunked loss, op-level checkpointing, 8-bit AdamW) instead of
