@@ -124,7 +124,7 @@ class RunView:
             p = event.proposal
             predicted = self.objective.text(p.predicted)
             why = (
-                f"re-measure {p.repeat}: a near-tie with the best, measured {predicted}"
+                f"re-measure {p.repeat}: the best or within the noise of it, measured {predicted}"
                 if p.repeat
                 else f"predicted {predicted}"
             )

@@ -31,15 +31,22 @@ bound over the configurations of the space, with the estimator as the bound:
    next size measured or inferred OOM, or certainly out of memory). The branch and bound ends
    when no open configuration's optimistic bound (its prediction times the residual model's
    ratio about ``Z_BOUND`` standard deviations above the mean, widened by :func:`bound_z`
-   while few configurations are measured, at least ``MIN_ERROR`` above it, at any size that
-   may fit) beats the best measured.
-6. Then near-ties are re-measured: one short probe's timing scatters by a few per cent, so
-   of the ``CONFIRM_TOP`` best points, those within ``CONFIRM_MARGIN`` of the best are
-   measured again until each has ``REPEATS`` measurements (at most ``CONFIRM_TOP`` points
-   in all); a point's speed is the mean of its measurements, and the branch and bound
-   resumes if the means reopen it. A point whose re-measurement ran out of memory no longer
-   fits. If the best two means are still within ``TIE_MARGIN`` of each other, each is
-   measured again, up to ``MAX_REPEATS`` times.
+   while few configurations are measured; for a configuration not measured, the residual
+   model's quantile ``Z_TAIL``, which allows for outliers as far as the measured ones say;
+   at least ``MIN_ERROR`` above it, at any size that may fit) beats the best measured. The
+   best measured is taken as the residual model estimates it where that is lower than its
+   mean (down to what the noise alone allows): the best of many single measurements is the
+   luckiest, and where the repeats showed a large noise one lucky measurement would
+   otherwise prune the configurations that beat it.
+6. Then the answer is confirmed: the best point is measured ``REPEATS`` times, and so is
+   each measured point that may still beat it (the residual model's estimate ``Z_CONFIRM``
+   standard deviations up, with the noise the repeats showed; or a mean within
+   ``CONFIRM_MARGIN`` of the best), the most promising first, at most ``CONFIRM_POINTS``
+   points; a point's speed is the mean of its measurements, and the branch and bound resumes
+   if the means reopen it. A point whose re-measurement ran out of memory no longer fits.
+   While the best and a rival stay within the noise of each other (``Z_TIE`` standard
+   errors, at least ``TIE_MARGIN``), the less measured is measured again, up to
+   ``MAX_REPEATS`` times each.
 7. Host memory: a configuration whose offloaded states are predicted not to fit the node's
    host memory (:mod:`autotune.estimator.host`) is never probed, and a probe killed by the
    host's OOM killer (``host_oom``) rules out, for the whole study, every configuration not
@@ -62,7 +69,7 @@ from autotune.study.measurement import RETRYABLE, Measurement, pooled
 
 __all__ = [
     "CONFIRM_MARGIN",
-    "CONFIRM_TOP",
+    "CONFIRM_POINTS",
     "MIN_ERROR",
     "ONE_POINT_ERROR",
     "PRIOR_ERROR",
@@ -84,16 +91,18 @@ noise)."""
 CONFIRM_MARGIN = MIN_ERROR
 """Points measured within this fraction of the best are re-measured: a single short probe
 cannot order them (its timing noise)."""
-CONFIRM_TOP = 3
-"""Near-ties are looked for among this many of the best points, and at most this many points
-are re-measured in all."""
+CONFIRM_POINTS = 5
+"""Points re-measured in all at most (the best among them; a point that becomes the best
+past the cap is still confirmed)."""
 REPEATS = 2
-"""Measurements of each near-tie before the search ends."""
+"""Measurements of the best and of each point that may still beat it before the search
+ends."""
 TIE_MARGIN = CONFIRM_MARGIN / 2
-"""The best two points, measured ``REPEATS`` times each, closer than this are measured again
-(:func:`_tie_break`)."""
-MAX_REPEATS = 4
-"""Measurements of each of the best two points at most."""
+"""The best and a rival, measured ``REPEATS`` times each, closer than this are measured again
+(:func:`_tie_break`; wider where the repeats show more noise)."""
+MAX_REPEATS = 6
+"""Measurements of the best and of a rival tied with it at most (six measurements of a probe
+with 10 % noise put a mean within 4 %)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +130,8 @@ class _Seen:
     """Micro-batch size -> mean measured objective, for sizes that fit every time (pooled)."""
     runs: dict[int, int] = field(default_factory=dict)
     """Micro-batch size -> how many measurements ``speed`` pools."""
+    values: dict[int, list[float]] = field(default_factory=dict)
+    """Micro-batch size -> each measurement ``speed`` pools (their scatter is the noise's)."""
     unconfirmed: set[int] = field(default_factory=set)
     """Sizes whose re-measurement failed for good (not re-measured again)."""
     scattered: set[int] = field(default_factory=set)
@@ -149,6 +160,8 @@ def _by_config(measurements: list[Measurement]) -> dict[TrainConfig, _Seen]:
             entry.ok[mbs] = max(entry.ok.get(mbs, 0.0), float(m.peak_bytes or 0))
             if m.value and mbs in entry.speed and m.value != entry.speed[mbs]:
                 entry.scattered.add(mbs)
+            if m.value and mbs in entry.speed and m.state == "COMPLETE":
+                entry.values.setdefault(mbs, []).append(m.value)
             if not m.feasible:
                 entry.oom.add(mbs)  # ran, but inside the headroom or thrashing: not fitting
         elif m.outcome == "host_oom":
@@ -235,6 +248,18 @@ def predictions(row: PlanRow, objective: Objective) -> Mapping[int, float]:
     return row.speeds if objective is Objective.TOKENS else row.mfus
 
 
+HOST_ERROR = 0.10
+"""Relative error allowed the host model's prediction of a node's host memory: a row predicted
+over the node's memory by less is tried once nothing else has fitted (:func:`propose`)."""
+
+
+def _host_may_fit(row: PlanRow) -> bool:
+    """The row's host memory may fit the node within the host model's error."""
+    if row.host is None or row.host_capacity_bytes is None:
+        return True
+    return row.host.node_bytes * (1 - HOST_ERROR) <= row.host_capacity_bytes
+
+
 def _host_limit(rows: list[PlanRow], seen: dict[TrainConfig, _Seen]) -> float:
     """The least predicted host memory of a configuration the OOM killer stopped: the host
     model under-predicts at least there, so every configuration predicted to need as much is
@@ -251,6 +276,11 @@ Z_BOUND = 2.0
 """Standard deviations of the residual model above its mean that bound what an open
 configuration may reach, once many configurations are measured (:func:`bound_z` widens it
 before): the branch and bound ends when no bound beats the best measured."""
+Z_TAIL = 2.5
+"""The quantile of the residual model's mixture (:meth:`Residual.tail`) that bounds an
+unmeasured configuration which may be an outlier: a chance of 0.6 % to lie above (the
+Gaussian bound's 2.3 %, a quarter of it, because of the many configurations a bound prunes
+at once it is the outliers' chances that add up)."""
 Z_RANK = 1.0
 """Standard deviations below the mean that rank open configurations: of two expected alike,
 the better known goes first."""
@@ -279,8 +309,13 @@ def observations(
         predicted = predictions(row, objective)
         for mbs, value in sorted(s.speed.items()):
             if predicted.get(mbs):
+                logs = [math.log(v) for v in s.values.get(mbs, []) if v > 0]
+                center = sum(logs) / len(logs) if logs else 0.0
+                scatter = sum((v - center) ** 2 for v in logs)
                 found.append(
-                    Observation(row.config, mbs, value / predicted[mbs], s.runs.get(mbs, 1))
+                    Observation(
+                        row.config, mbs, value / predicted[mbs], s.runs.get(mbs, 1), scatter
+                    )
                 )
     return found
 
@@ -309,18 +344,63 @@ def propose(
     candidates: list[tuple[float, Proposal]] = []
     # LoRA (allowed with --allow lora) trains another model: its rows are the last resort,
     # tried once no full fine-tuning configuration is left that may fit and none has fitted.
+    standing = _standing(rows, seen, objective, model)
     for lora in (False, True):
-        best = max(
-            (max(s.speed.values()) for c, s in seen.items() if s.speed and c.is_lora == lora),
-            default=0.0,
-        )
+        best = max((v for c, v in standing.items() if c.is_lora == lora), default=0.0)
         if lora and (candidates or any(s.speed for c, s in seen.items() if not c.is_lora)):
             break
         chosen = [row for row in rows if row.config.is_lora == lora]
         candidates += _candidates(chosen, seen, sizes, objective, model, z_bound, best, host_limit)
+    fitted = any(seen[r.config].speed for r in rows if r.host_fits and r.config in seen)
+    if not candidates and not fitted:
+        # No row predicted to fit the host is left and none has fitted: the rows the host
+        # model puts within its error of the node's memory are searched (a host OOM rules out
+        # every heavier one), rather than no answer at all.
+        near = [row for row in rows if not row.host_fits and _host_may_fit(row)]
+        best = max(standing.values(), default=0.0)
+        candidates = _candidates(
+            near, seen, sizes, objective, model, z_bound, best, host_limit, last_resort=True
+        )
     if not candidates:
-        return _confirm(seen, objective)
+        return _confirm(rows, seen, objective, model)
     return max(candidates, key=lambda item: item[0])[1]
+
+
+def _standing(
+    rows: list[PlanRow],
+    seen: Mapping[TrainConfig, _Seen],
+    objective: Objective,
+    model: ResidualModel,
+) -> dict[TrainConfig, float]:
+    """Each measured configuration's best point as the bound compares against it: the mean of
+    its measurements, or the model's estimate where that is lower (down to what the noise
+    alone allows, :func:`_low`). The best of many single
+    measurements is the luckiest of them; where the repeats show a noise the model weighs a
+    point's measurements against what its configuration's groups measured, and a
+    configuration that measured high by chance does not prune the others with its luck."""
+    standing: dict[TrainConfig, float] = {}
+    for row in rows:
+        s = seen.get(row.config)
+        if s is None or not s.speed:
+            continue
+        predicted = predictions(row, objective)
+        sizes = [m for m in s.speed if predicted.get(m)]
+        estimates = dict(zip(sizes, model.predict([(row.config, m) for m in sizes]), strict=True))
+        standing[row.config] = max(
+            min(v, max(predicted[m] * estimates[m].ratio, _low(v, s.runs[m], model.noise)))
+            if m in estimates
+            else v
+            for m, v in s.speed.items()
+        )
+    return standing
+
+
+def _low(mean: float, runs: int, noise: float) -> float:
+    """The least a mean of ``runs`` measurements may be worth by the noise alone
+    (``Z_CONFIRM`` standard errors below): the model's estimate of a measured point is not
+    taken below it (a model whose size curve the other points made stiff would otherwise
+    call a well-repeated measurement a fluke)."""
+    return mean * math.exp(-Z_CONFIRM * noise / math.sqrt(max(1, runs)))
 
 
 def _candidates(
@@ -332,9 +412,11 @@ def _candidates(
     z_bound: float,
     best: float,
     host_limit: float,
+    last_resort: bool = False,
 ) -> list[tuple[float, Proposal]]:
     """The open configurations among ``rows`` that may beat ``best``, each with its rank and
-    its proposal (see :func:`propose`)."""
+    its proposal (see :func:`propose`); ``last_resort``: rows predicted over the node's host
+    memory by less than ``HOST_ERROR`` too."""
     candidates: list[tuple[float, Proposal]] = []
     for row in rows:
         s = seen.get(row.config) or _Seen()
@@ -344,7 +426,7 @@ def _candidates(
         if s.running or s.failed or not predicted:
             continue  # in flight elsewhere, broken, or out of memory by any margin
         heavy = row.host is not None and row.host.node_bytes >= host_limit
-        if not row.host_fits or (heavy and not s.ok):
+        if not (row.host_fits or (last_resort and _host_may_fit(row))) or (heavy and not s.ok):
             continue  # needs more host memory than the node has, or than a killed probe
         memory = _Memory(row, s, sizes[-1])
         open_sizes = [m for m in sizes if m in predicted and m not in s.ok and memory.may_fit(m)]
@@ -353,7 +435,12 @@ def _candidates(
         known = [m for m in sizes if m in predicted]
         residual = dict(zip(known, model.predict([(row.config, m) for m in known]), strict=True))
         bound = max(
-            predicted[m] * max(residual[m].up(z_bound), residual[m].ratio * (1 + MIN_ERROR))
+            predicted[m]
+            * max(
+                residual[m].up(z_bound),
+                residual[m].tail(Z_TAIL),
+                residual[m].ratio * (1 + MIN_ERROR),
+            )
             for m in open_sizes
         )
         if best and bound <= best:
@@ -402,6 +489,12 @@ def _candidates(
                         "; LoRA: no full fine-tuning configuration is left that may fit"
                         if row.config.is_lora
                         else ""
+                    )
+                    + (
+                        f"; nothing else fits: its host memory ({row.miss}) is within the "
+                        f"host model's {HOST_ERROR:.0%}"
+                        if last_resort
+                        else ""
                     ),
                 ),
             )
@@ -418,64 +511,116 @@ def revived(row: PlanRow, twin: _Seen | None) -> bool:
     return any(m in row.peaks and row.peaks[m] <= row.capacity_bytes for m in twin.oom)
 
 
-def _confirm(seen: dict[TrainConfig, _Seen], objective: Objective) -> Proposal | None:
-    """A re-measurement of a near-tie with the best, or None when the best stands."""
-    points = sorted(
-        (
-            (speed, config, mbs, s.runs[mbs])
-            for config, s in seen.items()
-            for mbs, speed in s.speed.items()
-        ),
-        key=lambda p: -p[0],
-    )[:CONFIRM_TOP]
-    if len(points) < 2:
+Z_CONFIRM = 1.5
+"""Standard deviations of the residual model above its estimate of a measured point (which
+weighs its measurements by the noise the repeats showed) within which it may still beat the
+best, and is re-measured (:func:`_confirm`)."""
+
+Z_TIE = 1.5
+"""Standard errors within which the best two, each measured ``REPEATS`` times, are measured
+again; ``TIE_MARGIN`` at least (the same with a probe's 2 % noise)."""
+
+
+def _within(noise: float, runs: tuple[int, int], z: float, floor: float) -> float:
+    """The relative difference two points' means of ``runs`` measurements each may show by
+    noise alone: ``z`` standard errors of their difference, at least ``floor``."""
+    return max(floor, z * noise * math.sqrt(1 / runs[0] + 1 / runs[1]))
+
+
+def _confirm(
+    rows: list[PlanRow],
+    seen: dict[TrainConfig, _Seen],
+    objective: Objective,
+    model: ResidualModel,
+) -> Proposal | None:
+    """A re-measurement of the best or of a point that may still beat it, or None when the
+    best stands.
+
+    The best is measured ``REPEATS`` times before the search ends: of many single
+    measurements the best is the luckiest, and its repeat is what tells the noise. Then each
+    measured point whose true value may still beat the best's (its residual ``Z_CONFIRM``
+    standard deviations above the model's estimate, which weighs its measurements by the
+    noise the repeats showed; or a mean within ``CONFIRM_MARGIN`` of the best) is measured
+    again, the most promising first, until it has ``REPEATS`` measurements; at most
+    ``CONFIRM_POINTS`` points are re-measured in all, but whichever point is best is
+    confirmed."""
+    by_config = {row.config: row for row in rows}
+    points = []  # (mean, config, mbs, runs, upper)
+    for config, s in seen.items():
+        row = by_config.get(config)
+        predicted = predictions(row, objective) if row is not None else {}
+        sizes = [m for m in s.speed if predicted.get(m)]
+        residuals = dict(zip(sizes, model.predict([(config, m) for m in sizes]), strict=True))
+        for mbs, speed in s.speed.items():
+            upper = predicted[mbs] * residuals[mbs].up(Z_CONFIRM) if mbs in residuals else speed
+            points.append((speed, config, mbs, s.runs[mbs], upper))
+    if not points:
         return None
+    points.sort(key=lambda p: -p[0])
     best = points[0][0]
-    close = [p for p in points if p[0] >= best * (1 - CONFIRM_MARGIN)]
-    if len(close) < 2:
-        return None  # the best is ahead of the rest by more than the noise
+    standing = max(_standing(rows, seen, objective, model).values(), default=best)
+    rivals = [p for p in points[1:] if p[4] > standing or p[0] >= best * (1 - CONFIRM_MARGIN)]
+    contenders = [points[0], *sorted(rivals, key=lambda p: -p[4])]
     remeasured = sum(runs > 1 for s in seen.values() for runs in s.runs.values())
-    if remeasured < CONFIRM_TOP:  # the cost is bounded; past it the means stand
-        for speed, config, mbs, runs in close:
+    for speed, config, mbs, runs, upper in contenders:
+        s = seen[config]
+        if runs >= REPEATS or s.running or mbs in s.unconfirmed:
+            continue
+        alone = (config, mbs) == (points[0][1], points[0][2])
+        if remeasured >= CONFIRM_POINTS and not alone:
+            break  # the cost is bounded; past it the means stand (the best's is confirmed)
+        return Proposal(
+            config=config,
+            micro_batch_sizes=(mbs,),
+            predicted=speed,
+            reason=(
+                f"confirm the best {objective.text(best)}"
+                if alone
+                else f"re-measure: {objective.text(speed)} may still beat the best "
+                f"{objective.text(best)} (up to {objective.text(upper)} within the noise)"
+            )
+            + f" (measurement {runs + 1} of {REPEATS})",
+            repeat=runs,
+        )
+    tied = [p for p in points[1:] if p[4] > standing]
+    return _tie_break(
+        points[0], [points[1], *tied] if len(points) > 1 else [], seen, objective, model.noise
+    )
+
+
+def _tie_break(
+    best: tuple[float, TrainConfig, int, int, float],
+    rivals: list[tuple[float, TrainConfig, int, int, float]],
+    seen: dict[TrainConfig, _Seen],
+    objective: Objective,
+    noise: float,
+) -> Proposal | None:
+    """One more measurement of the best or of a rival while the two, each measured at least
+    ``REPEATS`` times, stay within the noise of each other (their means within ``Z_TIE``
+    standard errors of their difference, at least ``TIE_MARGIN``; or the rival's residual may
+    still beat the best): the less measured of the two first, up to ``MAX_REPEATS`` each. Two
+    means of two short probes still differ by a probe's timing noise, enough to order a point
+    2-3 % slower first. Points whose repeats all measured the same (a device without timing
+    noise) are not measured again."""
+    top = best[0]
+    for rival in rivals:
+        pair = (best, rival)
+        margin = _within(noise, (best[3], rival[3]), Z_TIE, TIE_MARGIN)
+        close = rival[0] >= top * (1 - margin) or rival is not rivals[0]
+        if not close or any(p[3] < REPEATS for p in pair):
+            continue
+        if not any(p[2] in seen[p[1]].scattered for p in pair):
+            continue  # each measured alike every time: more cannot tell them apart
+        for speed, config, mbs, runs, _ in sorted(pair, key=lambda p: p[3]):
             s = seen[config]
-            if runs < REPEATS and not s.running and mbs not in s.unconfirmed:
+            if runs < MAX_REPEATS and not s.running and mbs not in s.unconfirmed:
                 return Proposal(
                     config=config,
                     micro_batch_sizes=(mbs,),
                     predicted=speed,
-                    reason=f"re-measure: {objective.text(speed)} is within "
-                    f"{CONFIRM_MARGIN:.0%} of the best {objective.text(best)} "
-                    f"(measurement {runs + 1} of {REPEATS})",
+                    reason=f"tie-break: {objective.text(rival[0])} and {objective.text(top)} "
+                    f"are within the noise after {runs} measurements (measurement "
+                    f"{runs + 1} of at most {MAX_REPEATS})",
                     repeat=runs,
                 )
-    return _tie_break(points[:2], seen, objective)
-
-
-def _tie_break(
-    top: list[tuple[float, TrainConfig, int, int]],
-    seen: dict[TrainConfig, _Seen],
-    objective: Objective,
-) -> Proposal | None:
-    """One more measurement of the best two points while their means, each of at least
-    ``REPEATS`` measurements, stay within ``TIE_MARGIN`` of each other (the less measured
-    first, up to ``MAX_REPEATS`` each): two means of two short probes still differ by a
-    probe's timing noise, enough to order a point 2-3 % slower first. Points whose repeats
-    all measured the same (a device without timing noise) are not measured again."""
-    (best, *_), (second, *_) = top
-    if second < best * (1 - TIE_MARGIN) or any(p[3] < REPEATS for p in top):
-        return None
-    if not any(p[2] in seen[p[1]].scattered for p in top):
-        return None  # each measured alike every time: more measurements cannot tell them apart
-    for speed, config, mbs, runs in sorted(top, key=lambda p: p[3]):
-        s = seen[config]
-        if runs < MAX_REPEATS and not s.running and mbs not in s.unconfirmed:
-            return Proposal(
-                config=config,
-                micro_batch_sizes=(mbs,),
-                predicted=speed,
-                reason=f"tie-break: {objective.text(second)} and {objective.text(best)} are "
-                f"within {TIE_MARGIN:.1%} after {runs} measurements (measurement {runs + 1} "
-                f"of at most {MAX_REPEATS})",
-                repeat=runs,
-            )
     return None

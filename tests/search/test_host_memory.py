@@ -209,3 +209,31 @@ def test_on_the_h100_shaped_simulator_llama_7b_on_one_gpu(tmp_path: Path, seed: 
             killed_at, killed_by = min(killed_at, host[m.config]), m.probe_dir
         elif m.outcome == "ok":
             ran.add(m.config)
+
+
+def test_when_nothing_else_fits_the_rows_within_the_host_models_error_are_searched(
+    tmp_path: Path,
+) -> None:
+    """llama3-8b on one H200 with 125 GiB of host memory: every offloading row is predicted
+    over the node's host memory (FSDP's by 5 %), and the one row predicted to fit without
+    offload needs 15 % more GPU memory than predicted. On a node whose host needs 8 % less
+    than predicted, the search tries the rows within the host model's 10 % once that row ran
+    out of memory (never those further over) and answers with one, rather than with nothing."""
+    device = SimulatedDevice.named(
+        "h200", host_memory_bytes=NODE, noise=0.0,
+        errors=(
+            ErrorTerm(by=("engine",), host=(0.92, 0.92)),
+            ErrorTerm(by=("engine",), memory=(1.15, 1.15), only="no-offload"),
+        ),
+    )  # fmt: skip
+    tuning = prepare(
+        "llama3-8b", device=device, gpus=1, seq_len=2048, global_batch=16, budget=1e9,
+        host_memory=NODE, storage=f"sqlite:///{tmp_path}/t.db", trials_dir=tmp_path / "trials",
+    )  # fmt: skip
+    over = {row.config for row in tuning.rows if not row.host_fits}
+    far = {r.config for r in tuning.rows if r.host and r.host.node_bytes * 0.9 > NODE - 4 * GIB}
+    assert over and [r.config.label() for r in tuning.rows if r.fits] == ["single ac:every"]
+    summary = tuning.run()
+    assert summary.best is not None and summary.best.config in over
+    probed = {m.config for m in summary.measurements}
+    assert probed & over and not probed & far

@@ -18,7 +18,7 @@ from autotune.search.controller import (
     Controller,
     Event,
 )
-from autotune.search.ladder import CONFIRM_TOP, MAX_REPEATS, REPEATS, TIE_MARGIN
+from autotune.search.ladder import CONFIRM_POINTS, MAX_REPEATS, REPEATS, TIE_MARGIN
 from autotune.space import Workload
 
 SCENARIOS = [
@@ -105,11 +105,13 @@ def test_no_configuration_is_probed_twice_and_a_rerun_resumes(tmp_path: Path) ->
     done = first.run()
     keys = [(*m.key, m.repeat) for m in done.measurements]
     assert len(keys) == len(set(keys))
-    # Re-measured points: a few near-ties with the best, each measured REPEATS times, and the
-    # best two up to MAX_REPEATS times when they stayed tied (the tie-break; which two are the
-    # best may change as repeats come in, so a third near-tie can get its own).
+    # Re-measured points: the best and the points that may still beat it, each measured
+    # REPEATS times (at most CONFIRM_POINTS points, and a best that took over past the cap
+    # confirmed), and the best with a rival up to MAX_REPEATS times when they stayed tied (the
+    # tie-break; which is best may change as repeats come in).
     repeated = {m.key for m in done.measurements if m.repeat}
-    assert len(repeated) <= CONFIRM_TOP
+    assert done.best is not None and done.best.key in repeated
+    assert len(repeated) <= CONFIRM_POINTS + 1
     assert done.best is not None and done.best.value is not None
     means = {}
     for key in repeated:
@@ -118,7 +120,7 @@ def test_no_configuration_is_probed_twice_and_a_rerun_resumes(tmp_path: Path) ->
         assert runs == list(range(len(runs))) and REPEATS <= len(runs) <= MAX_REPEATS
         if len(runs) > REPEATS:
             means[key] = sum(values) / len(values)
-    assert len(means) <= CONFIRM_TOP
+    assert len(means) <= CONFIRM_POINTS
     # Only near-ties get the tie-break's repeats: within twice its margin of the best mean.
     assert not means or min(means.values()) >= (1 - 2 * TIE_MARGIN) * max(means.values())
     again, _, _ = _controller(tmp_path, SCENARIOS[0], noise=0.02)

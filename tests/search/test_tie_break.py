@@ -1,6 +1,6 @@
-"""The tie-break: the best two points, each measured twice, are measured again while their
-means stay within ``TIE_MARGIN`` of each other and their repeats scatter, up to
-``MAX_REPEATS`` each, the less measured first."""
+"""The tie-break: the best and a rival, each measured twice, are measured again while their
+means stay within ``TIE_MARGIN`` of each other (wider where the repeats show more noise) and
+their repeats scatter, up to ``MAX_REPEATS`` each, the less measured first."""
 
 from __future__ import annotations
 
@@ -20,19 +20,31 @@ def _rows() -> list[PlanRow]:
     return plan(resolve_model("qwen2.5-1.5b"), gpu_spec("h100-80gb"), WORK)
 
 
+def record(
+    found: list[Measurement],
+    config: TrainConfig,
+    mbs: int,
+    outcome: str,
+    value: float,
+    repeat: int = 0,
+) -> None:
+    """A complete trial appended to ``found`` (numbered after its last)."""
+    found.append(
+        Measurement(
+            number=len(found), config=config, micro_batch_size=mbs, state="COMPLETE",
+            outcome=outcome, feasible=outcome == "ok", value=value, repeat=repeat,
+            peak_bytes=1,
+        )
+    )  # fmt: skip
+
+
 def _study(rows: list[PlanRow], a: list[float], b: list[float]) -> list[Measurement]:
     """Every configuration measured to its limit far below A and B (so only they are left),
     A at micro-batch 4 with the values ``a`` and B with ``b``, one trial per measurement."""
     found: list[Measurement] = []
 
     def add(config: TrainConfig, mbs: int, outcome: str, value: float, repeat: int = 0) -> None:
-        found.append(
-            Measurement(
-                number=len(found), config=config, micro_batch_size=mbs, state="COMPLETE",
-                outcome=outcome, feasible=outcome == "ok", value=value, repeat=repeat,
-                peak_bytes=1,
-            )
-        )  # fmt: skip
+        record(found, config, mbs, outcome, value, repeat)
 
     for row in rows:
         sizes = [m for m in micro_batch_options(WORK) if m in row.speeds]
@@ -55,7 +67,9 @@ def test_two_scattered_means_within_the_margin_are_measured_again_until_the_cap(
     assert proposal is not None and proposal.reason.startswith("tie-break")
     assert proposal.micro_batch_sizes == (4,) and proposal.repeat == 2
     # Each measured MAX_REPEATS times: the means stand.
-    capped = _study(rows, [40_000, 40_600] * 2, [40_200, 40_700] * 2)
+    capped = _study(
+        rows, [40_000, 40_600] * (MAX_REPEATS // 2), [40_200, 40_700] * (MAX_REPEATS // 2)
+    )
     assert len([m for m in capped if m.config == A and m.micro_batch_size == 4]) == MAX_REPEATS
     assert propose(rows, capped, sizes) is None
 
