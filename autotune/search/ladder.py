@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 from autotune.config import TrainConfig
 from autotune.estimator.plan import PlanRow
-from autotune.search.residuals import Observation, ResidualModel
+from autotune.search.residuals import Observation, Residual, ResidualModel
 from autotune.space import oom_rules_out
 from autotune.study.fingerprint import Objective
 from autotune.study.measurement import RETRYABLE, Measurement, pooled
@@ -297,6 +297,24 @@ def bound_z(configurations: int) -> float:
     return z + (z**3 + z) / (4 * nu) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * nu**2)
 
 
+@dataclass(frozen=True, slots=True)
+class _Beliefs:
+    """The residual model's belief at every point of the planner's rows, predicted at once
+    for a proposal (one product for all of them, not one a configuration), and the noise it
+    learnt from the repeats."""
+
+    residuals: Mapping[tuple[TrainConfig, int], Residual]
+    noise: float
+
+    @classmethod
+    def of(cls, model: ResidualModel, rows: list[PlanRow], objective: Objective) -> _Beliefs:
+        points = [(row.config, m) for row in rows for m in predictions(row, objective)]
+        return cls(dict(zip(points, model.predict(points), strict=True)), model.noise)
+
+    def at(self, config: TrainConfig, micro_batch_size: int) -> Residual:
+        return self.residuals[(config, micro_batch_size)]
+
+
 def observations(
     rows: list[PlanRow], seen: Mapping[TrainConfig, _Seen], objective: Objective
 ) -> list[Observation]:
@@ -341,16 +359,19 @@ def propose(
     host_limit = _host_limit(rows, seen)
     model = ResidualModel(observations(rows, seen, objective))
     z_bound = bound_z(len({o.config for o in model.observations}))
+    beliefs = _Beliefs.of(model, rows, objective)
     candidates: list[tuple[float, Proposal]] = []
     # LoRA (allowed with --allow lora) trains another model: its rows are the last resort,
     # tried once no full fine-tuning configuration is left that may fit and none has fitted.
-    standing = _standing(rows, seen, objective, model)
+    standing = _standing(rows, seen, objective, beliefs)
     for lora in (False, True):
         best = max((v for c, v in standing.items() if c.is_lora == lora), default=0.0)
         if lora and (candidates or any(s.speed for c, s in seen.items() if not c.is_lora)):
             break
         chosen = [row for row in rows if row.config.is_lora == lora]
-        candidates += _candidates(chosen, seen, sizes, objective, model, z_bound, best, host_limit)
+        candidates += _candidates(
+            chosen, seen, sizes, objective, beliefs, z_bound, best, host_limit
+        )
     fitted = any(seen[r.config].speed for r in rows if r.host_fits and r.config in seen)
     if not candidates and not fitted:
         # No row predicted to fit the host is left and none has fitted: the rows the host
@@ -359,10 +380,10 @@ def propose(
         near = [row for row in rows if not row.host_fits and _host_may_fit(row)]
         best = max(standing.values(), default=0.0)
         candidates = _candidates(
-            near, seen, sizes, objective, model, z_bound, best, host_limit, last_resort=True
+            near, seen, sizes, objective, beliefs, z_bound, best, host_limit, last_resort=True
         )
     if not candidates:
-        return _confirm(rows, seen, objective, model)
+        return _confirm(rows, seen, objective, beliefs)
     return max(candidates, key=lambda item: item[0])[1]
 
 
@@ -370,7 +391,7 @@ def _standing(
     rows: list[PlanRow],
     seen: Mapping[TrainConfig, _Seen],
     objective: Objective,
-    model: ResidualModel,
+    beliefs: _Beliefs,
 ) -> dict[TrainConfig, float]:
     """Each measured configuration's best point as the bound compares against it: the mean of
     its measurements, or the model's estimate where that is lower (down to what the noise
@@ -384,10 +405,9 @@ def _standing(
         if s is None or not s.speed:
             continue
         predicted = predictions(row, objective)
-        sizes = [m for m in s.speed if predicted.get(m)]
-        estimates = dict(zip(sizes, model.predict([(row.config, m) for m in sizes]), strict=True))
+        estimates = {m: beliefs.at(row.config, m) for m in s.speed if predicted.get(m)}
         standing[row.config] = max(
-            min(v, max(predicted[m] * estimates[m].ratio, _low(v, s.runs[m], model.noise)))
+            min(v, max(predicted[m] * estimates[m].ratio, _low(v, s.runs[m], beliefs.noise)))
             if m in estimates
             else v
             for m, v in s.speed.items()
@@ -408,7 +428,7 @@ def _candidates(
     seen: dict[TrainConfig, _Seen],
     sizes: list[int],
     objective: Objective,
-    model: ResidualModel,
+    beliefs: _Beliefs,
     z_bound: float,
     best: float,
     host_limit: float,
@@ -432,8 +452,7 @@ def _candidates(
         open_sizes = [m for m in sizes if m in predicted and m not in s.ok and memory.may_fit(m)]
         if not open_sizes:
             continue  # every size that may fit is measured: the limit is bracketed
-        known = [m for m in sizes if m in predicted]
-        residual = dict(zip(known, model.predict([(row.config, m) for m in known]), strict=True))
+        residual = {m: beliefs.at(row.config, m) for m in sizes if m in predicted}
         bound = max(
             predicted[m]
             * max(
@@ -531,7 +550,7 @@ def _confirm(
     rows: list[PlanRow],
     seen: dict[TrainConfig, _Seen],
     objective: Objective,
-    model: ResidualModel,
+    beliefs: _Beliefs,
 ) -> Proposal | None:
     """A re-measurement of the best or of a point that may still beat it, or None when the
     best stands.
@@ -549,8 +568,7 @@ def _confirm(
     for config, s in seen.items():
         row = by_config.get(config)
         predicted = predictions(row, objective) if row is not None else {}
-        sizes = [m for m in s.speed if predicted.get(m)]
-        residuals = dict(zip(sizes, model.predict([(config, m) for m in sizes]), strict=True))
+        residuals = {m: beliefs.at(config, m) for m in s.speed if predicted.get(m)}
         for mbs, speed in s.speed.items():
             upper = predicted[mbs] * residuals[mbs].up(Z_CONFIRM) if mbs in residuals else speed
             points.append((speed, config, mbs, s.runs[mbs], upper))
@@ -558,7 +576,7 @@ def _confirm(
         return None
     points.sort(key=lambda p: -p[0])
     best = points[0][0]
-    standing = max(_standing(rows, seen, objective, model).values(), default=best)
+    standing = max(_standing(rows, seen, objective, beliefs).values(), default=best)
     rivals = [p for p in points[1:] if p[4] > standing or p[0] >= best * (1 - CONFIRM_MARGIN)]
     contenders = [points[0], *sorted(rivals, key=lambda p: -p[4])]
     remeasured = sum(runs > 1 for s in seen.values() for runs in s.runs.values())
@@ -584,7 +602,7 @@ def _confirm(
         )
     tied = [p for p in points[1:] if p[4] > standing]
     return _tie_break(
-        points[0], [points[1], *tied] if len(points) > 1 else [], seen, objective, model.noise
+        points[0], [points[1], *tied] if len(points) > 1 else [], seen, objective, beliefs.noise
     )
 
 

@@ -228,13 +228,6 @@ def _one_thread() -> AbstractContextManager[object]:
     return controller.limit(limits=1, user_api="blas")
 
 
-def _key(config: TrainConfig, fields: tuple[str, ...] | None) -> tuple[object, ...]:
-    if fields is None:
-        return (config,)
-    values = config.to_dict()
-    return tuple(values[name] for name in fields)
-
-
 class ResidualModel:
     """The residual model fitted to a study's observations (see the module's docstring)."""
 
@@ -375,16 +368,20 @@ class ResidualModel:
         """Each point's group code under every term (``UNSEEN``: a group no observation has;
         ``NOT_APPLICABLE``: the term has no effect on the point) and its log2 micro-batch."""
         codes = np.full((len(points), len(TERMS)), UNSEEN, dtype=np.int64)
-        for j, term in enumerate(TERMS):
-            table = self._codes[j]
-            for i, (config, _) in enumerate(points):
+        where: dict[TrainConfig, list[int]] = {}
+        for i, (config, _) in enumerate(points):
+            where.setdefault(config, []).append(i)
+        for config, rows in where.items():  # a configuration's sizes share its codes
+            values = config.to_dict()
+            for j, term in enumerate(TERMS):
                 if not term.applies(config):
-                    codes[i, j] = NOT_APPLICABLE
+                    codes[rows, j] = NOT_APPLICABLE
                     continue
-                key = _key(config, term.fields)
+                table = self._codes[j]
+                key = (config,) if term.fields is None else tuple(values[n] for n in term.fields)
                 if grow:
                     table.setdefault(key, len(table))
-                codes[i, j] = table.get(key, UNSEEN)
+                codes[rows, j] = table.get(key, UNSEEN)
         sizes = np.array([math.log2(max(1, m)) for _, m in points], dtype=float)
         return codes, sizes
 

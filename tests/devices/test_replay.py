@@ -148,7 +148,10 @@ def test_the_search_replayed_on_the_h100_grid_finds_its_best(
     assert best is not None and summary.best is not None
     config, mbs, value = best
     assert (summary.best.config, summary.best.micro_batch_size) == (config, mbs)
-    assert summary.best.value == pytest.approx(value)
+    # Confirmed by a second measurement, which the replay answers from the point's next
+    # recording: the mean of its recordings, within their 1 % of the first one.
+    assert summary.best.repeats >= 2
+    assert summary.best.value == pytest.approx(value, rel=0.01)
     assert "replay" in tuning.fingerprint.study_name
     results = sorted(
         (ProbeResult.read(p.parent) for p in (tmp_path / "trials").rglob("result.json")),
