@@ -91,7 +91,7 @@ noise)."""
 CONFIRM_MARGIN = MIN_ERROR
 """Points measured within this fraction of the best are re-measured: a single short probe
 cannot order them (its timing noise)."""
-CONFIRM_POINTS = 5
+CONFIRM_POINTS = 3
 """Points re-measured in all at most (the best among them; a point that becomes the best
 past the cap is still confirmed)."""
 REPEATS = 2
@@ -100,9 +100,9 @@ ends."""
 TIE_MARGIN = CONFIRM_MARGIN / 2
 """The best and a rival, measured ``REPEATS`` times each, closer than this are measured again
 (:func:`_tie_break`; wider where the repeats show more noise)."""
-MAX_REPEATS = 6
-"""Measurements of the best and of a rival tied with it at most (six measurements of a probe
-with 10 % noise put a mean within 4 %)."""
+MAX_REPEATS = 4
+"""Measurements of the best and of a rival tied with it at most (four measurements of a probe
+with 10 % noise put a mean within 5 %; each is a probe of the user's budget)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
