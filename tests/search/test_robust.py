@@ -117,7 +117,7 @@ def _finished(
 ) -> list[Measurement]:
     """Every configuration measured at each size up to an out-of-memory at twice its largest:
     at ``levels`` times its prediction (80 % where not given), A at its fastest size twice
-    (1 % apart). With ``spread``, three other points measured twice, ``spread`` above and below
+    (1 % apart). With ``spread``, one other point measured twice, ``spread`` above and below
     (what the repeats say of the noise)."""
     found: list[Measurement] = []
     repeated = 0
@@ -130,7 +130,7 @@ def _finished(
                 values = [value, value * 1.01]
             elif row.config == A:
                 values = [0.85 * value]  # its other sizes: no near-ties of its own
-            elif spread and row.config not in levels and repeated < 3 and mbs == sizes[0]:
+            elif spread and row.config not in levels and not repeated and mbs == sizes[0]:
                 repeated += 1
                 values = [value * (1 + spread), value * (1 - spread)]
             for repeat, measured in enumerate(values):
