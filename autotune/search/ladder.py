@@ -383,7 +383,7 @@ def propose(
             near, seen, sizes, objective, beliefs, z_bound, best, host_limit, last_resort=True
         )
     if not candidates:
-        return _confirm(rows, seen, objective, beliefs)
+        return _confirm(rows, seen, objective, beliefs, standing)
     return max(candidates, key=lambda item: item[0])[1]
 
 
@@ -551,6 +551,7 @@ def _confirm(
     seen: dict[TrainConfig, _Seen],
     objective: Objective,
     beliefs: _Beliefs,
+    standing: Mapping[TrainConfig, float],
 ) -> Proposal | None:
     """A re-measurement of the best or of a point that may still beat it, or None when the
     best stands.
@@ -576,8 +577,8 @@ def _confirm(
         return None
     points.sort(key=lambda p: -p[0])
     best = points[0][0]
-    standing = max(_standing(rows, seen, objective, beliefs).values(), default=best)
-    rivals = [p for p in points[1:] if p[4] > standing or p[0] >= best * (1 - CONFIRM_MARGIN)]
+    least = max(standing.values(), default=best)  # the best as the bound took it
+    rivals = [p for p in points[1:] if p[4] > least or p[0] >= best * (1 - CONFIRM_MARGIN)]
     contenders = [points[0], *sorted(rivals, key=lambda p: -p[4])]
     remeasured = sum(runs > 1 for s in seen.values() for runs in s.runs.values())
     for speed, config, mbs, runs, upper in contenders:
@@ -600,7 +601,7 @@ def _confirm(
             + f" (measurement {runs + 1} of {REPEATS})",
             repeat=runs,
         )
-    tied = [p for p in points[1:] if p[4] > standing]
+    tied = [p for p in points[1:] if p[4] > least]
     return _tie_break(
         points[0], [points[1], *tied] if len(points) > 1 else [], seen, objective, beliefs.noise
     )
