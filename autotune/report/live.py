@@ -123,11 +123,15 @@ class RunView:
         elif event.kind == "probe" and event.proposal:
             p = event.proposal
             predicted = self.objective.text(p.predicted)
-            why = (
-                f"re-measure {p.repeat}: the best or within the noise of it, measured {predicted}"
-                if p.repeat
-                else f"predicted {predicted}"
-            )
+            if p.riding is not None:
+                why = f"predicted {predicted}; {p.riding} re-measures the best"
+            elif p.repeat:
+                why = (
+                    f"re-measure {p.repeat}: the best or within the noise of it, "
+                    f"measured {predicted}"
+                )
+            else:
+                why = f"predicted {predicted}"
             self.console.print(
                 f"[dim]probe {event.probes + 1}: {p.config.label()} at micro-batch "
                 f"{','.join(map(str, p.micro_batch_sizes))} ({why})[/]"
@@ -190,7 +194,8 @@ class RunView:
             status.add_row(
                 "probing",
                 f"{p.config.label()} at micro-batch {','.join(map(str, p.micro_batch_sizes))}"
-                + (f", re-measure {p.repeat}" if p.repeat else "")
+                + (f", re-measure {p.repeat}" if p.repeat and p.riding is None else "")
+                + (f" ({p.riding} re-measured)" if p.riding is not None else "")
                 + ("" if self.simulated else f" ({format_duration(running)})"),
             )
         status.add_row("last", self._last)

@@ -494,7 +494,7 @@ class Controller:
             proposal.config,
             proposal.micro_batch_sizes,
             timeout_s=timeout_s,
-            seed=proposal.repeat,  # a re-measurement: other data, an independent sample
+            seed=proposal.data_seed,  # a re-measurement: other data, an independent sample
         )
         try:
             probe_dir = new_probe_dir(
@@ -508,12 +508,7 @@ class Controller:
         try:
             # An interruption inside the claim leaves RUNNING trials of this process, which
             # the next run fails as stale.
-            trials = (
-                self.store.claim(
-                    proposal.config, proposal.micro_batch_sizes, repeat=proposal.repeat
-                )
-                or []
-            )
+            trials = self.store.claim(proposal.config, proposal.repeats()) or []
             if not trials:
                 with contextlib.suppress(OSError):
                     probe_dir.rmdir()  # another worker holds a point of it: no probe here

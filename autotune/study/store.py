@@ -402,10 +402,11 @@ class TrialStore:
         return Trial(self.study, trial_id)
 
     def claim(
-        self, config: TrainConfig, micro_batch_sizes: Iterable[int], *, repeat: int = 0
+        self, config: TrainConfig, micro_batch_sizes: Iterable[int] | Mapping[int, int]
     ) -> list[Trial] | None:
         """Ask a trial per size, unless another worker holds or measured one of them (at the
-        same ``repeat``: the n-th re-measurement of a point is claimed like a point).
+        same re-measurement number, a mapping's value for each size: the n-th re-measurement
+        of a point is claimed like a point).
 
         Every worker writes its claim first, then looks, and withdraws on any other trial of
         the same points. Each worker's writes are committed before it looks, so of two
@@ -415,14 +416,17 @@ class TrialStore:
         Returns:
             The trials, or None when another worker got there first (ours are withdrawn).
         """
-        return self._retrying(lambda: self._claim(config, list(micro_batch_sizes), repeat))
+        repeats = (
+            dict(micro_batch_sizes)
+            if isinstance(micro_batch_sizes, Mapping)
+            else dict.fromkeys(micro_batch_sizes, 0)
+        )
+        return self._retrying(lambda: self._claim(config, repeats))
 
-    def _claim(
-        self, config: TrainConfig, micro_batch_sizes: list[int], repeat: int
-    ) -> list[Trial] | None:
+    def _claim(self, config: TrainConfig, repeats: dict[int, int]) -> list[Trial] | None:
         trials: list[Trial] = []
         try:
-            for m in micro_batch_sizes:
+            for m, repeat in repeats.items():
                 trials.append(self.ask(config, m, repeat=repeat))
         except STORAGE_ERRORS:
             # A claim its database cut short (a full disk): take back the trials it wrote,
@@ -432,7 +436,7 @@ class TrialStore:
                 self._withdraw(trials, "its claim could not be written whole")
             raise
         mine = {t._trial_id for t in trials}
-        keys = {_key(config.to_dict(), int(t.params["micro_batch_size"]), repeat) for t in trials}
+        keys = {_key(config.to_dict(), m, repeat) for m, repeat in repeats.items()}
         taken = any(
             other._trial_id not in mine
             and _key(

@@ -322,6 +322,9 @@ def test_a_full_trials_dir_stops_the_run_and_poisons_no_configuration(tmp_path: 
         assert "no best: the run stopped on a fault of its own" in done.stdout
         assert autotune.trials(storage=storage)[0].measurements == []
         (trials / "filler").unlink()
+        # Room for a whole run (its probes' folders, re-measures included), not the 64 KiB
+        # that held the full disk's test.
+        subprocess.run(["mount", "-o", "remount,size=16m", str(trials)], check=True)
         again = run_autotune(*args, "--json", cwd=tmp_path)
         assert again.returncode == 0, again.stderr
         summary = json.loads(again.stdout)

@@ -222,9 +222,14 @@ def test_a_proposal_never_repeats_a_point_nor_defies_an_oom(
     for m in mine:
         if m.outcome == "ok":
             runs[m.micro_batch_size] += 1
-    if proposal.repeat == 0:
-        measured = {m.micro_batch_size for m in mine if m.outcome != "interrupted"}
-        assert not measured & set(proposal.micro_batch_sizes), (proposal, mine)
-    else:
-        [mbs] = proposal.micro_batch_sizes
-        assert runs[mbs] == proposal.repeat, (proposal, mine)
+    # Each size a first measurement, or the next of a measured point: one point a probe,
+    # alone or riding along with new sizes of its configuration.
+    repeats = proposal.repeats()
+    measured = {m.micro_batch_size for m in mine if m.outcome != "interrupted"}
+    again = [mbs for mbs, repeat in repeats.items() if repeat]
+    assert len(again) <= 1 and (len(repeats) == 1 or again == [proposal.riding] or not again)
+    for mbs, repeat in repeats.items():
+        if repeat:
+            assert runs[mbs] == repeat, (proposal, mine)
+        else:
+            assert mbs not in measured, (proposal, mine)

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import math
 import random
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from autotune.api import prepare
 from autotune.config import TrainConfig
+from autotune.devices import SimulatedDevice
 from autotune.estimator.plan import PlanRow
 from autotune.search.ladder import REPEATS, Z_TAIL, propose
 from autotune.search.residuals import NOISE, Observation, ResidualModel, _one_thread, noise_of
@@ -167,3 +171,35 @@ def test_a_rival_within_the_noise_is_measured_again() -> None:
     noisy = propose(rows, _finished(rows, levels, spread=0.10), sizes)
     assert noisy is not None and noisy.config == B and noisy.repeat == 1
     assert noisy.reason.startswith("re-measure") and noisy.repeat < REPEATS
+
+
+def test_the_best_rides_along_with_its_configurations_next_probe(tmp_path: Path) -> None:
+    """A probe of new sizes of the best's configuration re-measures the best (measured once)
+    in the same probe: its confirmation, without a start-up of its own. Each such probe
+    holds one re-measured point, the study's best measured once before it, and first
+    measurements of the same configuration (a simulated A100 node; llama-13b, seed 2)."""
+    tuning = prepare(
+        "llama-13b", budget="2h", seq_len=2048, global_batch=256, gpus=8,
+        device=SimulatedDevice.named("a100-40gb", seed=2),
+        storage=f"sqlite:///{tmp_path}/t.db", trials_dir=tmp_path / "trials",
+    )  # fmt: skip
+    summary = tuning.run(None)
+    probes: dict[str, list[Measurement]] = defaultdict(list)
+    for m in summary.measurements:
+        probes[m.attrs["probe_dir"]].append(m)
+    riding = [p for p in probes.values() if len(p) > 1 and any(m.repeat for m in p)]
+    assert riding, "no probe re-measured the best beside new sizes"
+    for probe in riding:
+        [again] = [m for m in probe if m.repeat]
+        assert again.repeat == 1 and {m.config for m in probe} == {again.config}
+        first = min(m.number for m in probe)
+        before = [m for m in summary.measurements if m.number < first and m.outcome == "ok"]
+        values: dict[tuple[TrainConfig, int], list[float]] = defaultdict(list)
+        for m in before:
+            values[(m.config, m.micro_batch_size)].append(m.value or 0.0)
+        point = (again.config, again.micro_batch_size)
+        best = max(values, key=lambda k: sum(values[k]) / len(values[k]))
+        assert best == point and len(values[point]) == 1, (point, best)
+        for m in probe:
+            if m is not again:
+                assert (m.config, m.micro_batch_size) not in values  # a first measurement

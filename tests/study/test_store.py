@@ -212,9 +212,9 @@ def check_claims_never_overlap(url: str) -> None:
     assert second.claim(TrainConfig(engine="fsdp", zero_stage=2), [4]) is not None
     assert second.claim(config, [8]) is not None
     # A numbered re-measurement of a point is claimed like a point of its own.
-    again = second.claim(config, [2], repeat=1)
+    again = second.claim(config, {2: 1})
     assert again is not None and again[0].user_attrs["repeat"] == 1
-    assert first.claim(config, [2], repeat=1) is None
+    assert first.claim(config, {2: 1}) is None
     keys = sorted((m.config.label(), m.micro_batch_size) for m in first.measurements())
     assert len(keys) == 5 and len(set(keys)) == 4  # withdrawn claims are hidden
     assert sorted(m.repeat for m in first.measurements()) == [0, 0, 0, 0, 1]
