@@ -53,7 +53,9 @@ either way), ``noise-5`` and ``noise-10`` (the family's errors measured with 5 %
 timing noise between repeats), ``memory-under`` (memory 0-12 % over the prediction, shared by
 engine × offload) and ``recompute`` (checkpointing's recompute x0.75-1.25, shared by the
 checkpointing level); and ``robust-2`` (seeds 15-17, the same thirteen structures) once the
-search had been changed on ``robust``, before it was run on these seeds. A structure's
+search had been changed on ``robust``, before it was run on these seeds; ``held-out-4`` (seeds
+18-20, the held-out scenarios and structures) once ``held-out-3`` had served three versions of
+the knob search, for the next one, with ``--knobs planned``. A structure's
 ``noise`` sets the simulated GPU's timing noise (2 % unless it says).
 
 ``--knobs planned`` searches (and enumerates for the oracle) the space with the knobs beyond
