@@ -378,7 +378,7 @@ def propose(
     model = ResidualModel(observations(rows, seen, objective))
     z_bound = bound_z(len({o.config for o in model.observations}))
     beliefs = _Beliefs.of(model, rows, objective)
-    candidates: list[tuple[float, Proposal]] = []
+    candidates: list[tuple[float, Proposal, _Memory]] = []
     # LoRA (allowed with --allow lora) trains another model: its rows are the last resort,
     # tried once no full fine-tuning configuration is left that may fit and none has fitted.
     standing = _standing(rows, seen, objective, beliefs)
@@ -402,9 +402,8 @@ def propose(
         )
     if not candidates:
         return _confirm(rows, seen, objective, beliefs, standing)
-    pick = max(candidates, key=lambda item: item[0])[1]
-    row = next(r for r in rows if r.config == pick.config)
-    return _ride_along(pick, _Memory(row, seen.get(row.config) or _Seen(), sizes[-1]), seen)
+    _, pick, memory = max(candidates, key=lambda item: item[0])
+    return _ride_along(pick, memory, seen)
 
 
 def _ride_along(proposal: Proposal, memory: _Memory, seen: Mapping[TrainConfig, _Seen]) -> Proposal:
@@ -486,11 +485,11 @@ def _candidates(
     best: float,
     host_limit: float,
     last_resort: bool = False,
-) -> list[tuple[float, Proposal]]:
-    """The open configurations among ``rows`` that may beat ``best``, each with its rank and
-    its proposal (see :func:`propose`); ``last_resort``: rows predicted over the node's host
-    memory by less than ``HOST_ERROR`` too."""
-    candidates: list[tuple[float, Proposal]] = []
+) -> list[tuple[float, Proposal, _Memory]]:
+    """The open configurations among ``rows`` that may beat ``best``, each with its rank, its
+    proposal (see :func:`propose`) and its calibrated memory line; ``last_resort``: rows
+    predicted over the node's host memory by less than ``HOST_ERROR`` too."""
+    candidates: list[tuple[float, Proposal, _Memory]] = []
     for row in rows:
         s = seen.get(row.config) or _Seen()
         predicted = predictions(row, objective)
@@ -569,6 +568,7 @@ def _candidates(
                         else ""
                     ),
                 ),
+                memory,
             )
         )
     return candidates
