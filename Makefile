@@ -18,7 +18,10 @@ PYTEST_ARGS ?=
 WHEEL_PYTHON ?= 3.12
 WHEEL_PLATFORMS := --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
 WHEEL_PACKAGES ?= optuna sqlalchemy alembic greenlet typer rich hjson pydantic nvidia-ml-py psutil \
-	psycopg psycopg-binary torchao peft
+	psycopg psycopg-binary
+# Taken without their dependencies: theirs are torch and what the node's image holds, and a
+# resolver would fetch a CUDA torch build for them.
+WHEEL_NODEPS ?= torchao peft
 
 .PHONY: install run test test-fast lint bench wheelhouse clean constraints
 
@@ -92,6 +95,8 @@ wheelhouse: install
 	rm -rf wheelhouse && mkdir -p wheelhouse
 	$(BIN)/pip download --quiet --dest wheelhouse --only-binary=:all: \
 		--python-version $(WHEEL_PYTHON) --implementation cp $(WHEEL_PLATFORMS) $(WHEEL_PACKAGES)
+	$(BIN)/pip download --quiet --dest wheelhouse --only-binary=:all: --no-deps \
+		--python-version $(WHEEL_PYTHON) --implementation cp $(WHEEL_PLATFORMS) $(WHEEL_NODEPS)
 	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation --wheel-dir wheelhouse "deepspeed>=0.16"
 	$(BIN)/pip wheel --quiet --no-deps --wheel-dir wheelhouse .
 	@echo "wheelhouse/ ready: on the node run"
