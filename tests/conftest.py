@@ -51,6 +51,7 @@ SIZE_FIELDS: tuple[str, ...] = (
     "mfu",
     "hfu",
     "losses",
+    "step_times",
     "peak_allocated_bytes",
     "peak_reserved_bytes",
     "host_rss_bytes",

@@ -75,6 +75,8 @@ class SizeResult:
     loss_finite: bool | None = None
     warmup_s: float | None = None
     timed_s: float | None = None
+    step_times: tuple[float, ...] = ()
+    """Each timed optimizer step's seconds, in order (their spread is the probe's own noise)."""
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     alloc_retries: int | None = None
@@ -132,6 +134,7 @@ class SizeResult:
         values["outcome"] = Outcome(data["outcome"])
         values["stage"] = Stage(data["stage"]) if data.get("stage") else None
         values["losses"] = tuple(data.get("losses") or ())
+        values["step_times"] = tuple(data.get("step_times") or ())
         values["message"] = data.get("message") or ""
         values["simulated"] = bool(data.get("simulated"))
         for name, value in list(values.items()):

@@ -197,6 +197,7 @@ class Iteration:
             "optimizer_times": times["optimizer"],
             "warmup_s": window - start,
             "timed_s": end - window,
+            "step_times": [sum(phases) for phases in zip(*seconds.values(), strict=True)],
             "rlhf": {
                 "phase_peak_bytes": peaks,
                 "phase_reserved_bytes": reserved,

@@ -182,12 +182,13 @@ class _StepLoop:
         micro_times: list[float] = []
         optimizer_times: list[float] = []
         losses: list[float] = []
-        start = window_start = now()
+        step_times: list[float] = []  # back to back: they sum to the timed window
+        start = window_start = mark = now()
         for step in range(spec.warmup_steps + spec.timed_steps):
             timed = step >= spec.warmup_steps
             if step == spec.warmup_steps:
                 synchronize(device)
-                window_start = now()
+                window_start = mark = now()
             loss = None
             for micro in range(accumulation):
                 sync = micro == accumulation - 1
@@ -208,11 +209,16 @@ class _StepLoop:
                 optimizer_times.append(now() - began)
             assert loss is not None
             losses.append(float(loss.detach().float().item()))
-        end = now()
+            if timed:
+                ended = now()
+                step_times.append(ended - mark)
+                mark = ended
+        end = mark if step_times else now()
         return {
             "losses": losses,
             "micro_times": micro_times,
             "optimizer_times": optimizer_times,
+            "step_times": step_times,
             "warmup_s": window_start - start,
             "timed_s": end - window_start,
         }
@@ -274,6 +280,7 @@ def _size_result(
         "loss_finite": finite,
         "warmup_s": raw["warmup_s"],
         "timed_s": raw["timed_s"],
+        "step_times": raw.get("step_times", []),
         **speed.to_dict(),
     }
     if not finite:

@@ -96,6 +96,10 @@ def test_single_process_probe_succeeds_and_writes_everything(
         assert size["tokens_per_second"] == pytest.approx(
             size["micro_batch_size"] * PROBE_DEFAULTS["seq_len"] / size["step_s"]
         )
+        # each timed step's own seconds, back to back: their sum is the timed window
+        times = size["step_times"]
+        assert len(times) == PROBE_DEFAULTS["timed_steps"] and min(times) > 0
+        assert math.fsum(times) == pytest.approx(size["timed_s"], abs=1e-6)
         losses = size["losses"]
         assert len(losses) == PROBE_DEFAULTS["warmup_steps"] + PROBE_DEFAULTS["timed_steps"]
         assert all(math.isfinite(x) for x in losses)
