@@ -14,7 +14,10 @@ Two things make a warm process unfit to fork from, and the server checks both:
   driver itself whether anything initialized it (:func:`cuda_driver_initialized`) after its
   imports and before every fork. DeepSpeed's import probes the accelerator: on a GPU host it
   is preloaded only if that leaves the driver untouched, otherwise the server is restarted
-  without it and each rank imports DeepSpeed itself.
+  without it and each rank imports DeepSpeed itself. The model families' modules are
+  preloaded the same way: where torchao is installed they import it, and its import reads
+  the GPU's compute capability through the driver; the server then starts again without
+  them (and without DeepSpeed), and each rank imports its model's module itself.
 - **Stale code.** The server's modules were imported when it started; if a file of one of
   them changed since (autotune or a library upgraded during a long run), a fork would run the
   old code. :meth:`ForkServer.stale` compares every loaded module file's size and modification
@@ -54,15 +57,19 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "torch.nn.parallel",
     "transformers",
-    "transformers.models.llama.modeling_llama",
-    "transformers.models.qwen2.modeling_qwen2",
-    "transformers.models.mistral.modeling_mistral",
-    "transformers.models.gpt2.modeling_gpt2",
     "autotune.probe.worker",
     "autotune.probe.engines.ddp",
     "autotune.probe.engines.fsdp",
 )
 """Modules every rank needs; imported once by the server."""
+MODEL_PRELOAD = (
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.mistral.modeling_mistral",
+    "transformers.models.gpt2.modeling_gpt2",
+)
+"""The model families' modules, imported once too where that leaves CUDA alone: where torchao
+is installed they import it, and its import asks the driver for the compute capability."""
 
 
 class ForkServerError(RuntimeError):
@@ -73,10 +80,14 @@ class ForkServerError(RuntimeError):
 # Server side (runs in the fork-server process)
 
 
-_DEEPSPEED_MODES = ("always", "never", "try")
-"""Preloading DeepSpeed: ``try`` (a GPU host) keeps it only if its import left CUDA alone."""
+_DEEPSPEED_MODES = ("always", "never", "try", "bare")
+"""Preloading DeepSpeed: ``try`` (a GPU host) keeps it only if its import left CUDA alone;
+``bare`` preloads neither it nor the model modules (:data:`MODEL_PRELOAD`)."""
 RESTART_WITHOUT_DEEPSPEED = "importing DeepSpeed initialized CUDA"
 """The error a ``try`` server ends with when DeepSpeed cannot be preloaded on this host."""
+RESTART_WITHOUT_MODELS = "importing the model modules initialized CUDA"
+"""The error a server ends with when the model modules cannot be preloaded here (it is
+started again ``bare``)."""
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 """Environment variables read at import time: a change makes the warm process stale."""
 
@@ -139,6 +150,12 @@ def _preload(deepspeed: str, extra: Sequence[str] = ()) -> None:
     problem = _cuda_touched()
     if problem is not None:
         raise ForkServerError(f"{problem} while preloading: forked ranks could not use it")
+    if deepspeed == "bare":
+        return
+    for name in MODEL_PRELOAD:
+        importlib.import_module(name)
+    if _cuda_touched() is not None:
+        raise ForkServerError(RESTART_WITHOUT_MODELS)
     if deepspeed == "never":
         return
     importlib.import_module("deepspeed")
@@ -199,7 +216,8 @@ def serve(sock: socket.socket, *, deepspeed: str, extra: Sequence[str] = ()) -> 
                      f"{type(error).__name__}: {error}"})  # fmt: skip
         return
     files = _module_files()
-    _send(sock, {"ready": True, "deepspeed": "deepspeed" in sys.modules})
+    _send(sock, {"ready": True, "deepspeed": "deepspeed" in sys.modules,
+                 "models": MODEL_PRELOAD[0] in sys.modules})  # fmt: skip
     buffer = b""
     children: set[int] = set()
     while True:
@@ -292,6 +310,9 @@ class ForkServer:
         preload: More modules to import once (beyond :data:`PRELOAD`).
         log: Where the server's own output goes (its imports' warnings); default: this
             process's. A forked rank writes to its probe's logs.
+        preload_models: Preload the model families' modules (:data:`MODEL_PRELOAD`) too;
+            False starts the server as it restarts where their import initializes CUDA
+            (neither they nor DeepSpeed preloaded).
     """
 
     kind = "warm"
@@ -303,9 +324,12 @@ class ForkServer:
         with_deepspeed: bool | None = None,
         preload: Sequence[str] = (),
         log: Path | None = None,
+        preload_models: bool = True,
     ) -> None:
         self._log = log
-        if with_deepspeed is None:
+        if not preload_models:
+            mode = "bare"
+        elif with_deepspeed is None:
             from autotune.hardware import detect_gpus
 
             mode = "always" if detect_gpus() is None else "try"
@@ -317,9 +341,10 @@ class ForkServer:
         """The environment it started in (the parts imports read)."""
         try:
             reply = self._start(mode, preload)
-            if reply.get("error") == RESTART_WITHOUT_DEEPSPEED:
+            restart = {RESTART_WITHOUT_DEEPSPEED: "never", RESTART_WITHOUT_MODELS: "bare"}
+            if reply.get("error") in restart:
                 self.close()
-                reply = self._start("never", preload)
+                reply = self._start(restart[reply["error"]], preload)
         except BaseException:  # a Ctrl-C while it imports, or no answer
             self.close()
             raise
@@ -328,6 +353,8 @@ class ForkServer:
             raise ForkServerError(f"fork server did not start: {reply.get('error', reply)}")
         self.deepspeed = bool(reply.get("deepspeed"))
         """Whether DeepSpeed is preloaded."""
+        self.models = bool(reply.get("models"))
+        """Whether the model families' modules are preloaded (:data:`MODEL_PRELOAD`)."""
 
     def _start(self, mode: str, preload: Sequence[str]) -> dict[str, Any]:
         ours, theirs = socket.socketpair()
