@@ -10,6 +10,9 @@
 #       autotune run into $RUNS/MODEL.db (resumed if carried back); run.tar.gz, run.json, run.log
 #   bench/gpu_call.sh overhead [MODEL]
 #       the per-probe overhead split (bench/probe_overhead.py); overhead.txt
+#   bench/gpu_call.sh noise [STOP_AFTER] [-- repeat_noise.py options]
+#       one point's spread between repeated probes and within a probe
+#       (bench/repeat_noise.py, default 5m); noise.tar.gz, noise.log, the GPU's clocks in gpu.csv
 #
 # Carry wheelhouse/ (make wheelhouse: what the node's image lacks) and .ext/ (DeepSpeed's
 # built ops, brought back as ext.tar.gz and unpacked into .ext/ here, so the next machine
@@ -17,7 +20,7 @@
 # call started, whatever happens, and packs what it has.
 set -uo pipefail
 
-task=${1:?usage: bench/gpu_call.sh grid|run|overhead ... (see the head of this file)}
+task=${1:?usage: bench/gpu_call.sh grid|run|overhead|noise ... (see the head of this file)}
 shift
 : "${OUT:?OUT: the folder whose files come back}"
 PY=${PYTHON:-python3}
@@ -116,8 +119,20 @@ case $task in
             --model "$model" --engine single --seq-len 2048 2>&1 | tee "$OUT/overhead.txt"
         status=${PIPESTATUS[0]}
         ;;
+    noise)
+        stop=5m
+        if [ $# -gt 0 ] && [ "$1" != "--" ]; then stop=$1; shift; fi
+        [ "${1:-}" = "--" ] && shift
+        query=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw
+        nvidia-smi --query-gpu=$query --format=csv >"$OUT/gpu.csv" 2>&1
+        timeout --signal=TERM --kill-after=20 "$(left)" "$PY" bench/repeat_noise.py \
+            --stop-after "$stop" --out "$RUNS/repeat-noise" "$@" 2>&1 | tee "$OUT/noise.log"
+        status=${PIPESTATUS[0]}
+        nvidia-smi --query-gpu=$query --format=csv,noheader >>"$OUT/gpu.csv" 2>&1
+        tar czf "$OUT/noise.tar.gz" -C "$RUNS" repeat-noise
+        ;;
     *)
-        echo "unknown task $task: use grid, run or overhead" >&2
+        echo "unknown task $task: use grid, run, overhead or noise" >&2
         exit 2
         ;;
 esac
