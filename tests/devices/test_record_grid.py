@@ -206,7 +206,10 @@ def test_one_gpu_call_records_what_fits_its_time_and_packs_it(tmp_path: Path) ->
     wrong = subprocess.run(
         ["bash", str(script), "nothing"], env=env, capture_output=True, text=True, timeout=60
     )
-    assert wrong.returncode == 2 and "use grid, run or overhead" in wrong.stderr
+    assert (
+        wrong.returncode == 2
+        and "unknown task nothing: use grid, run, overhead or noise" in wrong.stderr
+    )
 
 
 def test_states_that_do_not_fit_are_probed_once(tmp_path: Path) -> None:

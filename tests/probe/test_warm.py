@@ -13,8 +13,7 @@ import pytest
 
 from autotune.config import TrainConfig
 from autotune.devices import LocalDevice
-from autotune.probe.forkserver import ForkServer, WarmWorkers, cuda_driver_initialized
-from autotune.probe.launcher import launch_probe
+from autotune.probe.forkserver import WarmWorkers, cuda_driver_initialized
 from autotune.probe.outcome import Outcome
 from autotune.probe.spec import ProbeSpec
 from tests.conftest import PROBE_DEFAULTS
@@ -26,25 +25,6 @@ def test_no_cuda_driver_means_not_initialized() -> None:
     """On a host without a CUDA driver (this one) the guard must not call CUDA initialized:
     it would turn warm workers off everywhere."""
     assert not cuda_driver_initialized()
-
-
-def test_a_server_without_the_model_modules_forks_ranks_that_import_their_own(
-    tmp_path: Path,
-) -> None:
-    """Where importing transformers' model modules initializes CUDA (torchao installed on a
-    GPU host) the server starts again without them: a rank forked from that server imports
-    its model's module itself and measures what a rank of the full server measures."""
-    spec = ProbeSpec(**PROBE_DEFAULTS, config=TrainConfig(engine="single"))
-    with ForkServer(preload_models=False) as server:
-        assert not server.models and not server.deepspeed
-        bare = launch_probe(spec, tmp_path / "bare", spawner=server)
-    with ForkServer() as server:
-        assert server.models
-        full = launch_probe(spec, tmp_path / "full", spawner=server)
-    for result in (bare, full):
-        assert result.outcome is Outcome.OK, result.message
-        assert result.spawn == "warm"
-    assert [s.losses for s in bare.sizes] == [s.losses for s in full.sizes]
 
 
 def _set_up(device: LocalDevice, spec: ProbeSpec) -> list[tuple[str, bool, str]]:
