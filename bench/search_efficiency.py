@@ -55,7 +55,9 @@ engine × offload) and ``recompute`` (checkpointing's recompute x0.75-1.25, shar
 checkpointing level); and ``robust-2`` (seeds 15-17, the same thirteen structures) once the
 search had been changed on ``robust``, before it was run on these seeds; ``held-out-4`` (seeds
 18-20, the held-out scenarios and structures) once ``held-out-3`` had served three versions of
-the knob search, for the next one, with ``--knobs planned``. A structure's
+the knob search, for the next one, with ``--knobs planned``; ``robust-3`` (seeds 21-23, the
+thirteen structures) before a search that re-measures along its probes to learn the noise
+early was run on it. A structure's
 ``noise`` sets the simulated GPU's timing noise (2 % unless it says).
 
 ``--knobs planned`` searches (and enumerates for the oracle) the space with the knobs beyond
