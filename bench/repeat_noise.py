@@ -23,7 +23,6 @@ summarizes them again.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import platform
@@ -36,8 +35,7 @@ from typing import Any
 from autotune.config import TrainConfig
 from autotune.hardware import detect_gpus
 from autotune.probe import ProbeResult, ProbeSpec, launch_probe
-from autotune.probe.forkserver import ForkServer, ForkServerError
-from autotune.probe.launcher import Spawner, SubprocessSpawner
+from autotune.probe.forkserver import WarmWorkers
 from autotune.search.residuals import NOISE
 from autotune.units import parse_duration
 
@@ -67,19 +65,9 @@ def probe_rounds(args: argparse.Namespace, out: Path) -> None:
     seq_len = args.seq_len or (2048 if gpu else 128)
     deadline = time.monotonic() + parse_duration(args.stop_after)
     slowest = 0.0
+    workers = WarmWorkers()
+    print(f"warm workers: {workers.start()}", flush=True)
     try:
-        server: Spawner = ForkServer()
-        print(
-            f"warm workers (model modules preloaded: {server.models}, "
-            f"DeepSpeed: {server.deepspeed})",
-            flush=True,
-        )
-    except ForkServerError as error:
-        print(f"fresh interpreters: {error}", flush=True)
-        server = SubprocessSpawner()
-    with contextlib.ExitStack() as stack:
-        if isinstance(server, ForkServer):
-            stack.enter_context(server)
         for round_ in range(args.rounds):
             for index, (fields, sizes) in enumerate(points):
                 if time.monotonic() + slowest > deadline:
@@ -98,7 +86,7 @@ def probe_rounds(args: argparse.Namespace, out: Path) -> None:
                     timeout_s=300.0,
                 )
                 started = time.monotonic()
-                result = launch_probe(spec, out / f"p{index}-r{round_}", spawner=server)
+                result = launch_probe(spec, out / f"p{index}-r{round_}", spawner=workers.spawner)
                 slowest = max(slowest, time.monotonic() - started)
                 speeds = ", ".join(
                     f"{s.micro_batch_size}: {s.tokens_per_second:,.0f}"
@@ -111,6 +99,8 @@ def probe_rounds(args: argparse.Namespace, out: Path) -> None:
                     f"in {result.wall_s:.1f} s (tokens/s {speeds})",
                     flush=True,
                 )
+    finally:
+        workers.close()
 
 
 def summarize(out: Path) -> dict[str, Any]:

@@ -554,7 +554,10 @@ class WarmWorkers:
             self._log = None  # kept for the user to read
             return f"{self.off}: ranks start as fresh interpreters"
         with_ds = " and DeepSpeed" if self._server.deepspeed else ""
-        return f"torch, transformers{with_ds} imported once; ranks fork from it"
+        models = ""
+        if not self._server.models:
+            models = " (not the model modules, whose import initialized CUDA: each rank's own)"
+        return f"torch, transformers{with_ds} imported once{models}; ranks fork from it"
 
     @property
     def pid(self) -> int | None:

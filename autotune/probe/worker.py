@@ -280,7 +280,7 @@ def _size_result(
         "loss_finite": finite,
         "warmup_s": raw["warmup_s"],
         "timed_s": raw["timed_s"],
-        "step_times": raw.get("step_times", []),
+        "step_times": raw["step_times"],
         **speed.to_dict(),
     }
     if not finite:
