@@ -82,6 +82,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,10 +168,15 @@ class Scenario:
 
 
 def replay_scenarios(root: Path = DATA) -> list[Scenario]:
-    """A scenario per recorded grid under ``root`` (a folder with ``node.json``)."""
+    """A scenario per complete recorded grid under ``root`` (a folder with ``node.json``); a
+    grid still being recorded (``state`` incomplete) is left out, with a line on stderr: its
+    best is not yet the space's best, and its unrecorded points answer as errors."""
     found = []
     for node in sorted(root.glob("*/*/node.json")):
         facts = json.loads(node.read_text())
+        if facts.get("state", "complete") != "complete":
+            print(f"replay: {node.parent} is still being recorded, left out", file=sys.stderr)
+            continue
         device = ReplayDevice.from_folder(
             node.parent, host_memory_bytes=facts.get("host_memory_bytes")
         )
