@@ -29,7 +29,8 @@ import sqlalchemy
 from autotune.config import ConfigError
 from autotune.jobs import read_jobs
 from autotune.probe.nodes import check_host, nodes_from_environment
-from autotune.study.reader import read_studies, refuse_foreign_sqlite
+from autotune.study.reader import read_studies
+from autotune.study.schema import refuse_foreign_sqlite
 from tests.test_bad_input import one_line, run_main, snapshot
 from tests.test_cli import autotune
 

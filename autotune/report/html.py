@@ -36,7 +36,7 @@ from autotune.study.measurement import (
     parse_time,
     prediction_gap,
 )
-from autotune.study.reader import sqlite_path
+from autotune.study.schema import sqlite_path
 from autotune.units import format_bytes, format_duration
 
 __all__ = ["TrialTimes", "read_trial_times", "render_html"]

@@ -2,6 +2,7 @@
 
 - ``fingerprint``: what a study is about, and its readable name (no Optuna: light to import).
 - ``measurement``: a trial decoded (:class:`Measurement`), repeats pooled (no Optuna either).
+- ``schema``: what a database must hold to be a trial database, checked before opening it.
 - ``reader``: every study of a database read back without Optuna (``autotune best``).
 - ``store``: each probed micro-batch size as a trial (params: the configuration; attributes:
   the measurements; OOMs as infeasible trials), in SQLite or PostgreSQL.

@@ -22,7 +22,7 @@ import optuna
 from autotune.config import TrainConfig
 from autotune.rlhf import Placement
 from autotune.study.fingerprint import software_versions
-from autotune.study.reader import holds_no_database, refuse_foreign_sqlite, sqlite_path
+from autotune.study.schema import holds_no_database, refuse_foreign_sqlite, sqlite_path
 from autotune.study.store import _optuna_quiet, open_storage
 
 __all__ = ["RLHF_ATTR", "RLHFStudy", "RLHFTrial", "layout_key"]

@@ -62,7 +62,7 @@ from autotune.probe.result import ProbeResult, SizeResult
 from autotune.space import oom_rules_out
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
 from autotune.study.measurement import Measurement, StoredTrial, best_point, decode
-from autotune.study.reader import (
+from autotune.study.schema import (
     FINGERPRINT_ATTR,
     GRACE_S,
     HEARTBEAT_S,

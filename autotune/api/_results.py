@@ -1,0 +1,317 @@
+"""What a study holds: the best point and the trials, exported as a trainer's configuration, and
+the HTML report."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.api._values import positive_seconds
+from autotune.config import ConfigError, Engine, parse_choice
+from autotune.launch import Format, Launch, knob_notes, render, value_notes
+from autotune.models import ModelSpec, resolve_model
+from autotune.outputs import check_output, write_new_file
+from autotune.script import ScriptJob, job_command, shell_text
+from autotune.study.fingerprint import DEFAULT_STORAGE
+from autotune.study.measurement import Measurement, StudyResult, best_point
+from autotune.study.urls import masked
+
+
+def _studies(
+    storage: str, model: str | None, gpu: str | None, last: int | None, with_best: bool = True
+) -> list[StudyResult]:
+    from autotune.study.reader import read_studies
+
+    stores = read_studies(storage, last=last, best=with_best)
+    if model:
+        # A path names its study by the folder that holds the config, as `run` does.
+        name = model if model in {s.fingerprint.model for s in stores} else None
+        if name is None:
+            try:
+                name = resolve_model(model).name
+            except ValueError:
+                name = model
+        stores = [s for s in stores if s.fingerprint.model == name]
+    if gpu:
+        stores = [s for s in stores if s.fingerprint.gpu == gpu.lower()]
+    if not stores:
+        raise ConfigError(f"no autotune study in {masked(storage)} matches: run autotune run first")
+    return stores
+
+
+def best(
+    *,
+    model: str | None = None,
+    gpu: str | None = None,
+    storage: str = DEFAULT_STORAGE,
+    last: int | None = None,
+) -> list[StudyResult]:
+    """The best configuration of each matching study (what a training launcher reads).
+
+    Args:
+        last: Decode only each study's last ``last`` trials into ``measurements`` (0: none,
+            the fastest read of the best); None: every trial. ``best`` and ``trial_count``
+            are over every trial either way.
+
+    Raises:
+        ConfigError: When no study matches.
+    """
+    return _studies(storage, model, gpu, last)
+
+
+def trials(
+    *,
+    model: str | None = None,
+    gpu: str | None = None,
+    storage: str = DEFAULT_STORAGE,
+    last: int | None = None,
+    best: bool = True,
+) -> list[StudyResult]:
+    """Every trial of each matching study, or its ``last`` trials by number.
+
+    Args:
+        best: Fill in each study's ``best`` too, over every trial (else it is None, and a
+            read of the last trials of a large study is faster).
+    """
+    return _studies(storage, model, gpu, last, best)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Export:
+    """A measured configuration in a trainer's format: the text, and what it was made of."""
+
+    study: str
+    """The study's name."""
+    measurement: Measurement
+    """The trial exported (the best point's latest trial, pooled, unless one was named)."""
+    launch: Launch
+    format: Format
+    text: str
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the format cannot carry of the configuration, and what to do instead."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "study": self.study,
+            "trial": self.measurement.number,
+            "format": self.format.value,
+            "model": self.launch.model,
+            "config": self.launch.config.to_dict(),
+            "label": self.launch.config.label(),
+            "micro_batch_size": self.launch.micro_batch_size,
+            "grad_accum": self.launch.grad_accum,
+            "world_size": self.launch.world_size,
+            "nodes": self.launch.nodes,
+            "seq_len": self.launch.seq_len,
+            "global_batch": self.launch.global_batch,
+            "text": self.text,
+            "notes": list(self.notes),
+        }
+
+
+def export(
+    format: Format | str,
+    *,
+    model: str | None = None,
+    gpu: str | None = None,
+    study: str | None = None,
+    storage: str = DEFAULT_STORAGE,
+    trial: int | None = None,
+    engine: Engine | str | None = None,
+) -> Export:
+    """The best configuration of the matching study, as a trainer's own configuration.
+
+    Args:
+        format: ``deepspeed``, ``accelerate``, ``hf``, ``torchrun`` or ``fsdp`` (see
+            :class:`~autotune.launch.Format`).
+        model: Only studies of this model (a preset name, or the path its study was run
+            with: the model's shape is read from it).
+        gpu: Only studies on this GPU key.
+        study: The study's name, where several match.
+        trial: Export this trial (by number) instead of the best; it must have fit.
+        engine: Export the best configuration of this engine (``deepspeed`` for a DeepSpeed
+            JSON where the study's best is FSDP, say).
+
+    Raises:
+        ConfigError: When the format is unknown or cannot express the configuration, when no
+            study or several match, when the trial is missing or did not fit, or when no
+            configuration of the engine fits.
+    """
+    try:
+        chosen = Format(format)
+    except ValueError:
+        choices = ", ".join(f.value for f in Format)
+        raise ConfigError(f"unknown export format {format!r}: use one of {choices}") from None
+    if trial is not None and engine is not None:
+        raise ConfigError("--trial and --engine: a trial has its engine; give one of them")
+    wanted = parse_choice(Engine, engine, "engine")
+    found = _one_study(storage, model, gpu, study, 0 if trial is None and wanted is None else None)
+    if wanted is not None:
+        measurement = best_point([m for m in found.measurements if m.config.engine is wanted])
+        if measurement is None:
+            raise ConfigError(
+                f"no {wanted.value} configuration of {found.study_name} fits yet: autotune "
+                "trials lists what was measured"
+            )
+    else:
+        measurement = found.best if trial is None else _trial(found, trial)
+    if measurement is None:
+        raise ConfigError(
+            f"no configuration of {found.study_name} fits yet: run autotune run, or pick a "
+            "trial with --trial N"
+        )
+    launch = _launch(found, measurement, _model_of(found.fingerprint.model, model))
+    text = _render(found, launch, chosen)
+    return Export(
+        study=found.study_name,
+        measurement=measurement,
+        launch=launch,
+        format=chosen,
+        text=text,
+        notes=knob_notes(launch, chosen) + value_notes(launch, chosen),
+    )
+
+
+def _render(found: StudyResult, launch: Launch, fmt: Format) -> str:
+    """A study's configuration in ``fmt``; ``command``: the study's own script, run with it."""
+    script = found.fingerprint.script
+    if fmt is not Format.COMMAND or script is None:
+        return render(launch, fmt)
+    command = job_command(  # its secrets read from variables the user sets
+        ScriptJob.from_dict(script).for_shell(), launch, cpu=found.fingerprint.device == "cpu"
+    )
+    return shell_text(command, launch, launch.summary())
+
+
+def _one_study(
+    storage: str, model: str | None, gpu: str | None, study: str | None, last: int | None
+) -> StudyResult:
+    """The one study that matches (by model, GPU and name), as ``export`` and ``report``
+    select it."""
+    studies = _studies(storage, model, gpu, last)
+    if study is not None:
+        studies = [s for s in studies if s.study_name == study]
+        if not studies:
+            raise ConfigError(
+                f"no study named {study!r} matches in {masked(storage)}: autotune best lists them"
+            )
+    if len(studies) > 1:
+        names = ", ".join(s.study_name for s in studies)
+        raise ConfigError(f"{len(studies)} studies match ({names}): pick one with --study NAME")
+    return studies[0]
+
+
+def _launch(found: StudyResult, measurement: Measurement, spec: ModelSpec) -> Launch:
+    """How to launch a measured configuration of a study."""
+    fingerprint = found.fingerprint
+    return Launch(
+        model=fingerprint.model,
+        hidden_size=spec.hidden_size,
+        config=measurement.config,
+        micro_batch_size=measurement.micro_batch_size,
+        grad_accum=measurement.grad_accum
+        or fingerprint.workload.grad_accum(measurement.micro_batch_size),
+        world_size=fingerprint.gpus,
+        nodes=fingerprint.nodes,
+        seq_len=fingerprint.seq_len,
+        transformers=fingerprint.software.get("transformers"),
+        simulated=measurement.simulated or fingerprint.device == "simulated",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """An HTML report written: where, and of which study."""
+
+    path: Path
+    study: str
+    """The study's name."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "study": self.study}
+
+
+def write_report(
+    output: str | Path,
+    *,
+    model: str | None = None,
+    gpu: str | None = None,
+    study: str | None = None,
+    storage: str = DEFAULT_STORAGE,
+    budget: str | float | None = None,
+    force: bool = False,
+) -> Report:
+    """Write the matching study as one self-contained HTML page (works offline): memory per
+    GPU of each configuration (predicted breakdown and measured peak), tokens/s and MFU
+    against micro-batch, the search's path, the best configuration with its launch, and
+    every probe with a link to its folder.
+
+    Args:
+        output: The HTML file to write.
+        model: Only studies of this model (a preset name, or the path its study was run
+            with).
+        gpu: Only studies on this GPU key.
+        study: The study's name, where several match.
+        budget: The search's budget (``"30m"``), drawn on the search's chart.
+        force: Overwrite ``output`` if it exists.
+
+    Raises:
+        ConfigError: When no study or several match, ``output`` exists without ``force``,
+            or it cannot be written.
+    """
+    from autotune.report.html import read_trial_times, render_html
+
+    path = Path(output)
+    check_output(path, force=force)
+    budget_s = None if budget is None else positive_seconds(budget, "the budget")
+    found = _one_study(storage, model, gpu, study, None)
+    spec = _model_of(found.fingerprint.model, model)
+    launches: dict[str, str] = {}
+    if found.best is not None:
+        launch = _launch(found, found.best, spec)
+        for fmt in Format:
+            try:
+                launches[fmt.value] = _render(found, launch, fmt)
+            except ConfigError:
+                continue  # a format that cannot express this engine
+    text = render_html(
+        found,
+        model=spec,
+        launches=launches,
+        times=read_trial_times(storage, found.study_name),
+        budget_s=budget_s,
+    )
+    write_new_file(path, text, force=force)
+    return Report(path=path, study=found.study_name)
+
+
+def _trial(found: StudyResult, number: int) -> Measurement:
+    """Trial ``number`` of a study, which must have fit."""
+    match = next((m for m in found.measurements if m.number == number), None)
+    if match is None:
+        raise ConfigError(
+            f"{found.study_name} has no trial {number}: autotune trials lists its trials"
+        )
+    if not match.feasible:
+        raise ConfigError(
+            f"trial {number} of {found.study_name} did not fit ({match.outcome or match.state}): "
+            "export a trial that fit, or the best without --trial"
+        )
+    return match
+
+
+def _model_of(name: str, given: str | None) -> ModelSpec:
+    """The shape of a study's model: from the path it was run with, else its preset."""
+    for candidate in (given, name):
+        if candidate is None:
+            continue
+        try:
+            return resolve_model(candidate)
+        except ValueError:
+            continue
+    raise ConfigError(
+        f"the study's model {name!r} is not a preset: pass --model path/to/config.json, the "
+        "config it was run with"
+    )
