@@ -1,0 +1,5 @@
+"""``python -m autotune.cli``: the ``autotune`` command."""
+
+from autotune.cli import main
+
+main()

@@ -1,0 +1,218 @@
+"""``autotune plan``: every configuration ranked by the estimator, without a GPU."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from autotune.cli._app import (
+    UsageError,
+    allowed_lora,
+    console,
+    parse_engines,
+    print_json,
+    rlhf_options,
+)
+from autotune.cli.options import (
+    AcOpsOption,
+    ActOffloadOption,
+    AllowOption,
+    CriticOption,
+    EngineOption,
+    FrozenOption,
+    GlobalBatchOption,
+    HeadroomOption,
+    JsonOption,
+    LossOption,
+    ModelOption,
+    OptimizerOption,
+    PlanHostCores,
+    PlanHostMemory,
+    ReferenceOption,
+    ResponseLenOption,
+    RewardOption,
+    RlhfOption,
+    RolloutBatchOption,
+    RolloutShareOption,
+    SeqLenOption,
+    SleepOption,
+)
+from autotune.config import LORA_RANK, Attention, LossDtype, Precision
+
+if TYPE_CHECKING:
+    pass
+
+
+def plan(
+    model: ModelOption = "llama-7b",
+    gpu: Annotated[
+        str | None, typer.Option(help="GPU key (h100-80gb, a100-40gb, ...) or a .toml file.")
+    ] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPUs in all (default: those here).")] = None,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs sharing a node.")] = 8,
+    seq_len: SeqLenOption = None,
+    global_batch: GlobalBatchOption = None,
+    engine: EngineOption = None,
+    precision: Annotated[
+        Precision | None, typer.Option(help="Default: bf16-mixed, fp16-mixed without bf16.")
+    ] = None,
+    attention: Annotated[Attention, typer.Option()] = Attention.SDPA,
+    loss: LossOption = None,
+    ac_ops: AcOpsOption = True,
+    act_offload: ActOffloadOption = True,
+    optimizer: OptimizerOption = None,
+    allow: AllowOption = None,
+    lora_rank: Annotated[int, typer.Option(help="LoRA's rank with --allow lora.")] = LORA_RANK,
+    headroom: HeadroomOption = "0%",
+    reserve: Annotated[
+        str | None,
+        typer.Option(
+            help="Device memory kept for the CUDA context and libraries (default 1.25GiB, as "
+            "measured on an H100)."
+        ),
+    ] = None,
+    host_memory: PlanHostMemory = None,
+    host_cores: PlanHostCores = None,
+    offload: Annotated[
+        bool | None,
+        typer.Option(
+            "--offload/--no-offload",
+            help="Try the trainer's CPU offload rungs (default: yes; with --rlhf: no).",
+        ),
+    ] = None,
+    loss_dtype: Annotated[
+        LossDtype | None,
+        typer.Option(
+            help="The dtype your job's loss takes the logits in: fp32 (the model's own loss, "
+            "as autotune's exports train; the default) or logits (their own: F.cross_entropy "
+            "of bf16 logits in pure bf16). run --script measures it.",
+        ),
+    ] = None,
+    rlhf: RlhfOption = None,
+    rollout_share: RolloutShareOption = None,
+    sleep: SleepOption = None,
+    frozen: FrozenOption = None,
+    reference: ReferenceOption = None,
+    critic: CriticOption = None,
+    reward: RewardOption = None,
+    rollout_batch: RolloutBatchOption = None,
+    response_len: ResponseLenOption = None,
+    top: Annotated[int, typer.Option(help="Rows to show (0: all).")] = 15,
+    json_output: JsonOption = False,
+) -> None:
+    """Rank every configuration by predicted throughput, with predicted peak memory (no GPU).
+    With --rlhf: every layout of an RL iteration, by predicted samples per second."""
+    from autotune import api
+    from autotune.report.tables import plan_table
+
+    if top < 0:
+        raise UsageError(f"--top {top}: use a number of rows, or 0 for all")
+    rl_options = rlhf_options(
+        rlhf,
+        ("plans", "planned"),
+        {
+            "--rollout-share": rollout_share,
+            "--sleep": sleep,
+            "--frozen": frozen,
+            "--reference": reference,
+            "--critic": critic,
+            "--reward": reward,
+            "--rollout-batch": rollout_batch,
+            "--response-len": response_len,
+        },
+        {
+            "--global-batch": global_batch,
+            "--loss": loss,
+            "--optimizer": optimizer,
+            "--allow": allow,
+            "--loss-dtype": loss_dtype,
+        },
+        why=" (its trainer climbs the ladder's rungs alone)",
+    )
+    if rlhf is not None:
+        _plan_rlhf(
+            rlhf,
+            model,
+            gpu=gpu,
+            gpus=gpus,
+            gpus_per_node=gpus_per_node,
+            seq_len=seq_len,
+            engine=engine,
+            precision=precision,
+            offload=offload,
+            reserve=reserve,
+            top=top,
+            json_output=json_output,
+            **rl_options,
+        )
+        return
+    found = api.plan(
+        model,
+        gpu=gpu,
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        engines=parse_engines(engine),
+        precision=precision,
+        attention=attention,
+        headroom=headroom,
+        host_memory=host_memory,
+        host_cores=host_cores,
+        reserve=api.DEVICE_RESERVE_BYTES if reserve is None else reserve,
+        losses=loss,
+        op_checkpointing=ac_ops,
+        optimizers=optimizer,
+        lora_rank=lora_rank if allowed_lora(allow) else None,
+        activation_offload=act_offload,
+        offload=True if offload is None else offload,
+        loss_dtype=loss_dtype or LossDtype.FP32,
+    )
+    if json_output:
+        print_json(found.to_dict())
+        return
+    w = found.workload
+    own = ", the loss in the logits' dtype" if w.loss_dtype is LossDtype.LOGITS else ""
+    title = (
+        f"{found.model.name} on {w.world_size} x {found.gpu.name}, seq {w.seq_len}, global "
+        f"batch {w.global_batch}{own}: predicted, not measured"
+    )
+    console.print(found.host.text(), style="dim", markup=False, highlight=False)
+    console.print(plan_table(found.rows, title=title, top=top, seconds=found.seconds))
+
+
+def _plan_rlhf(
+    algorithm: str,
+    model: str,
+    *,
+    engine: str | None,
+    reserve: str | None,
+    offload: bool | None,
+    top: int,
+    json_output: bool,
+    **options: Any,
+) -> None:
+    """``autotune plan --rlhf``: the RL iteration's layouts, as a table or JSON."""
+    from autotune import api
+    from autotune.report.tables import rlhf_plan_table
+
+    found = api.plan_rlhf(
+        algorithm,
+        model,
+        engines=parse_engines(engine),
+        reserve=api.DEVICE_RESERVE_BYTES if reserve is None else reserve,
+        offload=bool(offload),
+        **options,
+    )
+    if json_output:
+        print_json(found.to_dict())
+        return
+    w = found.workload
+    roles = ", ".join(f"{role} {m.name}" for role, m in [*w.models.trained(), *w.models.frozen()])
+    title = (
+        f"{w.algorithm.value.upper()} on {w.world_size} x {found.gpu.name} ({roles}), seq "
+        f"{w.seq_len} ({w.response_len} generated), rollout batch {w.rollout_batch}: "
+        "predicted, not measured"
+    )
+    console.print(rlhf_plan_table(found.rows, title=title, top=top, seconds=found.seconds))
