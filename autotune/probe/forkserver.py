@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -216,6 +217,12 @@ def serve(sock: socket.socket, *, deepspeed: str, extra: Sequence[str] = ()) -> 
                      f"{type(error).__name__}: {error}"})  # fmt: skip
         return
     files = _module_files()
+    # What the imports made lives as long as the ranks: out of every collection. A rank's
+    # collections (the memory meter's, before each size) then walk only its own objects,
+    # not the millions torch and transformers made, and write to none of their pages (no
+    # copy-on-write of the server's heap): 0.25 s less a micro-batch size on the CPU.
+    gc.collect()
+    gc.freeze()
     _send(sock, {"ready": True, "deepspeed": "deepspeed" in sys.modules,
                  "models": MODEL_PRELOAD[0] in sys.modules})  # fmt: skip
     buffer = b""

@@ -502,6 +502,7 @@ def run(probe_dir: Path) -> int:
     """Run this rank's part of the probe in ``probe_dir``; returns the exit code."""
     global _fault_request, _fault_dir
     _fault_request, _fault_dir = read_request(probe_dir), str(probe_dir)
+    gc.freeze()  # the imports' objects outlive the probe: no collection need walk them
     with contextlib.ExitStack() as stack:  # holds the CPU's tensor byte counter
         probe = _start(probe_dir, stack)
         if probe is None:
