@@ -38,7 +38,6 @@ from autotune.config import (
     DEVICES,
     Attention,
     ConfigError,
-    Engine,
     Precision,
     parse_choice,
     parse_losses,
@@ -48,14 +47,21 @@ from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
 from autotune.probe.nodes import check_host
 from autotune.script import Framework, ScriptJob, masked_args
-from autotune.study.fingerprint import Fingerprint, Objective
+from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import Measurement, StudyResult
 from autotune.study.urls import masked
 
 if TYPE_CHECKING:
     from autotune.search.controller import RunSummary
 
-from autotune.units import format_bytes, format_duration, parse_duration, parse_fraction, parse_size
+from autotune.units import format_bytes, format_duration
+from autotune.values import (
+    engines_value,
+    fraction_value,
+    objective_value,
+    positive_seconds,
+    size_bytes,
+)
 
 __all__ = ["FIELDS", "Freshness", "Job", "JobResult", "freshness", "read_jobs"]
 
@@ -279,17 +285,16 @@ def _checked(key: str, value: Any, at: str) -> Any:
     try:
         if key == "budget" and not isinstance(value, str):
             raise ConfigError(f"budget {value!r} has no unit: write it like 45m, 90s or 1h30m")
-        if key == "budget" and parse_duration(str(value)) <= 0:
-            raise ConfigError(f"the budget must be positive, like 30m, not {value!r}")
+        if key == "budget":
+            positive_seconds(str(value), f"the budget {value!r}")
         if key in ("device_memory", "host_memory") and isinstance(value, int):
             raise ConfigError(f"{key} {value!r} has no unit: write it like 40GiB")
-        if key in ("device_memory", "host_memory") and parse_size(str(value)) <= 0:
-            raise ConfigError(f"{key} must be a positive size, like 40GiB, not {value!r}")
+        if key in ("device_memory", "host_memory"):
+            size_bytes(str(value), key)
         if key == "headroom":
-            parse_fraction(str(value), "headroom")
-        if key == "objective" and value not in set(Objective):
-            choices = " or ".join(o.value for o in Objective)
-            raise ConfigError(f"unknown objective {value!r}: use {choices}")
+            fraction_value(str(value), "headroom")
+        if key == "objective":
+            objective_value(str(value))
         if key == "device" and value not in DEVICES:
             raise ConfigError(f"unknown device {value!r}: use {', '.join(DEVICES)}")
         if key == "simulate":
@@ -297,10 +302,8 @@ def _checked(key: str, value: Any, at: str) -> Any:
         if key in ("precision", "attention"):
             parse_choice(Precision if key == "precision" else Attention, str(value), key)
         if key == "engine":
-            names = value if isinstance(value, list) else str(value).split(",")
-            for name in names:
-                Engine(str(name).strip())
-            value = ",".join(str(name).strip() for name in names)
+            names = [str(x) for x in value] if isinstance(value, list) else str(value)
+            value = ",".join(e.value for e in engines_value(names) or ())
         if key == "loss":
             value = ",".join(x.value for x in parse_losses(value) or ())
         if key == "optimizer":
@@ -325,9 +328,6 @@ def _checked(key: str, value: Any, at: str) -> Any:
     except ConfigError as error:
         raise ConfigError(f"{at}: {error}") from None
     except ValueError as error:
-        if key == "engine":
-            choices = ", ".join(e.value for e in Engine)
-            raise ConfigError(f"{at}: unknown engine in {value!r}: use {choices}") from None
         raise ConfigError(f"{at}: {key}: {error}") from None
     return value
 

@@ -16,7 +16,7 @@ One module a use case, each re-exported here: :mod:`~autotune.api._plan`,
 :mod:`~autotune.api._tune` (``run``: prepare, tune, job files), :mod:`~autotune.api._probe`,
 :mod:`~autotune.api._rlhf` (plan, tune and export an RL iteration) and
 :mod:`~autotune.api._results` (best, trials, export, report); the user's values are checked in
-:mod:`~autotune.api._values`, and what is tuned (the stand-in or the user's script) is
+:mod:`autotune.values`, and what is tuned (the stand-in or the user's script) is
 :mod:`~autotune.api._tuned`. The study (Optuna, SQLAlchemy) and the search are imported inside
 the functions that use them: ``autotune plan`` and ``--help`` never open a study, and answer
 faster without them.
@@ -31,12 +31,12 @@ from autotune.api._probe import probe
 from autotune.api._results import Export, Report, best, export, trials, write_report
 from autotune.api._rlhf import RLHFExport, RLHFPlan, export_rlhf, plan_rlhf, tune_rlhf
 from autotune.api._tune import Tuning, prepare, tune, tune_jobs
-from autotune.api._values import DEFAULT_SEQ_LEN, PER_GPU_BATCH, SEARCHED_KNOBS
 from autotune.config import NothingFits
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES
 from autotune.jobs import JobResult
 from autotune.outputs import check_output, write_new_file
 from autotune.study.measurement import StudyResult
+from autotune.values import DEFAULT_SEQ_LEN, PER_GPU_BATCH, SEARCHED_KNOBS
 
 if TYPE_CHECKING:
     from autotune.search.controller import RunSummary

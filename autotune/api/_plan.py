@@ -9,16 +9,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.api._values import (
-    check_attention,
-    count_value,
-    fraction_value,
-    lora_rank_value,
-    reserve_bytes,
-    size_bytes,
-    target_gpu,
-    workload_for,
-)
 from autotune.config import (
     PLANNED_KNOBS,
     Attention,
@@ -38,6 +28,16 @@ from autotune.hardware import GpuSpec, detect_gpus, host_memory_bytes
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import Workload
 from autotune.units import format_bytes
+from autotune.values import (
+    check_attention,
+    count_value,
+    fraction_value,
+    lora_rank_value,
+    reserve_bytes,
+    size_bytes,
+    target_gpu,
+    workload_for,
+)
 
 
 @dataclass(frozen=True, kw_only=True)

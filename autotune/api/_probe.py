@@ -7,18 +7,6 @@ from pathlib import Path
 
 from autotune.api._rlhf import check_rlhf_probe
 from autotune.api._tuned import check_stand_in_only, user_script_job, user_script_model
-from autotune.api._values import (
-    FOLDER_NAME,
-    check_attention,
-    count_value,
-    knobs_for,
-    need_peft,
-    nodes_for,
-    per_node_count,
-    positive_seconds,
-    seq_len_for,
-    size_bytes,
-)
 from autotune.config import (
     DEVICES,
     ConfigError,
@@ -38,6 +26,18 @@ from autotune.probe.spec import ProbeSpec
 from autotune.rlhf import RLHFProbe
 from autotune.script import check_engines
 from autotune.units import format_bytes
+from autotune.values import (
+    FOLDER_NAME,
+    check_attention,
+    count_value,
+    knobs_for,
+    need_peft,
+    nodes_for,
+    per_node_count,
+    positive_seconds,
+    seq_len_for,
+    size_bytes,
+)
 
 
 def _check_probe_host(model: ModelSpec, spec: ProbeSpec, given: int | None) -> None:

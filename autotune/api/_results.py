@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.api._values import positive_seconds
 from autotune.config import ConfigError, Engine, parse_choice
 from autotune.launch import Format, Launch, knob_notes, render, value_notes
 from autotune.models import ModelSpec, resolve_model
@@ -17,6 +16,7 @@ from autotune.script import ScriptJob, job_command, shell_text
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.measurement import Measurement, StudyResult, best_point
 from autotune.study.urls import masked
+from autotune.values import positive_seconds
 
 
 def _studies(

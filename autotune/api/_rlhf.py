@@ -9,14 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.api._values import (
-    count_value,
-    positive_seconds,
-    reserve_bytes,
-    seq_len_for,
-    size_bytes,
-    target_gpu,
-)
 from autotune.config import ConfigError, Engine, Precision
 from autotune.devices import LocalDevice
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES
@@ -42,6 +34,14 @@ from autotune.rlhf import (
 from autotune.rlhf_launch import RLFormat, RLHFLaunch, render_rlhf
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.urls import masked
+from autotune.values import (
+    count_value,
+    positive_seconds,
+    reserve_bytes,
+    seq_len_for,
+    size_bytes,
+    target_gpu,
+)
 
 if TYPE_CHECKING:
     from autotune.search.rlhf import RLHFSummary

@@ -11,19 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.api._tuned import user_script_job, user_script_model
-from autotune.api._values import (
-    check_attention,
-    check_trials_dir,
-    count_value,
-    fraction_value,
-    knobs_for,
-    nodes_for,
-    per_node_count,
-    positive_seconds,
-    size_bytes,
-    target_gpu,
-    workload_for,
-)
 from autotune.config import (
     DEVICES,
     Attention,
@@ -51,6 +38,20 @@ from autotune.space import Workload
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective, software_versions
 from autotune.study.measurement import measured_workload
 from autotune.units import format_bytes
+from autotune.values import (
+    check_attention,
+    check_trials_dir,
+    count_value,
+    fraction_value,
+    knobs_for,
+    nodes_for,
+    objective_value,
+    per_node_count,
+    positive_seconds,
+    size_bytes,
+    target_gpu,
+    workload_for,
+)
 
 if TYPE_CHECKING:
     from autotune.jobs import Freshness, Job
@@ -267,10 +268,7 @@ def _prepare(
     per_node = per_node_count(gpus, count, here)
     world = per_node * count
     workload = workload_for(spec, seq_len, global_batch, world)
-    goal = Objective(objective) if objective in set(Objective) else None
-    if goal is None:
-        choices = " or ".join(o.value for o in Objective)
-        raise ConfigError(f"unknown objective {objective!r}: use {choices}")
+    goal = objective_value(objective)
     # Real CPU probes, or their recordings replayed: an emulated device, no host to offload to.
     on_cpu = chosen.kind == "cpu" or (
         isinstance(chosen, ReplayDevice) and chosen.grid.device == "cpu"

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from autotune.api._values import knobs_for
 from autotune.config import ConfigError, TrainConfig
 from autotune.devices import Device
 from autotune.script import KNOB_FLAGS, Framework, ScriptJob, flag_value
+from autotune.values import knobs_for
 
 
 def user_script_job(

@@ -16,7 +16,7 @@ import typer
 import typer.core
 from rich.console import Console
 
-from autotune.config import ConfigError, Engine, NothingFits
+from autotune.config import ConfigError, NothingFits
 
 if TYPE_CHECKING:
     pass
@@ -147,16 +147,6 @@ def allowed_lora(text: str | None) -> bool:
     if unknown:
         raise ConfigError(f"--allow {unknown[0]}: use --allow {' or '.join(ALLOWED)}")
     return "lora" in names
-
-
-def parse_engines(text: str | None) -> list[Engine] | None:
-    if text is None:
-        return None
-    choices = ", ".join(e.value for e in Engine)
-    try:
-        return [Engine(part.strip()) for part in text.split(",")]
-    except ValueError:
-        raise UsageError(f"unknown engine in {text!r}: use {choices}, comma-separated") from None
 
 
 @contextlib.contextmanager

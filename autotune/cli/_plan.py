@@ -10,7 +10,6 @@ from autotune.cli._app import (
     UsageError,
     allowed_lora,
     console,
-    parse_engines,
     print_json,
     rlhf_options,
 )
@@ -39,6 +38,7 @@ from autotune.cli.options import (
     SleepOption,
 )
 from autotune.config import LORA_RANK, Attention, LossDtype, Precision
+from autotune.values import engines_value
 
 if TYPE_CHECKING:
     pass
@@ -154,7 +154,7 @@ def plan(
         gpus_per_node=gpus_per_node,
         seq_len=seq_len,
         global_batch=global_batch,
-        engines=parse_engines(engine),
+        engines=engines_value(engine),
         precision=precision,
         attention=attention,
         headroom=headroom,
@@ -200,7 +200,7 @@ def _plan_rlhf(
     found = api.plan_rlhf(
         algorithm,
         model,
-        engines=parse_engines(engine),
+        engines=engines_value(engine),
         reserve=api.DEVICE_RESERVE_BYTES if reserve is None else reserve,
         offload=bool(offload),
         **options,

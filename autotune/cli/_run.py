@@ -14,7 +14,6 @@ from autotune.cli._app import (
     allowed_lora,
     console,
     errors,
-    parse_engines,
     print_json,
     quiet_optuna,
     rlhf_options,
@@ -50,6 +49,7 @@ from autotune.config import LORA_RANK, Attention, ConfigError, Precision
 from autotune.script import Framework, ScriptJob
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.urls import masked
+from autotune.values import engines_value
 
 if TYPE_CHECKING:
     from autotune import api
@@ -253,7 +253,7 @@ def run(
             device_memory=device_memory,
             gpus=gpus,
             seq_len=seq_len,
-            engines=parse_engines(engine),
+            engines=engines_value(engine),
             precision=precision,
             budget=budget,
             storage=storage,
@@ -301,7 +301,7 @@ def run(
         _run_jobs(jobs, max_age=max_age, json_output=json_output, **options)
     if max_age is not None:
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
-    options["engines"] = parse_engines(options.pop("engine"))
+    options["engines"] = engines_value(options.pop("engine"))
     options["losses"] = options.pop("loss")
     options["op_checkpointing"] = options.pop("ac_ops") is True
     options["activation_offload"] = options.pop("act_offload") is True

@@ -1,5 +1,7 @@
 """The user's values and their checks, one home for each: durations, sizes, fractions, counts,
-the GPU, the workload, the nodes, the trials folder, the attention kernel and the knobs.
+the GPU, the workload, the nodes, the trials folder, the engines, the objective, the attention
+kernel and the knobs. The command line, the Python API (:mod:`autotune.api`) and job files
+(:mod:`autotune.jobs`) check a value through the same function.
 
 Each takes what a caller was given (text with units or a number) and answers the checked value,
 or raises :class:`~autotune.config.ConfigError` whose message names the option and what to do.
@@ -19,6 +21,7 @@ from autotune.config import (
     LADDER_ONLY,
     Attention,
     ConfigError,
+    Engine,
     Knobs,
     Loss,
     Optimizer,
@@ -32,6 +35,7 @@ from autotune.probe.launcher import folder_hint
 from autotune.probe.nodes import Nodes, nodes_from_environment
 from autotune.script import ScriptJob
 from autotune.space import Workload
+from autotune.study.fingerprint import Objective
 from autotune.units import format_bytes, parse_duration, parse_fraction, parse_size
 
 PER_GPU_BATCH = 8
@@ -45,6 +49,26 @@ def positive_seconds(value: str | float, what: str) -> float:
     if seconds <= 0:
         raise ConfigError(f"{what} must be positive, like 30m")
     return seconds
+
+
+def engines_value(value: str | Sequence[str] | None) -> list[Engine] | None:
+    """``--engine``: engines by name, comma-separated or as a list (None: every engine)."""
+    if value is None:
+        return None
+    names = value.split(",") if isinstance(value, str) else [str(name) for name in value]
+    try:
+        return [Engine(name.strip()) for name in names]
+    except ValueError:
+        choices = ", ".join(e.value for e in Engine)
+        raise ConfigError(f"unknown engine in {value!r}: use {choices}, comma-separated") from None
+
+
+def objective_value(value: Objective | str) -> Objective:
+    """``--objective``: what the search maximizes."""
+    if value in set(Objective):
+        return Objective(value)
+    choices = " or ".join(o.value for o in Objective)
+    raise ConfigError(f"unknown objective {value!r}: use {choices}")
 
 
 def size_bytes(value: str | int | None, what: str, *, zero: bool = False) -> int | None:
