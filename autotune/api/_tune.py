@@ -285,16 +285,8 @@ def _prepare(
         lora_rank=lora_rank,
         activation_offload=activation_offload,
     )
-    if isinstance(chosen, ReplayDevice):  # a grid answers only what it recorded
-        recorded = chosen.grid.knobs
-        knobs = Knobs(
-            losses=tuple(x for x in knobs.losses if x in recorded.losses) or (Loss.FULL,),
-            op_checkpointing=knobs.op_checkpointing and recorded.op_checkpointing,
-            optimizers=tuple(x for x in knobs.optimizers if x in recorded.optimizers)
-            or (Optimizer.ADAMW,),
-            activation_offload=knobs.activation_offload and recorded.activation_offload,
-            block_patterns=knobs.block_patterns,
-        )
+    if isinstance(chosen, ReplayDevice):
+        knobs = _recorded_knobs(knobs, chosen.grid.knobs)
     if cap is not None and not on_cpu and cap > gpu.memory_bytes:
         raise ConfigError(
             f"--device-memory {format_bytes(cap)} is more than the {gpu.key}'s "
@@ -304,10 +296,6 @@ def _prepare(
     chosen_precision = parse_choice(Precision, precision, "precision")
     chosen_attention = parse_choice(Attention, attention, "attention") or Attention.SDPA
     check_attention(chosen_attention, "cpu" if on_cpu else chosen.kind, chosen_precision)
-    software = software_versions()
-    detected = detect_gpus() if chosen.kind == "cuda" else None
-    if detected is not None and detected.driver:
-        software["driver"] = detected.driver  # a new driver is another study
     fingerprint = Fingerprint(
         model=spec.name,
         seq_len=workload.seq_len,
@@ -317,7 +305,7 @@ def _prepare(
         gpus=world,
         device=chosen.kind,
         objective=goal,
-        software=software,
+        software=_software(chosen.kind),
         capped=cap is not None,
         nodes=count,
         precision=None if chosen_precision is None else chosen_precision.value,
@@ -388,6 +376,28 @@ def _prepare(
         storage=storage,
         replan=None if job is None else planned,
     )
+
+
+def _recorded_knobs(asked: Knobs, recorded: Knobs) -> Knobs:
+    """The knobs asked for, as far as a replayed grid recorded them: it answers nothing else."""
+    return Knobs(
+        losses=tuple(x for x in asked.losses if x in recorded.losses) or (Loss.FULL,),
+        op_checkpointing=asked.op_checkpointing and recorded.op_checkpointing,
+        optimizers=tuple(x for x in asked.optimizers if x in recorded.optimizers)
+        or (Optimizer.ADAMW,),
+        activation_offload=asked.activation_offload and recorded.activation_offload,
+        block_patterns=asked.block_patterns,
+    )
+
+
+def _software(device_kind: str) -> dict[str, str]:
+    """The software a study is of: the libraries' versions and, on a GPU, the driver's (a new
+    driver is another study)."""
+    software = software_versions()
+    detected = detect_gpus() if device_kind == "cuda" else None
+    if detected is not None and detected.driver:
+        software["driver"] = detected.driver
+    return software
 
 
 def _job_engines(job: ScriptJob, engines: Iterable[Engine] | None) -> list[Engine]:
