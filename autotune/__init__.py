@@ -37,7 +37,7 @@ if TYPE_CHECKING:
         tune_rlhf,
         write_report,
     )
-    from autotune.script import JobConfig, job_config
+    from autotune.handoff.script import JobConfig, job_config
 
 __all__ = [
     "Export",
@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 
-_HOMES = {"JobConfig": "autotune.script", "job_config": "autotune.script"}
+_HOMES = {"JobConfig": "autotune.handoff.script", "job_config": "autotune.handoff.script"}
 """Names not in :mod:`autotune.api`: what a training script reads stays light."""
 
 

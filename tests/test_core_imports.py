@@ -32,7 +32,7 @@ CORE = (
     "autotune.config",
     "autotune.units",
     "autotune.space",
-    "autotune.launch",
+    "autotune.handoff.launch",
     "autotune.models",
     "autotune.hardware",
     "autotune.estimator.memory",

@@ -28,7 +28,7 @@ from autotune.config import (
     Precision,
     TrainConfig,
 )
-from autotune.launch import (
+from autotune.handoff.launch import (
     Format,
     Launch,
     checkpointing_field,
@@ -131,10 +131,10 @@ def test_deepspeed_configs_are_accepted_by_deepspeeds_config_class(tmp_path: Pat
         import deepspeed
         from deepspeed.runtime.config import DeepSpeedConfig
 
-        import autotune.launch
+        import autotune.handoff.launch
         from autotune.probe.engines import deepspeed as engine
 
-        assert engine.deepspeed_config is autotune.launch.deepspeed_config
+        assert engine.deepspeed_config is autotune.handoff.launch.deepspeed_config
 
         class DataParallel:  # the 8 ranks the export is for, in a one-process world
             def get_data_parallel_world_size(self):
@@ -193,7 +193,7 @@ def test_every_format_writes_one_set_of_optimizer_values_and_says_so(tmp_path: P
     import torch
 
     from autotune.config import ADAMW_DEFAULTS
-    from autotune.launch import value_notes
+    from autotune.handoff.launch import value_notes
     from autotune.probe.engines.base import build_optimizer
 
     ds = launch(DEEPSPEED_CONFIGS[0])
@@ -373,7 +373,7 @@ def test_accelerate_launches_the_deepspeed_json_as_its_yaml_says(tmp_path: Path)
     import yaml
 
     from autotune.config import ADAMW_DEFAULTS
-    from autotune.launch import ACCELERATE_DEEPSPEED_FILE_NOTE
+    from autotune.handoff.launch import ACCELERATE_DEEPSPEED_FILE_NOTE
 
     tiny = _tiny(TrainConfig(engine=Engine.DEEPSPEED, zero_stage=2), grad_accum=2)
     text = render(tiny, Format.ACCELERATE)

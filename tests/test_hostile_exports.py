@@ -34,10 +34,11 @@ from autotune import api
 from autotune.cli import app
 from autotune.config import Engine, TrainConfig
 from autotune.devices import SimulatedDevice
-from autotune.launch import Format, Launch, render
+from autotune.handoff.launch import Format, Launch, render
+from autotune.handoff.rlhf import RLFormat, RLHFLaunch, render_rlhf
+from autotune.handoff.script import JOB_CONFIG_ENV, JobCommand, job_command, shell_text
 from autotune.probe.spec import ProbeSpec
-from autotune.rlhf_launch import RLFormat, RLHFLaunch, render_rlhf
-from autotune.script import JOB_CONFIG_ENV, JobCommand, ScriptJob, job_command, shell_text
+from autotune.script import ScriptJob
 from autotune.study import Fingerprint, TrialStore
 from autotune.study.rlhf import RLHFStudy, RLHFTrial
 from tests.test_cli import autotune as cli_process

@@ -173,8 +173,8 @@ def test_the_newest_study_with_a_layout_that_fitted_is_exported(tmp_path: Path) 
 
 def test_export_help_names_every_format() -> None:
     """``autotune export --help`` names the script study's format too."""
-    from autotune.launch import Format
-    from autotune.rlhf_launch import RLFormat
+    from autotune.handoff.launch import Format
+    from autotune.handoff.rlhf import RLFormat
 
     shown = " ".join(CliRunner().invoke(app, ["export", "--help"]).stdout.split())
     for fmt in (*Format, *RLFormat):

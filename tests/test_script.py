@@ -14,12 +14,9 @@ from pathlib import Path
 import pytest
 
 from autotune.config import ConfigError, Engine, TrainConfig
-from autotune.launch import Launch
-from autotune.probe.userjob import runs_script
-from autotune.script import (
+from autotune.handoff.launch import Launch
+from autotune.handoff.script import (
     JOB_CONFIG_ENV,
-    Framework,
-    ScriptJob,
     flag_value,
     job_command,
     job_config,
@@ -28,6 +25,8 @@ from autotune.script import (
     shell_text,
     write_files,
 )
+from autotune.probe.userjob import runs_script
+from autotune.script import Framework, ScriptJob
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import Measurement, prediction_gap
 
@@ -62,7 +61,7 @@ def launch_of(config: dict[str, object], *, mbs: int = 4, accum: int = 2, world:
 def test_rewrite_flags_replaces_what_the_adapter_sets_and_keeps_the_rest(
     given: list[str], kept: list[str]
 ) -> None:
-    from autotune.script import HF_CONTROLLED
+    from autotune.handoff.script import HF_CONTROLLED
 
     fields = {"per_device_train_batch_size": 4, "bf16": True}
     out = rewrite_flags(given, fields, HF_CONTROLLED)
@@ -293,7 +292,7 @@ def test_the_exports_give_each_rank_the_threads_the_probes_ranks_had(
     (``rank_environment``); the command export and the torchrun format write the same rule,
     evaluated on the node that runs them (``torchrun`` alone would give one thread, ``accelerate
     launch`` one unless told), and a value the user exported stands in both."""
-    from autotune.launch import Format, render, threads_per_rank
+    from autotune.handoff.launch import Format, render, threads_per_rank
     from autotune.probe.launcher import rank_environment
     from autotune.probe.spec import ProbeSpec
 

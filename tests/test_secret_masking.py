@@ -27,18 +27,11 @@ import pytest
 from pgserver import INSTALL_HINT, PostgresServer, find_bindir
 
 from autotune.config import ConfigError, TrainConfig
+from autotune.handoff.launch import Launch
+from autotune.handoff.script import JobCommand, shell_text
 from autotune.jobs import JobResult, read_jobs
-from autotune.launch import Launch
 from autotune.models import resolve_model
-from autotune.script import (
-    Framework,
-    JobCommand,
-    ScriptJob,
-    masked_args,
-    referenced_args,
-    secret_flag,
-    shell_text,
-)
+from autotune.script import Framework, ScriptJob, masked_args, referenced_args, secret_flag
 from autotune.study.urls import check_storage_url, holds_secret, masked, redact
 from tests.test_cli import autotune
 

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import ConfigError, Engine, parse_choice
-from autotune.launch import Format, Launch, knob_notes, render, value_notes
+from autotune.handoff.launch import Format, Launch, knob_notes, render, value_notes
+from autotune.handoff.script import job_command, shell_text
 from autotune.models import ModelSpec, resolve_model
 from autotune.outputs import check_output, write_new_file
-from autotune.script import ScriptJob, job_command, shell_text
+from autotune.script import ScriptJob
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.measurement import Measurement, StudyResult, best_point
 from autotune.study.urls import masked
@@ -125,7 +126,7 @@ def export(
 
     Args:
         format: ``deepspeed``, ``accelerate``, ``hf``, ``torchrun`` or ``fsdp`` (see
-            :class:`~autotune.launch.Format`).
+            :class:`~autotune.handoff.launch.Format`).
         model: Only studies of this model (a preset name, or the path its study was run
             with: the model's shape is read from it).
         gpu: Only studies on this GPU key.

@@ -14,6 +14,7 @@ from autotune.devices import LocalDevice
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES
 from autotune.estimator.rlhf import RLHFRow
 from autotune.estimator.rlhf import plan_rlhf as rlhf_rows
+from autotune.handoff.rlhf import RLFormat, RLHFLaunch, render_rlhf
 from autotune.hardware import GpuSpec, cpu_device_spec, detect_gpus
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
@@ -31,7 +32,6 @@ from autotune.rlhf import (
     parse_shares,
     role_names,
 )
-from autotune.rlhf_launch import RLFormat, RLHFLaunch, render_rlhf
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.urls import masked
 from autotune.values import (

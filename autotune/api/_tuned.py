@@ -8,7 +8,8 @@ from pathlib import Path
 
 from autotune.config import ConfigError, TrainConfig
 from autotune.devices import Device
-from autotune.script import KNOB_FLAGS, Framework, ScriptJob, flag_value
+from autotune.handoff.script import flag_value
+from autotune.script import KNOB_FLAGS, Framework, ScriptJob
 from autotune.values import knobs_for
 
 

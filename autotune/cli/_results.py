@@ -128,8 +128,8 @@ def export(
     script's own command line (command), or an RL trainer's configuration (trl, openrlhf,
     verl)."""
     from autotune import api
-    from autotune.launch import Format
-    from autotune.rlhf_launch import RLFormat
+    from autotune.handoff.launch import Format
+    from autotune.handoff.rlhf import RLFormat
 
     if format not in set(Format) | set(RLFormat):
         choices = ", ".join([*(f.value for f in Format), *(f.value for f in RLFormat)])

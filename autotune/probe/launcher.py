@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from autotune.launch import threads_per_rank
+from autotune.handoff.launch import threads_per_rank
 from autotune.probe.faults import FAULT_FILE, write_request
 from autotune.probe.lifetime import MARK_ENV, PARENT_ENV, descendants, kill_all, marked, new_mark
 from autotune.probe.nodes import (

@@ -1,9 +1,9 @@
 """A probe of the user's own training job: its script run once per micro-batch size.
 
 Each size is a run of the job in a folder of its own (``mb<N>/`` under the probe's folder),
-started by the launcher like any probe (one process group, the timeout, each rank's exit), with
-the framework's adapter's command (:func:`autotune.script.job_command`) in place of autotune's
-worker, and the measurement layer on the ranks' ``PYTHONPATH``
+started by the launcher like any probe (one process group, the timeout, each rank's exit),
+with the framework's adapter's command (:func:`autotune.handoff.script.job_command`) in place
+of autotune's worker, and the measurement layer on the ranks' ``PYTHONPATH``
 (:mod:`autotune.probe.userjob`). The sizes run in the order given; after any failure the
 larger ones are not tried (memory only grows with the micro-batch), so the probe's result reads
 as one of autotune's own worker. Ranks fork from the warm worker process where autotune's
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import autotune
-from autotune.launch import Launch, one_line
+from autotune.handoff.launch import Launch, one_line
+from autotune.handoff.script import JobCommand, job_command, placed, shell_text, write_files
 from autotune.models import resolve_model
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.launcher import ProcessHandle, launch_probe, write_result
@@ -36,7 +37,7 @@ from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.probe.spec import ProbeSpec
 from autotune.probe.userjob import PROBE_DIR_ENV
-from autotune.script import JobCommand, ScriptJob, job_command, placed, shell_text, write_files
+from autotune.script import ScriptJob
 
 __all__ = [
     "MEASURE_DIR",

@@ -21,19 +21,14 @@ import pytest
 from autotune import prepare, trials
 from autotune.config import ConfigError, Engine, Knobs, LossDtype, TrainConfig
 from autotune.estimator.memory import estimate_memory
-from autotune.launch import Launch
+from autotune.handoff.launch import Launch
+from autotune.handoff.script import job_command
 from autotune.models import resolve_model
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.outcome import Outcome
 from autotune.probe.scriptprobe import launch_script_probe
 from autotune.probe.spec import ProbeSpec
-from autotune.script import (
-    ScriptJob,
-    declared_flags,
-    job_command,
-    reads_job_config,
-    recognised_flags,
-)
+from autotune.script import ScriptJob, declared_flags, reads_job_config, recognised_flags
 from autotune.space import configurations
 from autotune.study.measurement import Measurement
 

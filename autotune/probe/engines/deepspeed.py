@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from autotune.config import TrainConfig
-from autotune.launch import deepspeed_config
+from autotune.handoff.launch import deepspeed_config
 from autotune.probe.engines.base import EngineContext, Trainee
 from autotune.probe.modeling import apply_activation_checkpointing, build_model, materialize
 from autotune.probe.ops import deepspeed_ops, extensions_dir, load_ops

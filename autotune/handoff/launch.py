@@ -70,7 +70,7 @@ class Format(enum.StrEnum):
     """A Python snippet that applies the FSDP2 settings to a Hugging Face causal LM."""
     COMMAND = "command"
     """The user's own training script, as a study of it ran it: a shell script that writes its
-    configuration files and starts it (``autotune.script``)."""
+    configuration files and starts it (``autotune.handoff.script``)."""
 
 
 def deepspeed_config(

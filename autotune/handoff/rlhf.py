@@ -3,7 +3,7 @@ OpenRLHF's ``train_ppo_ray`` flags, verl's Hydra overrides. Pure functions over 
 :class:`RLHFLaunch`; ``autotune export --format trl|openrlhf|verl`` writes them.
 
 The trainer's part of TRL's config is the ``hf`` export's ``TrainingArguments`` fields
-(:func:`autotune.launch.hf_fields`: DeepSpeed's JSON, FSDP, checkpointing), since
+(:func:`autotune.handoff.launch.hf_fields`: DeepSpeed's JSON, FSDP, checkpointing), since
 ``GRPOConfig`` extends them. OpenRLHF trains with DeepSpeed ZeRO and verl with FSDP: a layout
 of another engine is written with a note of what changes.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
-from autotune.launch import Launch, checkpointing_field, hf_fields
+from autotune.handoff.launch import Launch, checkpointing_field, hf_fields
 from autotune.rlhf import Algorithm, Placement
 
 __all__ = ["RLFormat", "RLHFLaunch", "render_rlhf"]
