@@ -81,9 +81,10 @@ class ForkServerError(RuntimeError):
 # Server side (runs in the fork-server process)
 
 
-_DEEPSPEED_MODES = ("always", "never", "try", "bare")
-"""Preloading DeepSpeed: ``try`` (a GPU host) keeps it only if its import left CUDA alone;
-``bare`` preloads neither it nor the model modules (:data:`MODEL_PRELOAD`)."""
+_PRELOAD_MODES = ("always", "never", "try", "bare")
+"""What the server preloads beyond :data:`PRELOAD`: the model modules (:data:`MODEL_PRELOAD`)
+and DeepSpeed (``always``), the model modules alone (``never``), DeepSpeed only if its import
+left CUDA alone (``try``, a GPU host), or neither (``bare``)."""
 RESTART_WITHOUT_DEEPSPEED = "importing DeepSpeed initialized CUDA"
 """The error a ``try`` server ends with when DeepSpeed cannot be preloaded on this host."""
 RESTART_WITHOUT_MODELS = "importing the model modules initialized CUDA"
@@ -143,7 +144,7 @@ def _changed(files: dict[str, tuple[int, int]]) -> str | None:
     return None
 
 
-def _preload(deepspeed: str, extra: Sequence[str] = ()) -> None:
+def _preload(mode: str, extra: Sequence[str] = ()) -> None:
     # Availability checks through NVML: they must not initialize the driver here.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     for name in (*PRELOAD, *extra):
@@ -151,16 +152,16 @@ def _preload(deepspeed: str, extra: Sequence[str] = ()) -> None:
     problem = _cuda_touched()
     if problem is not None:
         raise ForkServerError(f"{problem} while preloading: forked ranks could not use it")
-    if deepspeed == "bare":
+    if mode == "bare":
         return
     for name in MODEL_PRELOAD:
         importlib.import_module(name)
     if _cuda_touched() is not None:
         raise ForkServerError(RESTART_WITHOUT_MODELS)
-    if deepspeed == "never":
+    if mode == "never":
         return
     importlib.import_module("deepspeed")
-    if deepspeed == "try" and _cuda_touched() is not None:
+    if mode == "try" and _cuda_touched() is not None:
         raise ForkServerError(RESTART_WITHOUT_DEEPSPEED)
 
 
@@ -208,10 +209,10 @@ def _returncode(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def serve(sock: socket.socket, *, deepspeed: str, extra: Sequence[str] = ()) -> None:
+def serve(sock: socket.socket, *, mode: str, extra: Sequence[str] = ()) -> None:
     """Serve spawn requests on ``sock`` until the client goes away."""
     try:
-        _preload(deepspeed, extra)
+        _preload(mode, extra)
     except BaseException as error:
         _send(sock, {"error": f"{error}" if isinstance(error, ForkServerError) else
                      f"{type(error).__name__}: {error}"})  # fmt: skip
@@ -269,14 +270,14 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    fd, deepspeed, extra = int(args[0]), args[1], args[2:]
-    if deepspeed not in _DEEPSPEED_MODES:
-        print(f"usage: python -m autotune.probe.forkserver FD {{{','.join(_DEEPSPEED_MODES)}}} "
+    fd, mode, extra = int(args[0]), args[1], args[2:]
+    if mode not in _PRELOAD_MODES:
+        print(f"usage: python -m autotune.probe.forkserver FD {{{','.join(_PRELOAD_MODES)}}} "
               "[MODULE...]", file=sys.stderr)  # fmt: skip
         return 2
     parent = os.environ.get(PARENT_ENV)
     die_with_parent(int(parent) if parent else None)  # the tuner's end is the server's end
-    serve(socket.socket(fileno=fd), deepspeed=deepspeed, extra=extra)
+    serve(socket.socket(fileno=fd), mode=mode, extra=extra)
     return 0
 
 
