@@ -46,10 +46,10 @@ from autotune.config import (
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
 from autotune.probe.nodes import check_host
-from autotune.script import Framework, ScriptJob, masked_args
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import Measurement, StudyResult
 from autotune.study.urls import masked
+from autotune.tuned.script import Framework, ScriptJob, masked_args
 
 if TYPE_CHECKING:
     from autotune.search.controller import RunSummary
@@ -143,7 +143,7 @@ def _text(value: Any) -> str:
 
 def _shown(key: str, value: Any) -> Any:
     """An option as a job's label and ``--json`` show it: a storage URL's secrets masked, and
-    those among the script's arguments (:func:`~autotune.script.masked_args`)."""
+    those among the script's arguments (:func:`~autotune.tuned.script.masked_args`)."""
     if key == "storage" and isinstance(value, str):
         return masked(value)
     if key == "args" and isinstance(value, list | tuple):

@@ -33,9 +33,9 @@ from autotune.hardware import GpuSpec, detect_gpus, gpu_spec
 from autotune.models import ModelSpec
 from autotune.probe.launcher import folder_hint
 from autotune.probe.nodes import Nodes, nodes_from_environment
-from autotune.script import ScriptJob
 from autotune.space import Workload
 from autotune.study.fingerprint import Objective
+from autotune.tuned.script import ScriptJob
 from autotune.units import format_bytes, parse_duration, parse_fraction, parse_size
 
 PER_GPU_BATCH = 8

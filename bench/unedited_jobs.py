@@ -34,7 +34,7 @@ from autotune.probe.metrics import throughput
 from autotune.probe.outcome import Outcome
 from autotune.probe.scriptprobe import launch_script_probe, run_measured
 from autotune.probe.spec import ProbeSpec
-from autotune.script import ScriptJob
+from autotune.tuned.script import ScriptJob
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

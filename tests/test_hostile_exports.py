@@ -38,9 +38,9 @@ from autotune.handoff.launch import Format, Launch, render
 from autotune.handoff.rlhf import RLFormat, RLHFLaunch, render_rlhf
 from autotune.handoff.script import JOB_CONFIG_ENV, JobCommand, job_command, shell_text
 from autotune.probe.spec import ProbeSpec
-from autotune.script import ScriptJob
 from autotune.study import Fingerprint, TrialStore
 from autotune.study.rlhf import RLHFStudy, RLHFTrial
+from autotune.tuned.script import ScriptJob
 from tests.test_cli import autotune as cli_process
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -13,10 +13,10 @@ import pytest
 
 from autotune.config import ConfigError
 from autotune.jobs import JobResult, freshness, read_jobs
-from autotune.script import ScriptJob
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import StudyResult
 from autotune.study.reader import read_studies
+from autotune.tuned.script import ScriptJob
 from tests.test_cli import autotune
 
 NIGHTLY = """\

@@ -34,8 +34,8 @@ from typer.testing import CliRunner
 from autotune.cli import app
 from autotune.config import Engine, TrainConfig
 from autotune.models import resolve_model
-from autotune.rlhf import Placement
 from autotune.study.rlhf import RLHFStudy, RLHFTrial
+from autotune.tuned.rlhf import Placement
 
 ENVS = Path(__file__).resolve().parent / "envs"
 ROLES = ("reference", "critic", "reward")

@@ -27,7 +27,7 @@ from autotune.estimator.rlhf import (
 )
 from autotune.hardware import gpu_spec
 from autotune.models import resolve_model
-from autotune.rlhf import Placement
+from autotune.tuned.rlhf import Placement
 
 CASE = (
     "plan", "--rlhf", "ppo", "--model", "qwen2.5-1.5b", "--gpu", "a100-80gb", "--gpus", "4",

@@ -1,4 +1,4 @@
-"""The user's own job (autotune.script): the adapters' commands, read back by the frameworks'
+"""The user's own job (autotune.tuned.script): the adapters' commands, read back by the frameworks'
 own parsers (transformers' HfArgumentParser, the Trainer's DeepSpeed loading), the job's
 identity, ``autotune.job_config()``, (its bad input: tests/test_bad_input.py).
 
@@ -26,9 +26,9 @@ from autotune.handoff.script import (
     write_files,
 )
 from autotune.probe.userjob import runs_script
-from autotune.script import Framework, ScriptJob
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import Measurement, prediction_gap
+from autotune.tuned.script import Framework, ScriptJob
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -230,7 +230,7 @@ def test_runs_script_finds_the_script_in_an_interpreter_command_line(tmp_path: P
 
 
 def test_framework_engines_cover_every_engine_of_torchrun() -> None:
-    from autotune.script import FRAMEWORK_ENGINES
+    from autotune.tuned.script import FRAMEWORK_ENGINES
 
     assert set(FRAMEWORK_ENGINES[Framework.TORCHRUN]) == set(Engine)
 

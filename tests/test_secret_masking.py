@@ -31,8 +31,8 @@ from autotune.handoff.launch import Launch
 from autotune.handoff.script import JobCommand, shell_text
 from autotune.jobs import JobResult, read_jobs
 from autotune.models import resolve_model
-from autotune.script import Framework, ScriptJob, masked_args, referenced_args, secret_flag
 from autotune.study.urls import check_storage_url, holds_secret, masked, redact
+from autotune.tuned.script import Framework, ScriptJob, masked_args, referenced_args, secret_flag
 from tests.test_cli import autotune
 
 BIN = Path(sys.executable).parent

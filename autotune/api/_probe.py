@@ -23,8 +23,8 @@ from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec
-from autotune.rlhf import RLHFProbe
-from autotune.script import check_engines
+from autotune.tuned.rlhf import RLHFProbe
+from autotune.tuned.script import check_engines
 from autotune.units import format_bytes
 from autotune.values import (
     FOLDER_NAME,

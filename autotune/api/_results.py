@@ -13,10 +13,10 @@ from autotune.handoff.launch import Format, Launch, knob_notes, render, value_no
 from autotune.handoff.script import job_command, shell_text
 from autotune.models import ModelSpec, resolve_model
 from autotune.outputs import check_output, write_new_file
-from autotune.script import ScriptJob
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.measurement import Measurement, StudyResult, best_point
 from autotune.study.urls import masked
+from autotune.tuned.script import ScriptJob
 from autotune.values import positive_seconds
 
 

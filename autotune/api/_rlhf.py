@@ -19,7 +19,9 @@ from autotune.hardware import GpuSpec, cpu_device_spec, detect_gpus
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.spec import ProbeSpec
-from autotune.rlhf import (
+from autotune.study.fingerprint import DEFAULT_STORAGE
+from autotune.study.urls import masked
+from autotune.tuned.rlhf import (
     Algorithm,
     Placement,
     RLHFModels,
@@ -32,8 +34,6 @@ from autotune.rlhf import (
     parse_shares,
     role_names,
 )
-from autotune.study.fingerprint import DEFAULT_STORAGE
-from autotune.study.urls import masked
 from autotune.values import (
     count_value,
     positive_seconds,
@@ -131,7 +131,7 @@ def plan_rlhf(
         reference, critic, reward: Each role's model (a preset, a config.json, or ``none``
             for absent); default: the policy's shape (PPO's critic; GRPO has none).
         rollout_share: The engine's share of each GPU (``0.5``, ``50%``, ``0.4,0.6``);
-            default: every share of :data:`autotune.rlhf.SHARES`.
+            default: every share of :data:`autotune.tuned.rlhf.SHARES`.
         sleep: Whether the engine sleeps during scoring and training; None: both.
         frozen: Where the frozen models wait: ``gpu``, ``host`` or ``gpu,host`` (default).
         engines: The trainer's engines; default DeepSpeed ZeRO (OpenRLHF's and TRL's
@@ -457,7 +457,7 @@ def export_rlhf(
 
 def check_rlhf_probe(policy: ModelSpec, rlhf: RLHFProbe, spec: ProbeSpec) -> None:
     """Refuse, in one line, an RL iteration a probe cannot make: models that cannot pair
-    (:func:`autotune.rlhf.check_models`), or a CPU probe without a cap to take a share of."""
+    (:func:`autotune.tuned.rlhf.check_models`), or a CPU probe without a cap to take a share of."""
     check_models(
         rlhf.algorithm,
         RLHFModels(

@@ -33,10 +33,10 @@ from autotune.jobs import JobResult
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.nodes import Nodes
 from autotune.probe.spec import ProbeTemplate
-from autotune.script import FRAMEWORK_ENGINES, ScriptJob, check_engines
 from autotune.space import Workload
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective, software_versions
 from autotune.study.measurement import measured_workload
+from autotune.tuned.script import FRAMEWORK_ENGINES, ScriptJob, check_engines
 from autotune.units import format_bytes
 from autotune.values import (
     check_attention,

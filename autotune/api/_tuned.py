@@ -9,7 +9,7 @@ from pathlib import Path
 from autotune.config import ConfigError, TrainConfig
 from autotune.devices import Device
 from autotune.handoff.script import flag_value
-from autotune.script import KNOB_FLAGS, Framework, ScriptJob
+from autotune.tuned.script import KNOB_FLAGS, Framework, ScriptJob
 from autotune.values import knobs_for
 
 

@@ -252,9 +252,9 @@ def _rlhf_probe(
     frozen: str | None,
     **roles: str | None,
 ) -> Any:
-    """``probe --rlhf``'s iteration (an ``autotune.rlhf.RLHFProbe``), or None without it;
+    """``probe --rlhf``'s iteration (an ``autotune.tuned.rlhf.RLHFProbe``), or None without it;
     one line for an RLHF option without ``--rlhf``."""
-    from autotune.rlhf import Algorithm, RLHFProbe, parse_placements, parse_shares, role_names
+    from autotune.tuned.rlhf import Algorithm, RLHFProbe, parse_placements, parse_shares, role_names
 
     given = {"--rollout-share": share, "--sleep": sleep, "--frozen": frozen}
     rlhf_options(algorithm, ("probes", ""), given | {f"--{r}": v for r, v in roles.items()}, {})

@@ -46,9 +46,9 @@ from autotune.cli.options import (
     StorageOption,
 )
 from autotune.config import LORA_RANK, Attention, ConfigError, Precision
-from autotune.script import Framework, ScriptJob
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.urls import masked
+from autotune.tuned.script import Framework, ScriptJob
 from autotune.values import engines_value
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def _run_rlhf(algorithm: str, model: str, *, json_output: bool, **options: Any) 
     """``autotune run --rlhf``: probe layouts of an RL iteration, a line a probe, then the
     best (or the summary as JSON)."""
     from autotune import api
-    from autotune.rlhf import Placement
+    from autotune.tuned.rlhf import Placement
 
     quiet_optuna()
     shown = errors if json_output else console

@@ -27,7 +27,7 @@ from autotune.probe.ops import (
 from autotune.probe.result import ProbeResult
 from autotune.probe.scriptprobe import launch_script_probe
 from autotune.probe.spec import ProbeSpec
-from autotune.script import Framework
+from autotune.tuned.script import Framework
 
 __all__ = ["LocalDevice"]
 

@@ -53,8 +53,8 @@ from autotune.estimator.plan import (
 from autotune.estimator.timing import StepTime, predict_step_time
 from autotune.hardware import GpuSpec
 from autotune.models import ModelSpec
-from autotune.rlhf import Placement, RLHFWorkload, sharded
 from autotune.space import Workload, configurations, micro_batch_options
+from autotune.tuned.rlhf import Placement, RLHFWorkload, sharded
 from autotune.units import format_bytes
 
 __all__ = [

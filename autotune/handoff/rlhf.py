@@ -19,7 +19,7 @@ from typing import Any
 
 from autotune.config import ConfigError, Engine, Offload, Precision, TrainConfig
 from autotune.handoff.launch import Launch, checkpointing_field, hf_fields
-from autotune.rlhf import Algorithm, Placement
+from autotune.tuned.rlhf import Algorithm, Placement
 
 __all__ = ["RLFormat", "RLHFLaunch", "render_rlhf"]
 

@@ -29,7 +29,7 @@ from autotune.handoff.launch import (
     render,
     thread_lines,
 )
-from autotune.script import (
+from autotune.tuned.script import (
     BOOL_WORDS,
     Framework,
     ScriptJob,

@@ -41,7 +41,7 @@ from autotune.probe.memory import MemoryMeter
 from autotune.probe.metrics import now, synchronize
 from autotune.probe.modeling import build_model, decoder_blocks, materialize
 from autotune.probe.outcome import Stage
-from autotune.rlhf import Placement, RLHFProbe, sharded
+from autotune.tuned.rlhf import Placement, RLHFProbe, sharded
 
 __all__ = ["Iteration", "build_iteration", "reservation_bytes"]
 

@@ -37,7 +37,7 @@ from autotune.probe.outcome import Outcome, Stage
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.probe.spec import ProbeSpec
 from autotune.probe.userjob import PROBE_DIR_ENV
-from autotune.script import ScriptJob
+from autotune.tuned.script import ScriptJob
 
 __all__ = [
     "MEASURE_DIR",

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.config import ConfigError, Engine, Precision, TrainConfig
-from autotune.rlhf import Placement, RLHFProbe
-from autotune.script import ScriptJob
+from autotune.tuned.rlhf import Placement, RLHFProbe
+from autotune.tuned.script import ScriptJob
 
 __all__ = ["MAX_PROBE_ACCUMULATION", "ProbeSpec", "ProbeTemplate"]
 

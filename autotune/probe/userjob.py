@@ -72,7 +72,7 @@ from autotune.probe.outcome import Outcome, Stage, is_oom_error
 from autotune.probe.report import RankReport
 from autotune.probe.result import JOB_MISTAKE, SIGNATURE, TOKEN_FILE, report_signature
 from autotune.probe.spec import ProbeSpec
-from autotune.script import Framework, ScriptJob
+from autotune.tuned.script import Framework, ScriptJob
 
 PROBE_DIR_ENV = "AUTOTUNE_PROBE_DIR"
 """The probe folder of the run the layer measures (its ``config.json`` is the spec)."""

@@ -27,7 +27,6 @@ from typing import Any
 
 from autotune.estimator.memory import CATEGORIES, estimate_memory
 from autotune.models import ModelSpec
-from autotune.script import ScriptJob
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import (
     Measurement,
@@ -37,6 +36,7 @@ from autotune.study.measurement import (
     prediction_gap,
 )
 from autotune.study.schema import sqlite_path
+from autotune.tuned.script import ScriptJob
 from autotune.units import format_bytes, format_duration
 
 __all__ = ["TrialTimes", "read_trial_times", "render_html"]

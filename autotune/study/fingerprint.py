@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.config import ConfigError
-from autotune.script import ScriptJob
 from autotune.space import Workload
+from autotune.tuned.script import ScriptJob
 
 __all__ = ["DEFAULT_STORAGE", "PROBE_METHOD", "Fingerprint", "Objective", "software_versions"]
 
@@ -96,7 +96,7 @@ class Fingerprint:
     attention: str | None = None
     """The attention kernel the user asked for; None: ``sdpa``, the default."""
     script: dict[str, Any] | None = None
-    """The user's training job the probes ran (a :class:`~autotune.script.ScriptJob`'s
+    """The user's training job the probes ran (a :class:`~autotune.tuned.script.ScriptJob`'s
     fields: framework, path, arguments, content hash); None: autotune's stand-in. The
     arguments are stored, and read back, with their secrets masked (``--db-password ***``):
     another password or token is the same study."""

@@ -20,10 +20,10 @@ from typing import Any
 import optuna
 
 from autotune.config import TrainConfig
-from autotune.rlhf import Placement
 from autotune.study.fingerprint import software_versions
 from autotune.study.schema import holds_no_database, refuse_foreign_sqlite, sqlite_path
 from autotune.study.store import _optuna_quiet, open_storage
+from autotune.tuned.rlhf import Placement
 
 __all__ = ["RLHF_ATTR", "RLHFStudy", "RLHFTrial", "layout_key"]
 

@@ -16,7 +16,8 @@ query fields as given and replaces each secret with ``***``; :func:`redact` remo
 secrets, in every spelling, from any other text (a driver's error message that quotes the URL,
 decoded or not). Nothing else of a storage URL is stored: trials, probe folders and reports hold
 the study's name, never the URL. The arguments of a user's script that are URLs with a secret
-are found (:func:`holds_secret`) and masked the same way (:func:`autotune.script.masked_args`).
+are found (:func:`holds_secret`) and masked the same way
+(:func:`autotune.tuned.script.masked_args`).
 
 SQLAlchemy is imported (lazily) only for a text that could hold a secret, one with an ``@`` or
 a ``?``: a SQLite file's URL is shown without loading it. No Optuna.

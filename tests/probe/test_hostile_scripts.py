@@ -31,7 +31,7 @@ from autotune.probe.outcome import Outcome
 from autotune.probe.result import SIGNATURE, ProbeResult, report_signature
 from autotune.probe.scriptprobe import launch_script_probe
 from autotune.probe.spec import ProbeSpec
-from autotune.script import ScriptJob
+from autotune.tuned.script import ScriptJob
 from tests.probe.test_userjob import CUSTOM
 
 BIN = Path(sys.executable).parent

@@ -25,7 +25,7 @@ from autotune.probe.forkserver import ForkServer
 from autotune.probe.outcome import Outcome
 from autotune.probe.scriptprobe import launch_script_probe
 from autotune.probe.spec import ProbeSpec
-from autotune.script import ScriptJob
+from autotune.tuned.script import ScriptJob
 
 PLAIN = Path(__file__).resolve().parents[2] / "examples" / "train_torchrun_plain.py"
 FLAGS = {"batch_flag": "--batch-size", "accum_flag": "--grad-accum"}

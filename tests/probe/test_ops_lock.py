@@ -41,7 +41,7 @@ from autotune.probe.ops import (
 from autotune.probe.outcome import Outcome
 from autotune.probe.scriptprobe import launch_script_probe
 from autotune.probe.spec import ProbeSpec
-from autotune.script import ScriptJob
+from autotune.tuned.script import ScriptJob
 from tests.probe.test_userjob_engine import ENGINE_SCRIPT
 
 SHM = "deepspeed_shm_comm"

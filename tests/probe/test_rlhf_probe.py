@@ -26,7 +26,7 @@ from autotune.estimator.rlhf import RLHFRow, estimate_rlhf
 from autotune.hardware import cpu_device_spec
 from autotune.models import resolve_model
 from autotune.probe.outcome import Outcome
-from autotune.rlhf import Algorithm, Placement, RLHFModels, RLHFProbe, RLHFWorkload
+from autotune.tuned.rlhf import Algorithm, Placement, RLHFModels, RLHFProbe, RLHFWorkload
 
 CAP = 64 * 1024**2
 SEQ = 256

@@ -28,9 +28,9 @@ from autotune.probe.forkserver import ForkServer
 from autotune.probe.outcome import Outcome
 from autotune.probe.scriptprobe import launch_script_probe
 from autotune.probe.spec import ProbeSpec
-from autotune.script import ScriptJob, declared_flags, reads_job_config, recognised_flags
 from autotune.space import configurations
 from autotune.study.measurement import Measurement
+from autotune.tuned.script import ScriptJob, declared_flags, reads_job_config, recognised_flags
 
 PLAIN = Path(__file__).resolve().parents[2] / "examples" / "train_torchrun_plain.py"
 FLAGS = {

@@ -24,7 +24,7 @@ from autotune.config import TrainConfig
 from autotune.models import resolve_model
 from autotune.probe.scriptprobe import run_measured
 from autotune.probe.spec import ProbeSpec
-from autotune.script import ScriptJob
+from autotune.tuned.script import ScriptJob
 
 pytestmark = pytest.mark.slow
 

@@ -46,9 +46,9 @@ from autotune.probe.forkserver import ForkServer
 from autotune.probe.outcome import Outcome
 from autotune.probe.scriptprobe import launch_script_probe, run_measured
 from autotune.probe.spec import ProbeSpec
-from autotune.script import ScriptJob
 from autotune.search.ladder import Proposal, propose
 from autotune.space import micro_batch_options
+from autotune.tuned.script import ScriptJob
 
 pytestmark = pytest.mark.slow
 

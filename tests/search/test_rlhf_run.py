@@ -22,9 +22,9 @@ from autotune.config import TrainConfig
 from autotune.estimator.rlhf import plan_rlhf
 from autotune.hardware import cpu_device_spec
 from autotune.models import resolve_model
-from autotune.rlhf import Algorithm, Placement, RLHFModels, RLHFWorkload
 from autotune.search.rlhf import may_fit, propose
 from autotune.study.rlhf import RLHFTrial
+from autotune.tuned.rlhf import Algorithm, Placement, RLHFModels, RLHFWorkload
 
 CAP = 52 * 1024**2
 ARGS = dict(

@@ -1,5 +1,5 @@
 """The user's own training job as the thing a probe runs (what is tuned, beside autotune's
-stand-in model and an RL iteration, :mod:`autotune.rlhf`).
+stand-in model and an RL iteration, :mod:`autotune.tuned.rlhf`).
 
 A :class:`ScriptJob` names the user's training script, the framework it is written for and
 its own arguments; its hash makes a changed script another workload. How a measured
