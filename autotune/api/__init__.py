@@ -16,8 +16,8 @@ One module a use case, each re-exported here: :mod:`~autotune.api._plan`,
 :mod:`~autotune.api._tune` (``run``: prepare, tune, job files), :mod:`~autotune.api._probe`,
 :mod:`~autotune.api._rlhf` (plan, tune and export an RL iteration) and
 :mod:`~autotune.api._results` (best, trials, export, report); the user's values are checked in
-:mod:`autotune.values`, and what is tuned (the stand-in or the user's script) is
-:mod:`~autotune.api._tuned`. The study (Optuna, SQLAlchemy) and the search are imported inside
+:mod:`autotune.values`, and the user's script as a run or a probe takes it is
+:mod:`~autotune.api._script`. The study (Optuna, SQLAlchemy) and the search are imported inside
 the functions that use them: ``autotune plan`` and ``--help`` never open a study, and answer
 faster without them.
 """

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from autotune.api._rlhf import check_rlhf_probe
-from autotune.api._tuned import check_stand_in_only, user_script_job, user_script_model
+from autotune.api._script import check_stand_in_only, user_script_job, user_script_model
 from autotune.config import (
     DEVICES,
     ConfigError,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.api._tuned import user_script_job, user_script_model
+from autotune.api._script import user_script_job, user_script_model
 from autotune.config import (
     DEVICES,
     Attention,

@@ -1,5 +1,6 @@
-"""What is tuned: autotune's stand-in model, or the user's own training script (its model, and
-what only the stand-in has)."""
+"""The user's own training script as ``run`` and ``probe`` take it (:mod:`autotune.tuned.script`):
+its job from the options, its model, and the fields only autotune's stand-in has, refused
+for it."""
 
 from __future__ import annotations
 
