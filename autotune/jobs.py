@@ -50,18 +50,18 @@ from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import Measurement, StudyResult
 from autotune.study.urls import masked
 from autotune.tuned.script import Framework, ScriptJob, masked_args
-
-if TYPE_CHECKING:
-    from autotune.search.controller import RunSummary
-
 from autotune.units import format_bytes, format_duration
 from autotune.values import (
+    count_value,
     engines_value,
     fraction_value,
     objective_value,
     positive_seconds,
     size_bytes,
 )
+
+if TYPE_CHECKING:
+    from autotune.search.controller import RunSummary
 
 __all__ = ["FIELDS", "Freshness", "Job", "JobResult", "freshness", "read_jobs"]
 
@@ -323,8 +323,8 @@ def _checked(key: str, value: Any, at: str) -> Any:
             if not all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in value):
                 raise ConfigError("args must be a list of the script's arguments, as text")
             value = [str(a) for a in value]
-        if key in ("seq_len", "global_batch", "gpus", "nodes", "host_cores") and value <= 0:
-            raise ConfigError(f"{key} must be positive, not {value}")
+        if key in ("seq_len", "global_batch", "gpus", "nodes", "host_cores"):
+            count_value(value, key)
     except ConfigError as error:
         raise ConfigError(f"{at}: {error}") from None
     except ValueError as error:

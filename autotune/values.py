@@ -14,8 +14,9 @@ import errno
 import importlib.util
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from autotune.config import (
     LADDER_ONLY,
@@ -61,6 +62,31 @@ def engines_value(value: str | Sequence[str] | None) -> list[Engine] | None:
     except ValueError:
         choices = ", ".join(e.value for e in Engine)
         raise ConfigError(f"unknown engine in {value!r}: use {choices}, comma-separated") from None
+
+
+_API_NAMES = {
+    "engine": "engines",
+    "loss": "losses",
+    "ac_ops": "op_checkpointing",
+    "act_offload": "activation_offload",
+    "optimizer": "optimizers",
+    "args": "script_args",
+}
+"""Options named as the command line and job files name them, and the API's names."""
+
+
+def api_arguments(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The API's keyword arguments (:func:`autotune.api.prepare`'s, :func:`autotune.api.plan`'s)
+    from options named as the command line and a job file name them (``engine: fsdp,ddp``,
+    ``ac_ops``, ``args``): a workload's fields and the command's defaults meet under these
+    names, and are renamed once, here."""
+    options = {_API_NAMES.get(name, name): value for name, value in fields.items()}
+    if "engines" in options:
+        options["engines"] = engines_value(options["engines"])
+    for name in ("op_checkpointing", "activation_offload"):
+        if name in options:
+            options[name] = options[name] is True
+    return options
 
 
 def objective_value(value: Objective | str) -> Objective:
@@ -317,9 +343,12 @@ match: ``fullmatch``)."""
 
 
 def count_value(value: int | None, option: str) -> int | None:
-    """A count the user gave (``--gpus``), refused below 1 under its own name."""
+    """A count the user gave, refused below 1 under its own name: an option's
+    (``--gpus 0: use 1 or more``) or a job file field's (``gpus must be positive, not 0``)."""
     if value is not None and value < 1:
-        raise ConfigError(f"{option} {value}: use 1 or more")
+        if option.startswith("--"):
+            raise ConfigError(f"{option} {value}: use 1 or more")
+        raise ConfigError(f"{option} must be positive, not {value}")
     return value
 
 

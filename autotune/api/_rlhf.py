@@ -45,7 +45,7 @@ from autotune.values import (
 
 if TYPE_CHECKING:
     from autotune.search.rlhf import RLHFSummary
-    from autotune.study.rlhf import RLHFTrial
+    from autotune.study.rlhf import RLHFStudy, RLHFTrial
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,9 +226,9 @@ def tune_rlhf(
         max_probes: Probes at most this run.
         on_probe: Called after each probe with its trial, its predicted row and the best.
     """
-    from autotune.search.rlhf import RLHFSummary, measured_speed
+    from autotune.search.rlhf import RLHFSummary
     from autotune.search.rlhf import search as search_rlhf
-    from autotune.study.rlhf import RLHFStudy, RLHFTrial
+    from autotune.study.rlhf import RLHFStudy
 
     world = count_value(gpus, "--gpus") or 1
     if world > 1 and frozen is not None and Placement.OFFLOAD in parse_placements(frozen):
@@ -237,17 +237,7 @@ def tune_rlhf(
             "shards yet): use --frozen gpu with --gpus, or --gpus 1"
         )
     budget_s = positive_seconds(budget, "the budget")
-    kind = device
-    if kind == "auto":
-        kind = "cuda" if detect_gpus() else "cpu"
-    if kind not in ("cuda", "cpu"):
-        raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
-    cap = size_bytes(device_memory, "--device-memory")
-    if kind == "cpu" and cap is None:
-        raise ConfigError(RLHF_CPU_NEEDS_A_CAP)
-    target = cpu_device_spec(cap) if kind == "cpu" and cap else target_gpu(None)[0]
-    if kind == "cuda" and cap is not None:
-        target = dataclasses.replace(target, memory_bytes=cap)
+    kind, cap, target = _rlhf_target(device, device_memory)
     found = plan_rlhf(
         algorithm,
         model,
@@ -284,45 +274,116 @@ def tune_rlhf(
         },
         storage=storage,
     )
-    local = LocalDevice(kind, warm=False)
+    prober = _IterationProber(
+        model=model,
+        workload=work,
+        names=names,
+        world=world,
+        device=kind,
+        cap=cap,
+        timeout_s=max(60.0, budget_s),
+        trials_dir=Path(trials_dir),
+        study=study,
+        on_probe=on_probe,
+    )
     started = time.monotonic()
-    durations: list[float] = []
+    try:
+        trials, made, why = search_rlhf(
+            found.rows,
+            study.trials(),
+            prober,
+            budget_left=lambda: budget_s - (time.monotonic() - started),
+            cost=lambda row: max(prober.durations, default=0.0),
+            max_probes=max_probes,
+        )
+    finally:
+        prober.local.close()
+    return RLHFSummary(
+        study=study.name, trials=trials, probes=made, stop_reason=why, best=study.best()
+    )
 
-    def run_one(row: RLHFRow) -> RLHFTrial:
-        spec = ProbeSpec(
-            model=model,
+
+def _rlhf_target(device: str, device_memory: str | int | None) -> tuple[str, int | None, GpuSpec]:
+    """Where an RL iteration's probes run (``cuda`` or ``cpu``), the memory cap per rank
+    (required on the CPU) and the device the planner sizes for."""
+    kind = device
+    if kind == "auto":
+        kind = "cuda" if detect_gpus() else "cpu"
+    if kind not in ("cuda", "cpu"):
+        raise ConfigError(f"unknown device {device!r}: use cuda, cpu or auto")
+    cap = size_bytes(device_memory, "--device-memory")
+    if kind == "cpu" and cap is None:
+        raise ConfigError(RLHF_CPU_NEEDS_A_CAP)
+    target = cpu_device_spec(cap) if kind == "cpu" and cap else target_gpu(None)[0]
+    if kind == "cuda" and cap is not None:
+        target = dataclasses.replace(target, memory_bytes=cap)
+    return kind, cap, target
+
+
+@dataclass(kw_only=True)
+class _IterationProber:
+    """Probes one planned layout of an RL iteration on this node and records it as a trial
+    of the workload's RLHF study: the search's ``probe`` (:func:`autotune.search.rlhf.search`)."""
+
+    model: str
+    workload: RLHFWorkload
+    names: dict[str, str | None]
+    world: int
+    device: str
+    cap: int | None
+    timeout_s: float
+    trials_dir: Path
+    study: RLHFStudy
+    on_probe: Callable[[RLHFTrial, RLHFRow, RLHFTrial | None], None] | None
+    durations: list[float] = dataclasses.field(default_factory=list)
+    local: LocalDevice = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.local = LocalDevice(self.device, warm=False)
+
+    def spec(self, row: RLHFRow) -> ProbeSpec:
+        """The probe of ``row``: one timed iteration with the engine's share held."""
+        work = self.workload
+        return ProbeSpec(
+            model=self.model,
             config=row.config,
             micro_batch_sizes=(row.micro_batch_size,),
             seq_len=work.seq_len,
             grad_accum=row.grad_accum,
-            num_processes=world,
-            device=kind,
-            device_memory_bytes=cap,
+            num_processes=self.world,
+            device=self.device,
+            device_memory_bytes=self.cap,
             warmup_steps=1,
             timed_steps=1,
-            timeout_s=max(60.0, budget_s),
+            timeout_s=self.timeout_s,
             rlhf=RLHFProbe(
                 algorithm=work.algorithm,
-                reference=names["reference"],
-                critic=names["critic"],
-                reward=names["reward"],
+                reference=self.names["reference"],
+                critic=self.names["critic"],
+                reward=self.names["reward"],
                 share=row.share,
                 sleep=row.sleep,
                 frozen=row.frozen,
             ),
         )
-        for step in local.setup(spec):
+
+    def __call__(self, row: RLHFRow) -> RLHFTrial:
+        from autotune.search.rlhf import measured_speed
+        from autotune.study.rlhf import RLHFTrial
+
+        spec = self.spec(row)
+        for step in self.local.setup(spec):
             step.run()
         began = time.monotonic()
-        result = local.launch(spec, new_probe_dir(Path(trials_dir), "rlhf"))
-        durations.append(time.monotonic() - began)
+        result = self.local.launch(spec, new_probe_dir(self.trials_dir, "rlhf"))
+        self.durations.append(time.monotonic() - began)
         size = result.sizes[0] if result.sizes else None
         outcome = size.outcome.value if size is not None else result.outcome.value
         phases = size.extra.get("rlhf", {}) if size is not None else {}
         speed = 0.0
         if size is not None and size.outcome.value == "ok" and phases:
             speed = measured_speed(row, phases["phase_s"], emulated=True)
-        trial = study.record(
+        trial = self.study.record(
             RLHFTrial(
                 config=row.config,
                 share=row.share,
@@ -337,24 +398,9 @@ def tune_rlhf(
                 probe_dir=str(result.probe_dir),
             )
         )
-        if on_probe is not None:
-            on_probe(trial, row, study.best())
+        if self.on_probe is not None:
+            self.on_probe(trial, row, self.study.best())
         return trial
-
-    try:
-        trials, made, why = search_rlhf(
-            found.rows,
-            study.trials(),
-            run_one,
-            budget_left=lambda: budget_s - (time.monotonic() - started),
-            cost=lambda row: max(durations, default=0.0),
-            max_probes=max_probes,
-        )
-    finally:
-        local.close()
-    return RLHFSummary(
-        study=study.name, trials=trials, probes=made, stop_reason=why, best=study.best()
-    )
 
 
 @dataclass(frozen=True, kw_only=True)

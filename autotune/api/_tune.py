@@ -39,6 +39,7 @@ from autotune.study.measurement import measured_workload
 from autotune.tuned.script import FRAMEWORK_ENGINES, ScriptJob, check_engines
 from autotune.units import format_bytes
 from autotune.values import (
+    api_arguments,
     check_attention,
     check_trials_dir,
     count_value,
@@ -595,18 +596,5 @@ def tune_jobs(
 
 def _job_arguments(job: Job) -> tuple[str, dict[str, Any]]:
     """A workload's model and :func:`prepare`'s options, from its fields (``run``'s options)."""
-    options = dict(job.options)
-    model = str(options.pop("model"))
-    if "engine" in options:
-        options["engines"] = [Engine(name) for name in options.pop("engine").split(",")]
-    if "loss" in options:
-        options["losses"] = options.pop("loss")
-    if "ac_ops" in options:
-        options["op_checkpointing"] = options.pop("ac_ops")
-    if "act_offload" in options:
-        options["activation_offload"] = options.pop("act_offload")
-    if "optimizer" in options:
-        options["optimizers"] = options.pop("optimizer")
-    if "args" in options:
-        options["script_args"] = options.pop("args")
-    return model, options
+    options = api_arguments(job.options)
+    return str(options.pop("model")), options

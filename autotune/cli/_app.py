@@ -9,17 +9,14 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Annotated, Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Annotated, Any
 
 import typer
 import typer.core
 from rich.console import Console
 
 from autotune.config import ConfigError, NothingFits
-
-if TYPE_CHECKING:
-    pass
 
 
 def _plain_flags(params: list[Any]) -> list[Any]:
@@ -134,6 +131,49 @@ def rlhf_options(
             what = "use --rollout-batch" if named[0] == "--global-batch" else "leave it out"
             raise UsageError(f"{named[0]} is not {verbs[1]} with --rlhf{why}: {what}")
     return {name.lstrip("-").replace("-", "_"): value for name, value in options.items()}
+
+
+def as_flags(given: Mapping[str, object], names: Iterable[str]) -> dict[str, object]:
+    """The named parameters of a command under their options' names (``rollout_share`` ->
+    ``--rollout-share``), for the lines that name an option."""
+    return {"--" + name.replace("_", "-"): given[name] for name in names}
+
+
+RLHF_OPTIONS = (
+    "rollout_share",
+    "sleep",
+    "frozen",
+    "reference",
+    "critic",
+    "reward",
+    "rollout_batch",
+    "response_len",
+)
+"""The options that plan an RL iteration (``probe`` takes the first six), refused without
+``--rlhf``."""
+
+
+SCRIPT_OPTIONS = (
+    "script",
+    "framework",
+    "script_args",
+    "batch_flag",
+    "accum_flag",
+    "checkpointing_flag",
+)
+"""The options of ``run`` and ``probe`` that name a user's script, its arguments and the flags
+autotune sets in it."""
+
+
+def script_options(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The user-script options as the API takes them, or ``{}`` where none was given (the
+    command then tunes the stand-in model)."""
+    named = given["script"] is not None or given["framework"] is not None
+    if not named and not any(given[name] for name in SCRIPT_OPTIONS):
+        return {}
+    return {name: given[name] for name in SCRIPT_OPTIONS} | {
+        "script_args": given["script_args"] or ()
+    }
 
 
 ALLOWED = ("lora",)

@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from autotune.cli._app import (
+    RLHF_OPTIONS,
     UsageError,
     allowed_lora,
+    as_flags,
     console,
     print_json,
     rlhf_options,
@@ -38,7 +40,7 @@ from autotune.cli.options import (
     SleepOption,
 )
 from autotune.config import LORA_RANK, Attention, LossDtype, Precision
-from autotune.values import engines_value
+from autotune.values import api_arguments, engines_value
 
 if TYPE_CHECKING:
     pass
@@ -106,66 +108,25 @@ def plan(
     from autotune import api
     from autotune.report.tables import plan_table
 
+    given = dict(locals())  # the options by parameter name: nothing else is bound yet
     if top < 0:
         raise UsageError(f"--top {top}: use a number of rows, or 0 for all")
     rl_options = rlhf_options(
         rlhf,
         ("plans", "planned"),
-        {
-            "--rollout-share": rollout_share,
-            "--sleep": sleep,
-            "--frozen": frozen,
-            "--reference": reference,
-            "--critic": critic,
-            "--reward": reward,
-            "--rollout-batch": rollout_batch,
-            "--response-len": response_len,
-        },
-        {
-            "--global-batch": global_batch,
-            "--loss": loss,
-            "--optimizer": optimizer,
-            "--allow": allow,
-            "--loss-dtype": loss_dtype,
-        },
+        as_flags(given, RLHF_OPTIONS),
+        as_flags(given, _NOT_RLHF),
         why=" (its trainer climbs the ladder's rungs alone)",
     )
     if rlhf is not None:
-        _plan_rlhf(
-            rlhf,
-            model,
-            gpu=gpu,
-            gpus=gpus,
-            gpus_per_node=gpus_per_node,
-            seq_len=seq_len,
-            engine=engine,
-            precision=precision,
-            offload=offload,
-            reserve=reserve,
-            top=top,
-            json_output=json_output,
-            **rl_options,
-        )
+        shared = {name: given[name] for name in _RLHF_SHARED}
+        _plan_rlhf(rlhf, model, json_output=json_output, **shared, **rl_options)
         return
     found = api.plan(
         model,
-        gpu=gpu,
-        gpus=gpus,
-        gpus_per_node=gpus_per_node,
-        seq_len=seq_len,
-        global_batch=global_batch,
-        engines=engines_value(engine),
-        precision=precision,
-        attention=attention,
-        headroom=headroom,
-        host_memory=host_memory,
-        host_cores=host_cores,
+        **api_arguments({name: given[name] for name in _PASSED}),
         reserve=api.DEVICE_RESERVE_BYTES if reserve is None else reserve,
-        losses=loss,
-        op_checkpointing=ac_ops,
-        optimizers=optimizer,
         lora_rank=lora_rank if allowed_lora(allow) else None,
-        activation_offload=act_offload,
         offload=True if offload is None else offload,
         loss_dtype=loss_dtype or LossDtype.FP32,
     )
@@ -180,6 +141,42 @@ def plan(
     )
     console.print(found.host.text(), style="dim", markup=False, highlight=False)
     console.print(plan_table(found.rows, title=title, top=top, seconds=found.seconds))
+
+
+_NOT_RLHF = ("global_batch", "loss", "optimizer", "allow", "loss_dtype")
+"""``plan``'s options an RL iteration's plan does not take, refused with ``--rlhf``."""
+
+_RLHF_SHARED = (
+    "gpu",
+    "gpus",
+    "gpus_per_node",
+    "seq_len",
+    "engine",
+    "precision",
+    "offload",
+    "reserve",
+    "top",
+)
+"""``plan``'s options an RL iteration's plan takes as the plan does."""
+
+_PASSED = (
+    "gpu",
+    "gpus",
+    "gpus_per_node",
+    "seq_len",
+    "global_batch",
+    "engine",
+    "precision",
+    "attention",
+    "headroom",
+    "host_memory",
+    "host_cores",
+    "loss",
+    "ac_ops",
+    "act_offload",
+    "optimizer",
+)
+"""``plan``'s options :func:`autotune.api.plan` takes, under the command line's names."""
 
 
 def _plan_rlhf(

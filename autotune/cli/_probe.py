@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -15,6 +16,7 @@ from autotune.cli._app import (
     parse_sizes,
     print_json,
     rlhf_options,
+    script_options,
 )
 from autotune.cli.options import (
     AccumFlagOption,
@@ -47,7 +49,9 @@ from autotune.config import (
 from autotune.units import format_duration
 
 if TYPE_CHECKING:
-    pass
+    from rich.console import Console
+
+    from autotune.devices.base import SetupResult, SetupStep
 
 
 def probe(
@@ -147,94 +151,31 @@ def probe(
     iteration: the rollout engine's share held (an emulated reservation), the models'
     scoring forwards, the policy's and critic's training steps."""
     from autotune import api
-    from autotune.devices.base import SetupResult, SetupStep
-    from autotune.report.live import print_setup_done
     from autotune.report.tables import probe_report
 
+    given = dict(locals())  # the options by parameter name: nothing else is bound yet
     ac_every, ac_ops = parse_ac_ops(ac)
-    config = TrainConfig(
-        engine=engine,
-        zero_stage=zero_stage,
-        precision=precision,
-        offload=offload,
-        ac_every=ac_every,
-        ac_ops=ac_ops,
-        attention=attention,
-        loss=loss,
-        optimizer=optimizer,
-        lora_rank=lora_rank,
-        act_offload=act_offload,
-        torch_compile=torch_compile,
-    )
+    chosen = {name: given[name] for name in _CONFIG_FIELDS}
+    config = TrainConfig(**chosen, ac_every=ac_every, ac_ops=ac_ops)
     sizes = parse_sizes(micro_batch)
-    running = contextlib.ExitStack()
-
-    shown = errors if json_output else console  # with --json, stdout is result.json alone
-
-    def started(spec: Any, probe_dir: Path) -> None:
-        if device == "auto" and spec.device == "cpu":
-            errors.print("[yellow]no GPU found: probing on the CPU (--device cuda to insist)[/]")
-        timeout_text = format_duration(spec.timeout_s)
-        shown.print(
-            f"[dim]probing {spec.config.label()} at micro-batch {micro_batch} on "
-            f"{spec.world_size} x {spec.device} (at most {timeout_text}) in {probe_dir} ...[/]"
-        )
-        running.enter_context(shown.status(f"probe running ({spec.world_size} x {spec.device})"))
-
-    def set_up(step: SetupStep) -> SetupResult:
-        line = f"set-up: {step.label} (its own step, outside the probe's timeout)"
-        shown.print(line, style="dim", markup=False, highlight=False)
-        with shown.status(step.label):
-            done = step.run()
-        print_setup_done(shown, done)
-        return done
-
-    job: dict[str, Any] = {}
-    flags = {
-        "batch_flag": batch_flag,
-        "accum_flag": accum_flag,
-        "checkpointing_flag": checkpointing_flag,
-    }
-    if script is not None or framework is not None or script_args or any(flags.values()):
-        job = {
-            "script": script,
-            "framework": framework,
-            "script_args": script_args or (),
-            **flags,
-        }
-    elif model is None:
+    job = script_options(given)
+    if not job and model is None:
         model = "tiny"
-    iteration = _rlhf_probe(
-        rlhf,
-        model,
-        rollout_share,
-        sleep,
-        frozen,
-        reference=reference,
-        critic=critic,
-        reward=reward,
-    )
-    with running:
+    roles = {"reference": reference, "critic": critic, "reward": reward}
+    iteration = _rlhf_probe(rlhf, model, rollout_share, sleep, frozen, **roles)
+    # With --json, stdout is result.json alone.
+    progress = _Progress(errors if json_output else console, device, micro_batch)
+    with progress.running:
         result = api.probe(
             model,
             config,
             **job,
+            **{name: given[name] for name in _PASSED},
             micro_batch_sizes=sizes,
-            seq_len=seq_len,
-            grad_accum=grad_accum,
-            gpus=gpus,
-            nodes=nodes,
-            hosts=hosts,
-            device=device,
-            device_memory=device_memory,
-            warmup_steps=warmup_steps,
             timed_steps=steps,
-            host_memory=host_memory,
-            timeout=timeout,
-            trials_dir=trials_dir,
             folder=study,
-            on_start=started,
-            set_up=set_up,
+            on_start=progress.started,
+            set_up=progress.set_up,
             rlhf=iteration,
         )
     if json_output:
@@ -242,6 +183,68 @@ def probe(
     else:
         console.print(probe_report(result))
     raise typer.Exit(0 if result.ok_sizes() else 1)
+
+
+_CONFIG_FIELDS = (
+    "engine",
+    "zero_stage",
+    "precision",
+    "offload",
+    "attention",
+    "loss",
+    "optimizer",
+    "lora_rank",
+    "act_offload",
+    "torch_compile",
+)
+"""``probe``'s options that are the configuration's own fields, under the same names."""
+
+_PASSED = (
+    "seq_len",
+    "grad_accum",
+    "gpus",
+    "nodes",
+    "hosts",
+    "device",
+    "device_memory",
+    "warmup_steps",
+    "host_memory",
+    "timeout",
+    "trials_dir",
+)
+"""``probe``'s options :func:`autotune.api.probe` takes under the same names."""
+
+
+@dataclasses.dataclass
+class _Progress:
+    """A probe's lines on the terminal: where it runs, its set-up steps (each outside the
+    probe's timeout) and a spinner while it runs."""
+
+    shown: Console
+    device: str
+    micro_batch: str
+    running: contextlib.ExitStack[None] = dataclasses.field(default_factory=contextlib.ExitStack)
+
+    def started(self, spec: Any, probe_dir: Path) -> None:
+        if self.device == "auto" and spec.device == "cpu":
+            errors.print("[yellow]no GPU found: probing on the CPU (--device cuda to insist)[/]")
+        timeout_text = format_duration(spec.timeout_s)
+        self.shown.print(
+            f"[dim]probing {spec.config.label()} at micro-batch {self.micro_batch} on "
+            f"{spec.world_size} x {spec.device} (at most {timeout_text}) in {probe_dir} ...[/]"
+        )
+        where = f"probe running ({spec.world_size} x {spec.device})"
+        self.running.enter_context(self.shown.status(where))
+
+    def set_up(self, step: SetupStep) -> SetupResult:
+        from autotune.report.live import print_setup_done
+
+        line = f"set-up: {step.label} (its own step, outside the probe's timeout)"
+        self.shown.print(line, style="dim", markup=False, highlight=False)
+        with self.shown.status(step.label):
+            done = step.run()
+        print_setup_done(self.shown, done)
+        return done
 
 
 def _rlhf_probe(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -144,43 +144,49 @@ def export(
             )
         quiet_optuna()
         rl = api.export_rlhf(format, model=model, study=study, storage=storage)
-        if output is not None:
-            api.write_new_file(output, rl.text, force=force)
-        if json_output:
-            print_json({**rl.to_dict(), "output": str(output) if output else None})
-            return
-        for note in rl.notes:
-            errors.print(f"note: {note}", markup=False, highlight=False)
-        if output is None:
-            sys.stdout.write(rl.text)
-        else:
-            errors.print(
-                f"wrote {output}: {format} for {rl.trial.config.label()}, rollout share "
-                f"{rl.trial.share:.0%} (trial {rl.trial.number} of {rl.study})",
-                markup=False,
-                highlight=False,
-            )
+        what = (
+            f"{format} for {rl.trial.config.label()}, rollout share {rl.trial.share:.0%} "
+            f"(trial {rl.trial.number} of {rl.study})"
+        )
+        _hand_over(rl.to_dict(), rl.text, rl.notes, what, output, force=force, json=json_output)
         return
     found = api.export(
         format, model=model, gpu=gpu, study=study, storage=storage, trial=trial, engine=engine
     )
+    what = (
+        f"{found.format.value} for {found.launch.config.label()} at micro-batch "
+        f"{found.launch.micro_batch_size} (trial {found.measurement.number} of {found.study})"
+    )
+    _hand_over(
+        found.to_dict(), found.text, found.notes, what, output, force=force, json=json_output
+    )
+
+
+def _hand_over(
+    summary: dict[str, Any],
+    text: str,
+    notes: list[str],
+    what: str,
+    output: Path | None,
+    *,
+    force: bool,
+    json: bool,
+) -> None:
+    """An export's text to ``output`` (refused over a file without ``force``) or stdout, its
+    notes on stderr; with ``json``, the summary and where the text went, on stdout."""
+    from autotune import api
+
     if output is not None:
-        api.write_new_file(output, found.text, force=force)
-    if not json_output:
-        for note in found.notes:
-            errors.print(f"note: {note}", markup=False, highlight=False)
-    if json_output:
-        print_json({**found.to_dict(), "output": str(output) if output else None})
-    elif output is None:
-        sys.stdout.write(found.text)
+        api.write_new_file(output, text, force=force)
+    if json:
+        print_json({**summary, "output": str(output) if output else None})
+        return
+    for note in notes:
+        errors.print(f"note: {note}", markup=False, highlight=False)
+    if output is None:
+        sys.stdout.write(text)
     else:
-        errors.print(
-            f"wrote {output}: {found.format.value} for {found.launch.config.label()} at "
-            f"micro-batch {found.launch.micro_batch_size} (trial {found.measurement.number} of "
-            f"{found.study})",
-            markup=False,
-            highlight=False,
-        )
+        errors.print(f"wrote {output}: {what}", markup=False, highlight=False)
 
 
 def report(

@@ -10,13 +10,16 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from autotune.cli._app import (
+    RLHF_OPTIONS,
     UsageError,
     allowed_lora,
+    as_flags,
     console,
     errors,
     print_json,
     quiet_optuna,
     rlhf_options,
+    script_options,
     sigterm_interrupts,
 )
 from autotune.cli.options import (
@@ -49,7 +52,7 @@ from autotune.config import LORA_RANK, Attention, ConfigError, Precision
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.urls import masked
 from autotune.tuned.script import Framework, ScriptJob
-from autotune.values import engines_value
+from autotune.values import api_arguments, engines_value
 
 if TYPE_CHECKING:
     from autotune import api
@@ -220,102 +223,97 @@ def run(
     With --rlhf: the fastest layout of an RL iteration (engine share, sleep, trainer), each
     probe an iteration with the engine's share held."""
 
+    given = dict(locals())  # the options by parameter name: nothing else is bound yet
     rl_options = rlhf_options(
-        rlhf,
-        ("tunes", "tuned"),
-        {
-            "--rollout-share": rollout_share,
-            "--sleep": sleep,
-            "--frozen": frozen,
-            "--reference": reference,
-            "--critic": critic,
-            "--reward": reward,
-            "--rollout-batch": rollout_batch,
-            "--response-len": response_len,
-        },
-        {
-            "--jobs": jobs,
-            "--script": script,
-            "--simulate": simulate,
-            "--global-batch": global_batch,
-            "--loss": loss,
-            "--optimizer": optimizer,
-            "--allow": allow,
-            "--nodes": nodes,
-            "--hosts": hosts,
-        },
+        rlhf, ("tunes", "tuned"), as_flags(given, RLHF_OPTIONS), as_flags(given, _NOT_RLHF)
     )
     if rlhf is not None:
+        shared = {name: given[name] for name in _RLHF_SHARED}
+        engines = engines_value(engine)
         _run_rlhf(
             rlhf,
             model or "llama-7b",
-            device=device,
-            device_memory=device_memory,
-            gpus=gpus,
-            seq_len=seq_len,
-            engines=engines_value(engine),
-            precision=precision,
-            budget=budget,
-            storage=storage,
-            trials_dir=trials_dir,
+            engines=engines,
             json_output=json_output,
+            **shared,
             **rl_options,
         )
         return
-
     quiet_optuna()
-    # The run's options, as a job file names them (a workload's own fields override them).
-    options: dict[str, Any] = {
-        "budget": budget,
-        "seq_len": seq_len,
-        "global_batch": global_batch,
-        "gpus": gpus,
-        "nodes": nodes,
-        "hosts": hosts,
-        "engine": engine,
-        "precision": precision,
-        "attention": attention,
-        "loss": loss,
-        "ac_ops": True if ac_ops else None,  # a job file's workload may set it
-        "act_offload": True if act_offload else None,
-        "optimizer": optimizer,
-        "lora_rank": lora_rank if allowed_lora(allow) else None,
-        "simulate": simulate,
-        "device": device,
-        "device_memory": device_memory,
-        "headroom": headroom,
-        "host_memory": host_memory,
-        "host_cores": host_cores,
-        "objective": objective,
-        "storage": storage,
-        "trials_dir": str(trials_dir),
-        "seed": seed,
-        "warm": warm,
-    }
+    options = _job_defaults(given)
+    script_job = script_options(given)
     if jobs is not None:
         if model is not None:
             raise UsageError("--model and --jobs: name each workload's model in the job file")
-        own_flags = batch_flag or accum_flag or checkpointing_flag
-        if script is not None or framework is not None or script_args or own_flags:
+        if script_job:
             raise UsageError("--script and --jobs: name each workload's script in the job file")
         _run_jobs(jobs, max_age=max_age, json_output=json_output, **options)
     if max_age is not None:
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
-    options["engines"] = engines_value(options.pop("engine"))
-    options["losses"] = options.pop("loss")
-    options["op_checkpointing"] = options.pop("ac_ops") is True
-    options["activation_offload"] = options.pop("act_offload") is True
-    options["optimizers"] = options.pop("optimizer")
-    flags = {
-        "batch_flag": batch_flag,
-        "accum_flag": accum_flag,
-        "checkpointing_flag": checkpointing_flag,
-    }
-    if script is not None or framework is not None or script_args or any(flags.values()):
-        options.update(script=script, framework=framework, script_args=script_args or (), **flags)
-    elif model is None:
+    if not script_job and model is None:
         model = "llama-7b"
-    _search(model, options, json_output=json_output)
+    _search(model, api_arguments(options) | script_job, json_output=json_output)
+
+
+_NOT_RLHF = (
+    "jobs",
+    "script",
+    "simulate",
+    "global_batch",
+    "loss",
+    "optimizer",
+    "allow",
+    "nodes",
+    "hosts",
+)
+"""``run``'s options an RL iteration's search does not take, refused with ``--rlhf``."""
+
+_RLHF_SHARED = (
+    "device",
+    "device_memory",
+    "gpus",
+    "seq_len",
+    "precision",
+    "budget",
+    "storage",
+    "trials_dir",
+)
+"""``run``'s options an RL iteration's search takes as the search does."""
+
+_PASSED = (
+    "budget",
+    "seq_len",
+    "global_batch",
+    "gpus",
+    "nodes",
+    "hosts",
+    "engine",
+    "precision",
+    "attention",
+    "loss",
+    "optimizer",
+    "simulate",
+    "device",
+    "device_memory",
+    "headroom",
+    "host_memory",
+    "host_cores",
+    "objective",
+    "storage",
+    "seed",
+    "warm",
+)
+"""``run``'s options a job file's workload takes under the same name."""
+
+
+def _job_defaults(given: dict[str, Any]) -> dict[str, Any]:
+    """The run's options as a job file names them: a workload's own fields override them."""
+    return {name: given[name] for name in _PASSED} | {
+        "ac_ops": True if given["ac_ops"] else None,  # a workload may set it
+        "act_offload": True if given["act_offload"] else None,
+        "lora_rank": given["lora_rank"] if allowed_lora(given["allow"]) else None,
+        "trials_dir": str(given["trials_dir"]),
+    }
 
 
 def _search(model: str | None, options: dict[str, Any], *, json_output: bool) -> NoReturn:
