@@ -120,6 +120,23 @@ class LossDtype(enum.StrEnum):
     job holds the logits it made the loss from through the backward."""
 
 
+class Schedule(enum.StrEnum):
+    """How a pipeline-parallel layout orders its microbatches' forwards and backwards."""
+
+    GPIPE = "gpipe"
+    """Every microbatch's forward, then every backward (Huang et al. 2019, "GPipe"): a stage
+    holds all the step's microbatches' activations."""
+    ONE_F_ONE_B = "1f1b"
+    """One forward, one backward once the pipeline is full (Narayanan et al. 2019,
+    "PipeDream"; Megatron-LM's non-interleaved schedule): the first stage holds ``pp``
+    microbatches' activations."""
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    """1F1B over ``pp_virtual`` model chunks a rank (Narayanan et al. 2021, "Efficient
+    Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2.2): the
+    bubble divided by the chunks, the first stage holding ``1 + (pp - 1) / (pp * v)`` times
+    1F1B's activations."""
+
+
 class Optimizer(enum.StrEnum):
     """The optimizer and the bytes of its state."""
 
@@ -284,6 +301,21 @@ class TrainConfig:
     """Activation offload: what the decoder blocks save for the backward (a checkpointed
     block's input, every other block's saved tensors but its weights) kept in pinned host
     memory from the forward to the backward, copied over the host link both ways."""
+    tp: int = 1
+    """Tensor-parallel degree: each block's attention heads and MLP columns split over ``tp``
+    ranks (Shoeybi et al. 2019, "Megatron-LM"), with sequence parallelism (Korthikanti et al.
+    2022): the norms' and the residual stream's activations split along the sequence, so
+    every activation of a block is divided by ``tp``. 1: none."""
+    pp: int = 1
+    """Pipeline-parallel degree: the blocks split into ``pp`` stages (``pp * pp_virtual``
+    chunks), the micro-steps of a step flowing through them as microbatches. 1: none."""
+    pp_schedule: Schedule = Schedule.ONE_F_ONE_B
+    """The pipeline's schedule (with ``pp`` > 1)."""
+    pp_virtual: int = 1
+    """Model chunks a rank holds under the interleaved schedule (Megatron's virtual stages)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split into ``cp`` shards, attention exchanging
+    keys and values around a ring (Liu et al. 2023, "Ring Attention"). 1: none."""
 
     def __post_init__(self) -> None:
         # Accept plain strings from JSON, the CLI or an Optuna trial.
@@ -294,6 +326,7 @@ class TrainConfig:
             ("attention", Attention),
             ("loss", Loss),
             ("optimizer", Optimizer),
+            ("pp_schedule", Schedule),
         ):
             value = getattr(self, name)
             if not isinstance(value, kind):
@@ -310,7 +343,7 @@ class TrainConfig:
                         f"invalid {name.replace('_', '-')} {value!r}: use true or false"
                     )
                 object.__setattr__(self, name, bool(value))
-        for name in ("zero_stage", "ac_every", "lora_rank"):
+        for name in ("zero_stage", "ac_every", "lora_rank", *LAYOUT_DEGREES):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 try:
@@ -383,6 +416,8 @@ class TrainConfig:
                     "8-bit AdamW keeps its moments on the device, where offload would move "
                     "them to the host: use --optimizer adamw with offload, or no offload"
                 )
+        if self.is_layout:
+            self._validate_layout()
         if self.lora_rank:
             self._validate_lora()
         if self.act_offload:
@@ -403,6 +438,59 @@ class TrainConfig:
                 "fp16 loss scaling is not wired for FSDP2: use bf16-mixed, or --engine deepspeed "
                 "for fp16"
             )
+
+    def _validate_layout(self) -> None:
+        """The layout's own rules; those that need the world or the model (degrees dividing
+        them) are :func:`autotune.layouts.check_layout`'s."""
+        for name in LAYOUT_DEGREES:
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} {getattr(self, name)}: use 1 or more")
+        if self.pp == 1 and (self.pp_virtual > 1 or self.pp_schedule is not Schedule.ONE_F_ONE_B):
+            raise ConfigError(
+                "a pipeline schedule needs pipeline stages: add --pp 2 or more, or leave out "
+                "--pp-schedule and --pp-virtual"
+            )
+        interleaved = self.pp_schedule is Schedule.INTERLEAVED_1F1B
+        if interleaved != (self.pp_virtual > 1):
+            raise ConfigError(
+                "the interleaved schedule runs 2 or more model chunks a rank, and only it does: "
+                "use --pp-schedule interleaved-1f1b with --pp-virtual 2 or more"
+            )
+        if self.engine is Engine.DEEPSPEED:
+            raise ConfigError(
+                "tensor, pipeline and context parallel layouts are planned with FSDP2 or DDP "
+                "for the data-parallel degree: use --engine fsdp or ddp, or --tp/--pp/--cp 1"
+            )
+        not_yet = [
+            ("offload", self.offload is not Offload.NONE),
+            ("activation offload", self.act_offload),
+            ("LoRA", bool(self.lora_rank)),
+            ("the 8-bit optimizer", self.optimizer is Optimizer.ADAMW_8BIT),
+            (f"the {self.loss.value} loss", self.loss is not Loss.FULL),
+        ]
+        named = [what for what, on in not_yet if on]
+        if named:
+            raise ConfigError(
+                f"{named[0]} is not planned with tensor, pipeline or context parallelism: "
+                "leave it out, or use --tp/--pp/--cp 1"
+            )
+        if self.cp > 1 and self.attention is Attention.FLASH:
+            raise ConfigError(
+                "context parallelism runs torch's scaled-dot-product attention around the "
+                "ring: use --attention sdpa with --cp"
+            )
+
+    @property
+    def is_layout(self) -> bool:
+        """Whether the configuration is more than data parallelism: tensor, pipeline or
+        context parallel (any layout field off its default)."""
+        return any(getattr(self, name) != value for name, value in _LAYOUT_DEFAULTS.items())
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one replica of the model between them: ``tp * pp * cp``."""
+        return self.tp * self.pp * self.cp
 
     def _validate_lora(self) -> None:
         """What LoRA is modelled and probed with: the plain engines, the model's own loss,
@@ -502,14 +590,24 @@ class TrainConfig:
             parts.append("compile")
         if self.act_offload:
             parts.append("act:host")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            virtual = f"x{self.pp_virtual}" if self.pp_virtual > 1 else ""
+            parts.append(f"pp{self.pp}{virtual}:{self.pp_schedule.value}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (enums as their values)."""
+        """Plain JSON-able dict (enums as their values); the layout's fields only where they
+        are not data parallelism's (a data-parallel configuration's dict, and so its recorded
+        trials, read as before the layouts)."""
         return {
             f.name: (v.value if isinstance(v, enum.Enum) else v)
             for f in dataclasses.fields(self)
             for v in [getattr(self, f.name)]
+            if f.name not in _LAYOUT_DEFAULTS or v != _LAYOUT_DEFAULTS[f.name]
         }
 
     @classmethod
@@ -520,6 +618,18 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
         return cls(**data)
+
+
+LAYOUT_DEGREES = ("tp", "pp", "pp_virtual", "cp")
+"""The layout's degrees (:class:`TrainConfig`), each a whole number of 1 or more."""
+
+_LAYOUT_DEFAULTS: dict[str, object] = {
+    "tp": 1,
+    "pp": 1,
+    "pp_schedule": Schedule.ONE_F_ONE_B.value,
+    "pp_virtual": 1,
+    "cp": 1,
+}
 
 
 def parse_losses(value: str | Iterable[Loss | str] | None) -> tuple[Loss, ...] | None:

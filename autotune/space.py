@@ -36,6 +36,7 @@ __all__ = [
     "Workload",
     "ac_options",
     "configurations",
+    "divisors",
     "ladder_key",
     "micro_batch_options",
     "oom_rules_out",
@@ -80,11 +81,6 @@ class Workload:
                 f"global batch {self.global_batch:,} is more sequences per step than any "
                 f"training run takes: use {MAX_GLOBAL_BATCH:,} or fewer"
             )
-        if self.global_batch % self.world_size:
-            raise ConfigError(
-                f"global batch {self.global_batch} is not a multiple of {self.world_size} GPUs: "
-                f"use a global batch divisible by {self.world_size}"
-            )
 
     def as_trained(self, config: TrainConfig) -> TrainConfig:
         """``config`` as the job trains it: at one rank, one process or DDP as the job wraps
@@ -100,8 +96,23 @@ class Workload:
         return dataclasses.replace(config, engine=engine)
 
     @property
+    def splits_evenly(self) -> bool:
+        """Whether every GPU takes as many sequences of the global batch: what data
+        parallelism needs (a layout with fewer data-parallel ranks than GPUs needs less)."""
+        return self.global_batch % self.world_size == 0
+
+    def check_splits(self) -> None:
+        """Refuse a global batch the GPUs cannot share evenly, in one line."""
+        if not self.splits_evenly:
+            raise ConfigError(
+                f"global batch {self.global_batch} is not a multiple of {self.world_size} GPUs: "
+                f"use a global batch divisible by {self.world_size}"
+            )
+
+    @property
     def per_rank_batch(self) -> int:
-        """Sequences each rank processes per optimizer step."""
+        """Sequences each rank processes per optimizer step (data parallelism)."""
+        self.check_splits()
         return self.global_batch // self.world_size
 
     def grad_accum(self, micro_batch_size: int) -> int:
@@ -127,12 +138,15 @@ def oom_rules_out(failed: int, mbs: int, accumulation: Callable[[int], int]) -> 
 
 
 def micro_batch_options(workload: Workload, limit: int | None = None) -> list[int]:
-    """Micro-batch sizes that reach the global batch exactly: divisors of the per-rank batch
-    (found up to its square root, each with its co-divisor)."""
-    per_rank = workload.per_rank_batch
-    small = [m for m in range(1, math.isqrt(per_rank) + 1) if per_rank % m == 0]
-    sizes = sorted({*small, *(per_rank // m for m in small)})
-    return [m for m in sizes if limit is None or m <= limit]
+    """Micro-batch sizes that reach the global batch exactly: divisors of the per-rank batch."""
+    return [m for m in divisors(workload.per_rank_batch) if limit is None or m <= limit]
+
+
+def divisors(number: int) -> list[int]:
+    """The divisors of ``number``, ascending (found up to its square root, each with its
+    co-divisor)."""
+    small = [m for m in range(1, math.isqrt(number) + 1) if number % m == 0]
+    return sorted({*small, *(number // m for m in small)})
 
 
 def ac_options(num_layers: int) -> list[int]:

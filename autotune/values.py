@@ -145,10 +145,20 @@ def target_gpu(gpu: str | GpuSpec | None) -> tuple[GpuSpec, int]:
 
 
 def workload_for(
-    spec: ModelSpec, seq_len: int | None, global_batch: int | None, world_size: int
+    spec: ModelSpec,
+    seq_len: int | None,
+    global_batch: int | None,
+    world_size: int,
+    *,
+    layouts: bool = False,
 ) -> Workload:
+    """The workload asked for; its global batch a multiple of the GPUs unless ``layouts``
+    (a plan with TP/PP/CP layouts, whose data-parallel ranks may be fewer than the GPUs)."""
     batch = global_batch if global_batch is not None else PER_GPU_BATCH * world_size
-    return Workload(seq_len=seq_len_for(spec, seq_len), global_batch=batch, world_size=world_size)
+    work = Workload(seq_len=seq_len_for(spec, seq_len), global_batch=batch, world_size=world_size)
+    if not layouts:
+        work.check_splits()
+    return work
 
 
 def seq_len_for(spec: ModelSpec, seq_len: int | None) -> int:
@@ -340,6 +350,21 @@ def check_trials_dir(trials_dir: Path) -> None:
 FOLDER_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9._-]{1,128}")
 """One folder name: no separator, no line break, not ``.`` or ``..`` (the whole name must
 match: ``fullmatch``)."""
+
+
+def degrees_value(value: str | Sequence[int] | None, option: str) -> tuple[int, ...] | None:
+    """A parallel degree or degrees to plan (``--tp 4`` or ``--tp 2,4,8``), each 1 or more;
+    None: every degree the planner considers."""
+    if value is None:
+        return None
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        degrees = tuple(int(part) for part in parts)
+    except (TypeError, ValueError):
+        degrees = ()
+    if not degrees or any(d < 1 for d in degrees):
+        raise ConfigError(f"{option} {value}: use a degree of 1 or more, or a list like 2,4,8")
+    return degrees
 
 
 def count_value(value: int | None, option: str) -> int | None:

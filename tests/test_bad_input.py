@@ -23,6 +23,7 @@ from tests.test_cli import autotune
 
 SIM = ("--simulate", "h100-80gb")
 CPU = ("--model", "tiny", "--device", "cpu", "--device-memory", "4MiB")
+L70 = ("plan", "--model", "llama3-70b", "--gpu", "h100-80gb", "--gpus")
 RL = ("plan", "--rlhf", "ppo", "--model", "qwen2.5-1.5b", "--gpu", "a100-80gb", "--gpus", "4")
 
 CASES: list[tuple[tuple[str, ...], str]] = [
@@ -35,6 +36,19 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("plan", "--model", "t5", "--gpu", "h100"), "model config 't5' is a 't5', not a causal LM"),
     (("run", "--model", "empty", *SIM), "'empty' holds no config.json"),
     (("plan", "--model", "nomodeltype", "--gpu", "h100"), "no model_type field"),
+    # Tensor, pipeline and context parallel degrees (autotune/layouts.py).
+    ((*L70, "64", "--tp", "3"), "--tp 3 x --pp 1 x --cp 1 = 3 ranks do not divide 64 GPUs"),
+    ((*L70, "64", "--tp", "16"), "--tp 16 does not fit in a node of 8 GPUs"),
+    ((*L70, "128", "--pp", "128"), "--pp 128 = 128 stages are more than llama3-70b's 80 layers"),
+    ((*L70, "48", "--cp", "3", "--seq-len", "8192"), "does not split into 6 equal chunks"),
+    (("plan", "--gpu", "h100", "--gpus", "4", "--pp", "4", "--model", "tiny"), "tiny's 2 layers:"),
+    (
+        ("plan", "--model", "qwen2.5-1.5b", "--gpu", "h100", "--gpus", "8", "--tp", "4"),
+        "12 attention heads and 2 key/value heads do not split over 4 ranks: use a divisor of 2",
+    ),
+    (("plan", "--model", "gpt2", "--gpu", "h100", "--gpus", "8", "--tp", "2"), "gpt2 is a GPT-2"),
+    (("plan", "--gpu", "h100-80gb", "--gpus", "8", "--tp", "0"), "--tp 0: use a degree of 1"),
+    (("plan", "--gpu", "h100-80gb", "--gpus", "8", "--pp", "two"), "--pp two: use a degree"),
     # Budgets, sizes and counts.
     (("run", *SIM, "--budget", "-5m"), "invalid duration '-5m'"),
     (("run", *SIM, "--budget", "abc"), "invalid duration 'abc'"),

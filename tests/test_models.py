@@ -18,8 +18,8 @@ from autotune.probe.data import synthetic_batch
 from autotune.probe.modeling import hf_config
 
 EXPECTED_PRESETS = {
-    "llama-7b", "llama-13b", "llama-70b", "llama3-8b", "mistral-7b", "qwen2.5-1.5b", "qwen2.5-7b",
-    "gpt2",
+    "llama-7b", "llama-13b", "llama-70b", "llama3-8b", "llama3-70b", "llama3.1-8b",
+    "llama3.1-405b", "mistral-7b", "qwen2.5-1.5b", "qwen2.5-7b", "gpt2",
     "tiny", "tiny-gpt2", "tiny-qwen",
 }  # fmt: skip
 
@@ -62,6 +62,9 @@ def test_preset_numbers_equal_the_probe_side_transformers_config(name: str) -> N
         ("llama-7b", 6.74e9),
         ("llama-13b", 13.0e9),
         ("llama3-8b", 8.03e9),
+        ("llama3-70b", 70.6e9),
+        ("llama3.1-8b", 8.03e9),
+        ("llama3.1-405b", 405.9e9),
         ("mistral-7b", 7.24e9),
         ("qwen2.5-1.5b", 1.54e9),
         ("qwen2.5-7b", 7.61e9),
@@ -152,7 +155,9 @@ def test_unknown_model_message() -> None:
     with pytest.raises(ValueError) as info:
         resolve_model("llama-9000")
     message = str(info.value)
-    assert message.startswith("unknown model 'llama-9000': did you mean llama-70b or llama-7b")
+    assert message.startswith(
+        "unknown model 'llama-9000': did you mean llama-70b or llama3-70b or llama-7b"
+    )
     assert "use one of llama-7b, " in message
     assert "tiny-qwen" in message and "config.json" in message and "\n" not in message
     with pytest.raises(ValueError, match=r"^unknown model 'zzz': use one of") as info:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +25,14 @@ from autotune.config import (
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow
 from autotune.estimator.plan import plan as plan_rows
 from autotune.hardware import GpuSpec, detect_gpus, host_memory_bytes
+from autotune.layouts import LayoutOptions
 from autotune.models import ModelSpec, resolve_model
 from autotune.space import Workload
 from autotune.units import format_bytes
 from autotune.values import (
     check_attention,
     count_value,
+    degrees_value,
     fraction_value,
     lora_rank_value,
     reserve_bytes,
@@ -143,8 +145,14 @@ def plan(
     activation_offload: bool = True,
     offload: bool = True,
     loss_dtype: LossDtype | str = LossDtype.FP32,
+    tp: str | Sequence[int] | None = None,
+    pp: str | Sequence[int] | None = None,
+    cp: str | Sequence[int] | None = None,
+    tp_across_nodes: bool = False,
 ) -> Plan:
-    """Predict peak memory and throughput of every configuration (no GPU needed).
+    """Predict peak memory and throughput of every configuration (no GPU needed): the
+    data-parallel ladder, and on more than one GPU the tensor, pipeline and context parallel
+    layouts (:mod:`autotune.layouts`) beside it.
 
     Args:
         model: A preset name, a path to a Hugging Face config.json, or a spec.
@@ -175,6 +183,10 @@ def plan(
         loss_dtype: The dtype your job's loss takes the logits in (``fp32``: the model's own
             loss, as autotune's stand-in and exports; ``logits``: their own, as a plain loop
             in pure bf16 takes them). ``run --script`` measures it instead.
+        tp, pp, cp: The tensor, pipeline and context parallel degrees to plan (``"2,4,8"``);
+            default: every degree that splits the model and the world; ``1`` alone for each:
+            data parallelism only.
+        tp_across_nodes: Let tensor parallelism span nodes.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     check_attention(Attention(attention), "plan", precision)
@@ -195,7 +207,16 @@ def plan(
         count_value(host_cores, "--host-cores"),
         here=local,
     )
-    workload = workload_for(spec, seq_len, global_batch, count_value(gpus, "--gpus") or here)
+    layouts = LayoutOptions(
+        tp=degrees_value(tp, "--tp"),
+        pp=degrees_value(pp, "--pp"),
+        cp=degrees_value(cp, "--cp"),
+        tp_across_nodes=tp_across_nodes,
+    )
+    world = count_value(gpus, "--gpus") or here
+    # A global batch the GPUs cannot share evenly is refused (data parallelism needs it)
+    # unless layouts are asked for by their degrees: theirs may have fewer data-parallel ranks.
+    workload = workload_for(spec, seq_len, global_batch, world, layouts=layouts.named)
     chosen = parse_choice(LossDtype, loss_dtype, "loss dtype") or LossDtype.FP32
     workload = dataclasses.replace(workload, loss_dtype=chosen)
     started = time.perf_counter()
@@ -213,7 +234,10 @@ def plan(
         host_cores=host.cores,
         knobs=knobs,
         offload=offload,
+        layouts=layouts,
     )
+    if not rows:
+        workload.check_splits()  # no layout takes a batch data parallelism cannot split
     return Plan(
         model=spec,
         gpu=target,

@@ -19,6 +19,7 @@ from autotune.cli.options import (
     AcOpsOption,
     ActOffloadOption,
     AllowOption,
+    CpOption,
     CriticOption,
     EngineOption,
     FrozenOption,
@@ -30,6 +31,7 @@ from autotune.cli.options import (
     OptimizerOption,
     PlanHostCores,
     PlanHostMemory,
+    PpOption,
     ReferenceOption,
     ResponseLenOption,
     RewardOption,
@@ -38,6 +40,8 @@ from autotune.cli.options import (
     RolloutShareOption,
     SeqLenOption,
     SleepOption,
+    TpAcrossNodesOption,
+    TpOption,
 )
 from autotune.config import LORA_RANK, Attention, LossDtype, Precision
 from autotune.values import api_arguments, engines_value
@@ -91,6 +95,10 @@ def plan(
             "of bf16 logits in pure bf16). run --script measures it.",
         ),
     ] = None,
+    tp: TpOption = None,
+    pp: PpOption = None,
+    cp: CpOption = None,
+    tp_across_nodes: TpAcrossNodesOption = False,
     rlhf: RlhfOption = None,
     rollout_share: RolloutShareOption = None,
     sleep: SleepOption = None,
@@ -143,7 +151,7 @@ def plan(
     console.print(plan_table(found.rows, title=title, top=top, seconds=found.seconds))
 
 
-_NOT_RLHF = ("global_batch", "loss", "optimizer", "allow", "loss_dtype")
+_NOT_RLHF = ("global_batch", "loss", "optimizer", "allow", "loss_dtype", "tp", "pp", "cp")
 """``plan``'s options an RL iteration's plan does not take, refused with ``--rlhf``."""
 
 _RLHF_SHARED = (
@@ -175,6 +183,10 @@ _PASSED = (
     "ac_ops",
     "act_offload",
     "optimizer",
+    "tp",
+    "pp",
+    "cp",
+    "tp_across_nodes",
 )
 """``plan``'s options :func:`autotune.api.plan` takes, under the command line's names."""
 

@@ -193,6 +193,38 @@ ActOffloadOption = Annotated[
         "memory) where it fits a larger micro-batch.",
     ),
 ]
+TpOption = Annotated[
+    str | None,
+    typer.Option(
+        "--tp",
+        help="Tensor-parallel degrees to plan, comma-separated (default: powers of two in a "
+        "node that split the heads); 1 alone: none.",
+    ),
+]
+PpOption = Annotated[
+    str | None,
+    typer.Option(
+        "--pp",
+        help="Pipeline-parallel degrees to plan, comma-separated (default: up to 32 stages, "
+        "uneven where the layers do not split); 1 alone: none.",
+    ),
+]
+CpOption = Annotated[
+    str | None,
+    typer.Option(
+        "--cp",
+        help="Context-parallel degrees to plan, comma-separated (default: powers of two that "
+        "leave each rank 4096 tokens or more); 1 alone: none.",
+    ),
+]
+TpAcrossNodesOption = Annotated[
+    bool,
+    typer.Option(
+        "--tp-across-nodes",
+        help="Let tensor parallelism span nodes (its collectives run every layer, over the "
+        "network).",
+    ),
+]
 AcOpsOption = Annotated[
     bool,
     typer.Option(

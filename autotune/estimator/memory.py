@@ -21,6 +21,7 @@ closed-form: one estimate takes microseconds, so a planner can walk a whole sear
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -363,6 +364,8 @@ def estimate_memory(
     cuda_allocator: bool = True,
     grad_accum: int = 1,
     loss_dtype: LossDtype = LossDtype.FP32,
+    in_flight: float = 1.0,
+    alongside: float = 0.0,
 ) -> MemoryEstimate:
     """Peak live device bytes of one rank over a steady-state training step.
 
@@ -381,6 +384,11 @@ def estimate_memory(
             (:class:`StateLayout`'s ``accumulated_*``): 2 or more give one peak.
         loss_dtype: The dtype the job's loss takes the logits in
             (:func:`~autotune.estimator.activations.activation_profile`).
+        in_flight: Micro-batches whose activations the rank holds at once: 1, or a pipeline
+            stage's (:mod:`autotune.estimator.parallel`); the others' kept activations sit
+            beside every point of the forward and backward.
+        alongside: Buffers alive through the forward and backward beside the walk's own
+            (context parallelism's ring buffers).
 
     Returns:
         The peak, where it falls, and its breakdown.
@@ -392,20 +400,20 @@ def estimate_memory(
     ac = config.ac_every
     saved = prof.layer_saved_per_token * tokens
 
-    def recomputed(j: int) -> bool:
-        """Whether block ``j`` runs its forward again in the backward (whole or op-level)."""
-        return _checkpointed(j, ac) or config.ac_ops
+    # Whether each block runs its forward again in the backward (whole or op-level).
+    again = _recomputed(layers, ac, config.ac_ops)
 
-    kept = [_kept_per_token(prof, config, j) * tokens for j in range(layers)]
+    def recomputed(j: int) -> bool:
+        return again[j]
+
+    kept = [k * tokens for k in _kept_pattern(prof, config, layers)]
     offloaded = offloaded_activation_bytes(model, config, tokens, prof)
     if config.act_offload:
         kept = [0.0] * layers  # on the host, brought back one backward node at a time
     # Weights held from a block's forward to its backward: autocast's bf16 copy (not for a
     # checkpointed block, whose recomputation casts again) and FSDP2 ZeRO-2's unsharded block.
-    held = [
-        states.held_per_layer + (0 if recomputed(j) else prof.layer_weight_copy_bytes)
-        for j in range(layers)
-    ]
+    copy = states.held_per_layer + prof.layer_weight_copy_bytes
+    held = [states.held_per_layer if a else copy for a in again]
     base = {
         "parameters": states.parameters,
         "optimizer": states.optimizer,
@@ -425,6 +433,9 @@ def estimate_memory(
         sums = dict.fromkeys(CATEGORIES, 0.0)
         for key, value in [*base.items(), *parts.items()]:
             sums[key] += value
+        if phase != "optimizer":
+            sums["activations"] += others_kept
+            sums["buffers"] += alongside
         points.append((phase, sums))
         if not accumulating or done is None:
             return
@@ -445,9 +456,10 @@ def estimate_memory(
     kept_before = list(itertools.accumulate(kept, initial=0.0))
     held_before = list(itertools.accumulate(held, initial=0.0))
     all_kept, all_held = kept_before[-1], held_before[-1]
+    others_kept = (in_flight - 1.0) * all_kept
     # Forward: the last checkpointed block runs with all its activations (autocast's cache keeps
     # every cast weight until the forward returns).
-    last_ck = max((j for j in range(layers) if recomputed(j)), default=None)
+    last_ck = max((j for j, a in enumerate(again) if a), default=None)
     if last_ck is not None:
         point(
             "forward",
@@ -541,15 +553,34 @@ def offloaded_activation_bytes(
     (``autotune.probe.offload``); 0 without it."""
     if not config.act_offload:
         return 0.0
-    return tokens * sum(_kept_per_token(prof, config, j) for j in range(model.num_layers))
+    return tokens * sum(_kept_pattern(prof, config, model.num_layers))
 
 
 def _slope(model: ModelSpec, config: TrainConfig, seq_len: int, prof: ActivationProfile) -> float:
     """Bytes per extra sequence at the loss point (where large batches peak)."""
     if config.act_offload:
         return (prof.head_saved_per_token + _loss_growth(prof)) * seq_len
-    kept = sum(_kept_per_token(prof, config, j) for j in range(model.num_layers))
+    kept = sum(_kept_pattern(prof, config, model.num_layers))
     return (kept + prof.head_saved_per_token + _loss_growth(prof)) * seq_len
+
+
+@functools.lru_cache(maxsize=256)
+def _recomputed(layers: int, ac_every: int, ops: bool) -> tuple[bool, ...]:
+    """Whether each block runs its forward again in the backward: checkpointed whole, or
+    every block under op-level checkpointing."""
+    return tuple(ops or _checkpointed(j, ac_every) for j in range(layers))
+
+
+def _kept_pattern(prof: ActivationProfile, config: TrainConfig, layers: int) -> list[float]:
+    """:func:`_kept_per_token` of every block (a plan asks for thousands of steps)."""
+    ck = _recomputed(layers, config.ac_every, False)
+    if config.ac_ops:
+        rest = [prof.layer_selective_per_token] * layers
+    else:
+        rest = [prof.layer_saved_per_token] * layers
+        rest[0] = prof.layer_saved_per_token - prof.first_block_less_per_token
+    inp = prof.layer_input_per_token
+    return [inp if c else r for c, r in zip(ck, rest, strict=True)]
 
 
 def _kept_per_token(prof: ActivationProfile, config: TrainConfig, layer: int) -> float:

@@ -16,7 +16,7 @@ any fit at all.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +32,19 @@ from autotune.config import (
 )
 from autotune.estimator.host import HOST_RESERVE_BYTES, HostEstimate, estimate_host
 from autotune.estimator.memory import MemoryEstimate, estimate_memory
+from autotune.estimator.parallel import estimate_layout_memory, predict_layout_time
 from autotune.estimator.timing import StepTime, predict_step_time
 from autotune.hardware import GpuSpec
+from autotune.layouts import (
+    LayoutOptions,
+    data_parallel,
+    layout_configs,
+    pipeline_microbatches_ok,
+    shard_model,
+    without_layout,
+)
 from autotune.models import ModelSpec
-from autotune.space import Workload, configurations, micro_batch_options
+from autotune.space import Workload, configurations, divisors, micro_batch_options
 from autotune.units import format_bytes
 
 __all__ = [
@@ -196,6 +205,7 @@ def plan(
     device: str = "cuda",
     knobs: Knobs = PLANNED_KNOBS,
     planned_out: bool = False,
+    layouts: LayoutOptions | None = None,
 ) -> list[PlanRow]:
     """Every configuration of the space, fastest fitting first, then the nearest misses.
 
@@ -221,6 +231,10 @@ def plan(
             docstring).
         planned_out: List the rows left out for not paying too, after the others, each with
             its :attr:`PlanRow.twin` (the search's candidates once a twin's prediction fails).
+        layouts: Rank tensor, pipeline and context parallel layouts too
+            (:func:`autotune.layouts.layout_configs`, :mod:`autotune.estimator.parallel`),
+            each at the micro-batches whose accumulation its schedule can run; None: data
+            parallelism alone (the search probes nothing else yet).
 
     Returns:
         One row per configuration.
@@ -228,40 +242,44 @@ def plan(
     capacity = usable_bytes(gpu, reserve=reserve, headroom=headroom)
     host_capacity = None if host_memory_bytes is None else max(0, host_memory_bytes - host_reserve)
     ranks_per_node = min(workload.world_size, gpus_per_node)
-    sizes = micro_batch_options(workload)
-    rows: list[PlanRow] = []
-    for config in configurations(
-        world_size=workload.world_size,
-        num_layers=model.num_layers,
-        engines=engines,
-        precision=precision or default_precision(gpu),
-        attention=attention,
-        offload=offload,
-        knobs=knobs,
-    ):
+    sizes = micro_batch_options(workload) if workload.splits_evenly else []
+    cuda = caching_allocator(gpu)
 
-        def peak(mbs: int, config: TrainConfig = config) -> MemoryEstimate:
-            return estimate_memory(
-                model,
-                workload.as_trained(config),  # a user's job at one rank: its own wrapper
-                micro_batch_size=mbs,
-                seq_len=workload.seq_len,
-                world_size=workload.world_size,
-                cuda_allocator=caching_allocator(gpu),
-                grad_accum=workload.grad_accum(mbs),
-                loss_dtype=workload.loss_dtype,
-            )
+    def peak(config: TrainConfig, m: int, accum: int) -> MemoryEstimate:
+        estimate = estimate_layout_memory if config.is_layout else estimate_memory
+        return estimate(
+            model,
+            workload.as_trained(config),  # a user's job at one rank: its own wrapper
+            micro_batch_size=m,
+            seq_len=workload.seq_len,
+            world_size=workload.world_size,
+            cuda_allocator=cuda,
+            grad_accum=accum,
+            loss_dtype=workload.loss_dtype,
+        )
 
-        memories = {m: peak(m) for m in sizes}
+    def row(config: TrainConfig, sizes: list[int], accum: Callable[[int], int]) -> PlanRow:
+        """``config`` at its fastest fitting size (``accum``: a size's accumulation). A
+        layout's sizes stop at the first that misses (memory grows with the size; the search
+        reads every size of the data-parallel rows only)."""
+        layout = config.is_layout
+        world = workload.world_size
+        memories: dict[int, MemoryEstimate] = {}
+        for m in sizes:
+            memories[m] = peak(config, m, accum(m))
+            if layout and memories[m].device_bytes > capacity:
+                break
+        sizes = list(memories)
+        predict = predict_layout_time if layout else predict_step_time
         times = {
-            m: predict_step_time(
+            m: predict(
                 model,
                 config,
                 gpu,
                 micro_batch_size=m,
                 seq_len=workload.seq_len,
-                grad_accum=workload.grad_accum(m),
-                world_size=workload.world_size,
+                grad_accum=accum(m),
+                world_size=world,
                 gpus_per_node=gpus_per_node,
                 host_cores=host_cores,
             )
@@ -270,28 +288,52 @@ def plan(
         fitting = [m for m in sizes if memories[m].device_bytes <= capacity]
         best = max(fitting, key=lambda m: times[m].tokens_per_second, default=sizes[0])
         host = estimate_host(
-            model,
-            config,
-            world_size=workload.world_size,
+            shard_model(model, config) if layout else model,
+            without_layout(config),
+            world_size=data_parallel(config, world) * config.cp,
             ranks_per_node=ranks_per_node,
             device=device,
             device_bytes=memories[best].peak_bytes,
             activation_bytes=memories[best].offloaded_activation_bytes,
         )
-        rows.append(
-            PlanRow(
-                config=config,
-                micro_batch_size=best,
-                grad_accum=workload.grad_accum(best),
-                memory=memories[best],
-                capacity_bytes=capacity,
-                time=times[best] if fitting else None,
-                peaks={m: e.device_bytes for m, e in memories.items()},
-                speeds={m: t.tokens_per_second for m, t in times.items()},
-                mfus={m: t.mfu for m, t in times.items() if t.mfu is not None},
-                host=host,
-                host_capacity_bytes=host_capacity,
-            )
+        return PlanRow(
+            config=config,
+            micro_batch_size=best,
+            grad_accum=accum(best),
+            memory=memories[best],
+            capacity_bytes=capacity,
+            time=times[best] if fitting else None,
+            peaks={m: e.device_bytes for m, e in memories.items()},
+            speeds={m: t.tokens_per_second for m, t in times.items()},
+            mfus={m: t.mfu for m, t in times.items() if t.mfu is not None},
+            host=host,
+            host_capacity_bytes=host_capacity,
+        )
+
+    # Data parallelism needs as many sequences for every GPU (a layout may need fewer).
+    rows = [
+        row(config, sizes, workload.grad_accum)
+        for config in configurations(
+            world_size=workload.world_size,
+            num_layers=model.num_layers,
+            engines=engines,
+            precision=precision or default_precision(gpu),
+            attention=attention,
+            offload=offload,
+            knobs=knobs,
+        )
+        if sizes
+    ]
+    if layouts is not None:
+        rows += _layout_rows(
+            model,
+            workload,
+            layouts,
+            row,
+            engines=engines,
+            gpus_per_node=gpus_per_node,
+            precision=precision or default_precision(gpu),
+            attention=attention,
         )
     kept, left_out = _paying(rows, capacity)
 
@@ -310,6 +352,75 @@ def plan(
         )
 
     return ranked(kept) + (ranked(left_out) if planned_out else [])
+
+
+def _layout_rows(
+    model: ModelSpec,
+    workload: Workload,
+    options: LayoutOptions,
+    row: Callable[[TrainConfig, list[int], Callable[[int], int]], PlanRow],
+    *,
+    engines: Iterable[Engine] | None,
+    gpus_per_node: int,
+    precision: Precision,
+    attention: Attention,
+) -> list[PlanRow]:
+    """The layouts' rows: each at the micro-batches that split its data-parallel ranks' share
+    of the global batch and leave its pipeline schedule enough microbatches.
+
+    A layout's leanest configuration (ZeRO-3, every block checkpointed) is estimated first:
+    where it misses at its smallest micro-batch the others of its family (the same degrees
+    and schedule), which hold more at every point of the step, miss too, and only its row is
+    kept (the nearest miss)."""
+    configs = layout_configs(
+        model,
+        world_size=workload.world_size,
+        gpus_per_node=gpus_per_node,
+        seq_len=workload.seq_len,
+        precision=precision,
+        attention=attention,
+        engines=engines,
+        tp=options.tp,
+        pp=options.pp,
+        cp=options.cp,
+        tp_across_nodes=options.tp_across_nodes,
+    )
+    families: dict[TrainConfig, list[TrainConfig]] = {}
+    for config in configs:
+        families.setdefault(_family(config), []).append(config)
+    rows = []
+    for family in families.values():
+        family.sort(key=_leanest_first)
+        for index, config in enumerate(family):
+            dp = data_parallel(config, workload.world_size)
+            if workload.global_batch % dp:
+                break
+            share = workload.global_batch // dp
+
+            def accum(m: int, share: int = share) -> int:
+                return share // m
+
+            sizes = [m for m in divisors(share) if pipeline_microbatches_ok(config, share // m)]
+            if not sizes:
+                break
+            found = row(config, sizes, accum)
+            rows.append(found)
+            if index == 0 and found.memory.device_bytes > found.capacity_bytes:
+                break  # the rest of the family holds more
+    return rows
+
+
+def _family(config: TrainConfig) -> TrainConfig:
+    """A layout's family: its degrees and schedule, whatever its sharding and checkpointing
+    (as its leanest member)."""
+    return dataclasses.replace(config, zero_stage=config.zero_stage and 3, ac_every=1, ac_ops=False)
+
+
+def _leanest_first(config: TrainConfig) -> tuple[int, int]:
+    """ZeRO-3 before ZeRO-2, then every block checkpointed, op-level, none: the first holds
+    the least."""
+    checkpointing = 0 if config.ac_every == 1 else 1 if config.ac_ops else 2
+    return (-config.zero_stage, checkpointing)
 
 
 def point_estimates(

@@ -39,7 +39,7 @@ from autotune.estimator.memory import offloaded_activation_bytes
 from autotune.hardware.specs import GpuSpec
 from autotune.models import ModelSpec
 
-__all__ = ["StepTime", "predict_step_time"]
+__all__ = ["StepTime", "collective_seconds", "predict_step_time"]
 
 # --- GPU efficiencies -------------------------------------------------------------------------
 
@@ -437,6 +437,17 @@ def _collective(fabric: _Fabric, kind: str, nbytes: float, calls: int = 1) -> fl
     return min(calls * latency + volume / bandwidth for latency, bandwidth in options)
 
 
+def collective_seconds(
+    gpu: GpuSpec, kind: str, nbytes: float, *, ranks: int, ranks_per_node: int, calls: int = 1
+) -> float:
+    """Seconds of ``calls`` ring collectives (``ar``, ``ag`` or ``rs``) moving ``nbytes`` in
+    all over a group of ``ranks`` GPUs, ``ranks_per_node`` of them on each node: the data
+    parallel group's model (:func:`_fabric`, :func:`_collective`) for any group, as a tensor
+    parallel one's inside a node."""
+    fabric = _fabric(gpu, _architecture(gpu), ranks, ranks_per_node)
+    return _collective(fabric, kind, nbytes, calls)
+
+
 def _exposed(comm: float, chunks: int, compute: float, floor: float) -> float:
     """Communication left exposed when ``chunks`` equal transfers pipeline with compute.
 
@@ -465,11 +476,13 @@ def _compute(
     gpu: GpuSpec,
     arch: str,
     peak: float,
-    tokens: int,
+    tokens: float,
     seq_len: int,
     fraction: float,
+    sequence_share: float = 1.0,
 ) -> _Compute:
-    """Forward and backward seconds of one micro-step of ``tokens`` tokens on one GPU."""
+    """Forward and backward seconds of one micro-step of ``tokens`` tokens on one GPU
+    (``sequence_share``: :func:`predict_step_time`'s)."""
     regime = regime_of(config)
     fp32 = config.precision is Precision.FP32
     operand = 2.0 if fp32 else 1.0  # matmul operand bytes relative to 16-bit
@@ -531,8 +544,9 @@ def _compute(
 
     # Memory-bound rest: norms, rotary, activation functions, casts, the fp32 loss.
     a_f, b_f, a_t, b_t = _BLOCK_TRAFFIC[regime]
-    block_f = layers * n * (a_f * d + b_f * i)
-    block_t = layers * n * (a_t * d + b_t * i)
+    wide = d * sequence_share  # the residual stream's operators: 1 / tp of it under SP
+    block_f = layers * n * (a_f * wide + b_f * i)
+    block_t = layers * n * (a_t * wide + b_t * i)
     if regime is Regime.AUTOCAST:
         w_f, w_t = _AUTOCAST_WEIGHT_TRAFFIC
         block_f += w_f * shape.block_params
@@ -542,8 +556,8 @@ def _compute(
         block_f += cast
         block_t += 2.0 * cast
     h_fv, h_fd, h_tv, h_td = _HEAD_TRAFFIC
-    head_f = n * (h_fv * shape.vocab + h_fd * d)
-    head_t = n * (h_tv * shape.vocab + h_td * d)
+    head_f = n * (h_fv * shape.vocab + h_fd * wide)
+    head_t = n * (h_tv * shape.vocab + h_td * wide)
     if config.loss is Loss.FUSED:
         # Liger's kernel reads each chunk's logits and writes their gradient in place, and the
         # two gradient matmuls read it again, all in the forward (assumed from its source, not
@@ -835,6 +849,8 @@ def predict_step_time(
     world_size: int = 1,
     gpus_per_node: int = 8,
     host_cores: int | None = None,
+    token_share: float = 1.0,
+    sequence_share: float = 1.0,
 ) -> StepTime:
     """Predict the micro-step and optimizer-step time of a configuration on ``world_size`` GPUs.
 
@@ -849,6 +865,12 @@ def predict_step_time(
         gpus_per_node: GPUs per node; collectives over more ranks cross the network.
         host_cores: CPU cores of each node, which host Adam under offload runs on, shared
             evenly by the node's ranks; None for 16 per GPU.
+        token_share: The share of each micro-step's tokens this rank computes, attention
+            still spanning ``seq_len`` keys: ``1 / cp`` where context parallelism splits the
+            sequence (:mod:`autotune.estimator.parallel`).
+        sequence_share: The share of those tokens whose residual-stream operators (norms,
+            residual adds: the d-wide element-wise work) this rank runs: ``1 / tp`` under
+            sequence parallelism, where the model is a TP rank's shard.
 
     Returns:
         The predicted times, throughput and MFU.
@@ -881,8 +903,12 @@ def predict_step_time(
     arch = _architecture(gpu)
     layers = shape.layers
     fraction = 0.0 if config.ac_every <= 0 else len(range(0, layers, config.ac_every)) / layers
+    for name, share in (("token_share", token_share), ("sequence_share", sequence_share)):
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"{name} must be in (0, 1], got {share}")
     tokens = micro_batch_size * seq_len
-    work = _compute(shape, config, gpu, arch, peak, tokens, seq_len, fraction)
+    local = tokens * token_share
+    work = _compute(shape, config, gpu, arch, peak, local, seq_len, fraction, sequence_share)
     compute_s = work.forward + work.backward
 
     ranks_on_node = min(world_size, gpus_per_node)

@@ -170,6 +170,12 @@ class Launch:
                 f"{self.world_size} GPUs do not split evenly over {self.nodes} nodes: use a "
                 "multiple of the node count"
             )
+        if self.config.is_layout:
+            raise ConfigError(
+                f"{self.config.label()}: no export format writes a tensor, pipeline or context "
+                "parallel layout yet (each writes data parallelism alone): export a "
+                "data-parallel configuration"
+            )
 
     @property
     def global_batch(self) -> int:

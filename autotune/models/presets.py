@@ -17,15 +17,21 @@ from autotune.models.spec import ModelSpec
 __all__ = ["preset_names", "resolve_model"]
 
 # Shapes from each checkpoint's config.json on the Hugging Face Hub (meta-llama/Llama-2-7b-hf,
-# -13b-hf and -70b-hf, Meta-Llama-3-8B, mistralai/Mistral-7B-v0.3, Qwen/Qwen2.5-1.5B and -7B,
-# openai-community/gpt2). rope_theta is written as those files write it: transformers 4.x reads
-# it as is, 5.x folds it into rope_parameters. No preset sets use_cache: the probes turn the KV
-# cache off whatever the fields say.
+# -13b-hf and -70b-hf, Meta-Llama-3-8B and -70B, Llama-3.1-8B and -405B,
+# mistralai/Mistral-7B-v0.3, Qwen/Qwen2.5-1.5B and -7B, openai-community/gpt2). rope_theta
+# and rope_scaling are written as those files write them: transformers 4.x reads them as is,
+# 5.x folds them into rope_parameters. No preset sets use_cache: the probes turn the KV cache
+# off whatever the fields say.
 
 # Test shapes: a few kB of weights, still with GQA (4 query heads sharing 2 kv heads).
 _TINY: dict[str, Any] = {
     "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+}  # fmt: skip
+
+_LLAMA31_ROPE: dict[str, Any] = {
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192, "rope_type": "llama3",
 }  # fmt: skip
 
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -49,6 +55,27 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
         "rms_norm_eps": 1e-5, "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "llama3-70b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5, "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    # Llama 3.1: 128k positions through llama3 rope scaling of the 8k-trained frequencies.
+    "llama3.1-8b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA31_ROPE, "rms_norm_eps": 1e-5, "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "llama3.1-405b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 16384,
+        "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA31_ROPE, "rms_norm_eps": 1e-5, "bos_token_id": 128000,
+        "eos_token_id": 128001,
     },
     # v0.2 onward dropped the 4096-token sliding window of v0.1 and raised rope_theta to 1e6.
     "mistral-7b": {

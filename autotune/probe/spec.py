@@ -86,6 +86,11 @@ class ProbeSpec:
             raise ConfigError("warmup-steps must be 0 or more")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"unknown device {self.device!r}: use cuda, cpu or auto")
+        if self.config.is_layout:
+            raise ConfigError(
+                f"{self.config.label()}: tensor, pipeline and context parallel layouts are "
+                "planned (autotune plan), not probed yet: probe a data-parallel configuration"
+            )
         if self.config.engine is Engine.SINGLE and self.world_size != 1:
             raise ConfigError(
                 f"engine single runs one process, not {self.world_size}: "

@@ -36,7 +36,7 @@ def test_workload_keeps_the_global_batch_exact() -> None:
     assert micro_batch_options(work) == [1, 2, 4, 8, 16, 32, 64]
     assert all(m * 8 * work.grad_accum(m) == 512 for m in micro_batch_options(work))
     with pytest.raises(ConfigError, match="multiple of 8 GPUs"):
-        Workload(seq_len=2048, global_batch=100, world_size=8)
+        micro_batch_options(Workload(seq_len=2048, global_batch=100, world_size=8))
     with pytest.raises(ConfigError, match="divisor"):
         work.grad_accum(3)
 
@@ -336,7 +336,7 @@ def test_a_plan_for_a_loss_in_the_logits_dtype_counts_no_fp32_copy() -> None:
     def peaks(loss_dtype: str) -> dict[tuple[object, int], float]:
         found = api.plan(
             model, gpu="h100-80gb", gpus=8, precision=Precision.BF16, loss_dtype=loss_dtype,
-            losses="full", host_memory="1TiB", host_cores=64,
+            losses="full", host_memory="1TiB", host_cores=64, tp="1", pp="1", cp="1",
         )  # fmt: skip
         assert found.to_dict()["loss_dtype"] == loss_dtype
         return {(r.config, m): p for r in found.rows for m, p in r.peaks.items()}
