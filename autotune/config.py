@@ -468,6 +468,7 @@ class TrainConfig:
             ("LoRA", bool(self.lora_rank)),
             ("the 8-bit optimizer", self.optimizer is Optimizer.ADAMW_8BIT),
             (f"the {self.loss.value} loss", self.loss is not Loss.FULL),
+            ("compiled blocks", self.torch_compile),
         ]
         named = [what for what, on in not_yet if on]
         if named:
@@ -565,8 +566,8 @@ class TrainConfig:
 
     @property
     def is_distributed(self) -> bool:
-        """Whether the engine needs torch.distributed (even with one process)."""
-        return self.engine is not Engine.SINGLE
+        """Whether the engine or the layout needs torch.distributed (even with one process)."""
+        return self.engine is not Engine.SINGLE or self.model_parallel > 1
 
     def label(self) -> str:
         """A short human-readable name, e.g. ``deepspeed z3 +off:optimizer ac:1``."""

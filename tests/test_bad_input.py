@@ -24,6 +24,7 @@ from tests.test_cli import autotune
 SIM = ("--simulate", "h100-80gb")
 CPU = ("--model", "tiny", "--device", "cpu", "--device-memory", "4MiB")
 L70 = ("plan", "--model", "llama3-70b", "--gpu", "h100-80gb", "--gpus")
+TPCPU = ("probe", "--model", "tiny", "--device", "cpu", "--device-memory", "64MiB")
 RL = ("plan", "--rlhf", "ppo", "--model", "qwen2.5-1.5b", "--gpu", "a100-80gb", "--gpus", "4")
 
 CASES: list[tuple[tuple[str, ...], str]] = [
@@ -49,6 +50,8 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("plan", "--model", "gpt2", "--gpu", "h100", "--gpus", "8", "--tp", "2"), "gpt2 is a GPT-2"),
     (("plan", "--gpu", "h100-80gb", "--gpus", "8", "--tp", "0"), "--tp 0: use a degree of 1"),
     (("plan", "--gpu", "h100-80gb", "--gpus", "8", "--pp", "two"), "--pp two: use a degree"),
+    ((*TPCPU, "--gpus", "3", "--tp", "2"), "--tp 2 does not divide 3 ranks: use --gpus a"),
+    ((*TPCPU, "--gpus", "4", "--tp", "2", "--engine", "ddp"), "use --engine fsdp with --tp"),
     # Budgets, sizes and counts.
     (("run", *SIM, "--budget", "-5m"), "invalid duration '-5m'"),
     (("run", *SIM, "--budget", "abc"), "invalid duration 'abc'"),

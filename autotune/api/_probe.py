@@ -19,6 +19,7 @@ from autotune.devices.base import SetupResult, SetupStep
 from autotune.estimator.host import estimate_host, usable_host_bytes
 from autotune.estimator.memory import estimate_memory
 from autotune.hardware import detect_gpus, host_memory_bytes
+from autotune.layouts import check_layout
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.result import ProbeResult
@@ -193,7 +194,7 @@ def probe(
         check_attention(config.attention, chosen.kind)  # the precision: TrainConfig's check
         if config.is_lora:
             need_peft("--lora-rank", chosen.kind)
-    single = config.engine is Engine.SINGLE and count == 1
+    single = config.engine is Engine.SINGLE and count == 1 and config.model_parallel == 1
     spec = ProbeSpec(
         model=model,
         config=config,
@@ -212,6 +213,13 @@ def probe(
     )
     if rlhf is not None:
         check_rlhf_probe(shape, rlhf, spec)
+    check_layout(
+        config,
+        shape,
+        world_size=spec.world_size,
+        gpus_per_node=spec.num_processes,
+        seq_len=seq_len,
+    )
     if isinstance(chosen, LocalDevice):
         _check_probe_host(shape, spec, size_bytes(host_memory, "--host-memory"))
     for step in chosen.setup(spec):

@@ -108,6 +108,14 @@ def probe(
             "the partitioned graphs run op by op, so their memory is counted).",
         ),
     ] = False,
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp",
+            help="Tensor-parallel degree: each block split over this many ranks of --gpus, "
+            "with sequence parallelism (torch's DTensor plans); the rest data-parallel.",
+        ),
+    ] = 1,
     micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
     seq_len: SeqLenOption = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
@@ -196,6 +204,7 @@ _CONFIG_FIELDS = (
     "lora_rank",
     "act_offload",
     "torch_compile",
+    "tp",
 )
 """``probe``'s options that are the configuration's own fields, under the same names."""
 

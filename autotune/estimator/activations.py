@@ -122,6 +122,12 @@ class ActivationProfile:
     layer_unpacked_per_token: float = 0.0
     """Activation offload: what a block's backward brings back from the host at its peak on
     top of :attr:`layer_backward_per_token` (its saved tensors return one node at a time)."""
+    layer_gathered_per_token: float = 0.0
+    """What a block saves of the inputs of its q/k/v and gate/up projections (part of
+    :attr:`layer_saved_per_token`): under tensor parallelism with sequence parallelism these
+    are the all-gathered whole sequence, saved whole on every rank of the group (torch's
+    column-split linears keep their input), where the rest of the block's activations are
+    split (:mod:`autotune.estimator.parallel`)."""
     first_block_less_per_token: float = 0.0
     """LoRA: what the first block saves less than the others: its first norm's input and
     statistics (the embeddings are frozen, so nothing before the first adapter needs a
@@ -295,6 +301,7 @@ def activation_profile(
         regime=regime,
         layer_saved_per_token=layer_saved,
         layer_input_per_token=residual * d,
+        layer_gathered_per_token=linear_inputs,
         layer_selective_per_token=selective,
         layer_backward_per_token=9 * d + 2 * i,
         layer_unpacked_per_token=max(0, 5 * act * i - (9 * d + 2 * i)),

@@ -77,6 +77,9 @@ _HEAD_FIELDS = (
 )
 """What only the stage with the output layer holds."""
 
+_GATHERED_FIELDS = ("layer_saved_per_token", "layer_recomputed_per_token")
+"""The figures that hold :attr:`ActivationProfile.layer_gathered_per_token` whole."""
+
 _SCALED_FIELDS = (
     "layer_saved_per_token",
     "layer_input_per_token",
@@ -92,12 +95,19 @@ _SCALED_FIELDS = (
 
 @functools.lru_cache(maxsize=1024)
 def _rank_profile(prof: ActivationProfile, tp: int, head: bool) -> ActivationProfile:
-    """The whole model's figures as one TP rank holds them (every one divided by ``tp``),
-    the output layer's only on the stage that has it."""
+    """The whole model's figures as one TP rank holds them (divided by ``tp``, but the
+    all-gathered inputs of the column-split projections, which a block saves and recomputes
+    whole), the output layer's only on the stage that has it."""
     values: dict[str, Any] = {}
+    gathered = prof.layer_gathered_per_token
     for name in _SCALED_FIELDS:
         value = getattr(prof, name)
-        scaled = value / tp if head or name not in _HEAD_FIELDS else 0.0
+        if name in _HEAD_FIELDS and not head:
+            scaled = 0.0
+        elif name in _GATHERED_FIELDS:
+            scaled = (value - gathered) / tp + gathered
+        else:
+            scaled = value / tp
         values[name] = int(scaled) if isinstance(value, int) else scaled
     return dataclasses.replace(prof, **values)
 

@@ -72,14 +72,17 @@ def throughput(
     model_flops_per_token: float,
     hardware_flops_per_token: float,
     peak_flops: float | None,
+    model_parallel: int = 1,
 ) -> Throughput:
     """Throughput at any accumulation count from a micro-step and an optimizer-step time.
 
     The probe passes the medians of its timed window (robust to one slow step); the search
     uses the same function to predict throughput at the user's accumulation count.
+    ``model_parallel``: ranks that share each micro-batch (a TP group): the data-parallel
+    ranks, ``world_size / model_parallel``, each take a micro-batch.
     """
     step = grad_accum * micro_step_s + optimizer_step_s
-    tokens_per_step = micro_batch_size * seq_len * grad_accum * world_size
+    tokens_per_step = micro_batch_size * seq_len * grad_accum * world_size // model_parallel
     tokens_per_second = tokens_per_step / step
     per_rank = tokens_per_second / world_size
     mfu = hfu = None
@@ -122,4 +125,5 @@ def probe_throughput(
             lora_rank=spec.config.lora_rank,
         ),
         peak_flops=peak_flops,
+        model_parallel=spec.config.model_parallel,
     )

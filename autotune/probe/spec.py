@@ -86,12 +86,27 @@ class ProbeSpec:
             raise ConfigError("warmup-steps must be 0 or more")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"unknown device {self.device!r}: use cuda, cpu or auto")
-        if self.config.is_layout:
+        layout = self.config
+        if layout.pp > 1 or layout.cp > 1:
             raise ConfigError(
-                f"{self.config.label()}: tensor, pipeline and context parallel layouts are "
-                "planned (autotune plan), not probed yet: probe a data-parallel configuration"
+                f"{layout.label()}: pipeline and context parallel layouts are planned "
+                "(autotune plan), not probed yet: probe a data-parallel or --tp configuration"
             )
-        if self.config.engine is Engine.SINGLE and self.world_size != 1:
+        if layout.tp > 1 and self.world_size % layout.tp:
+            raise ConfigError(
+                f"--tp {layout.tp} does not divide {self.world_size} ranks: use --gpus a "
+                f"multiple of {layout.tp}"
+            )
+        if layout.tp > 1 and layout.engine is Engine.DDP:
+            raise ConfigError(
+                "--tp probes FSDP2 over the data-parallel ranks (DDP does not wrap a "
+                "tensor-parallel model): use --engine fsdp with --tp"
+            )
+        if layout.tp > 1 and (self.script is not None or self.rlhf is not None):
+            raise ConfigError(
+                "--tp probes autotune's stand-in training step: leave out --script and --rlhf"
+            )
+        if layout.engine is Engine.SINGLE and self.world_size != layout.model_parallel:
             raise ConfigError(
                 f"engine single runs one process, not {self.world_size}: "
                 "use --engine ddp, fsdp or deepspeed for several"
@@ -134,7 +149,8 @@ class ProbeSpec:
         iteration (whose micro-steps are its own)."""
         if self.global_batch is None or self.rlhf is not None:
             return self.grad_accum
-        steps = self.global_batch // (micro_batch_size * self.world_size)
+        ranks = self.world_size // self.config.model_parallel  # the data-parallel ones
+        steps = self.global_batch // (micro_batch_size * ranks)
         return max(1, min(MAX_PROBE_ACCUMULATION, steps))
 
     @property

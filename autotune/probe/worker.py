@@ -172,7 +172,8 @@ class _StepLoop:
             self.model,
             micro_batch_size,
             spec.seq_len,
-            seed=spec.seed + self.rank.rank,
+            # The ranks of a TP group train on the same sequences: the data-parallel rank's.
+            seed=spec.seed + self.rank.rank // spec.config.model_parallel,
             device=str(device),
         )
         accumulation = spec.accumulation(micro_batch_size)

@@ -145,11 +145,11 @@ def test_tp_divides_a_ranks_states_and_activations() -> None:
     one = estimate_layout_memory(model, _layout(tp=1, pp=2), **sizes)
     eight = estimate_layout_memory(model, _layout(tp=8, pp=2), **sizes)
     # The states are sharded over 32 data-parallel ranks at TP 1 and 4 at TP 8: the same
-    # bytes a rank (1/8 of a stage over 4 = a stage over 32), the activations 1/8.
+    # bytes a rank (1/8 of a stage over 4 = a stage over 32). The activations are 1/8 but
+    # for the all-gathered inputs of the projections of the block being recomputed.
     assert eight.breakdown["optimizer"] == pytest.approx(one.breakdown["optimizer"], rel=0.02)
-    assert eight.breakdown["activations"] == pytest.approx(
-        one.breakdown["activations"] / 8, rel=0.02
-    )
+    activations = eight.breakdown["activations"]
+    assert one.breakdown["activations"] / 8 < activations < one.breakdown["activations"] / 4
 
 
 def test_the_first_stage_holds_p_microbatches_and_interleaving_more() -> None:
@@ -229,10 +229,13 @@ def test_degrees_the_user_names_restrict_the_layouts() -> None:
     )
 
 
-def test_a_layout_is_planned_not_probed_or_exported() -> None:
+def test_pipeline_and_context_layouts_are_planned_not_probed_and_none_exported() -> None:
+    for layout in (_layout(pp=2), _layout(cp=2)):
+        with pytest.raises(ConfigError, match=r"planned \(autotune plan\), not probed yet"):
+            ProbeSpec(model="tiny", config=layout, micro_batch_sizes=(1,), num_processes=2)
     layout = _layout(tp=2)
-    with pytest.raises(ConfigError, match=r"planned \(autotune plan\), not probed yet"):
-        ProbeSpec(model="tiny", config=layout, micro_batch_sizes=(1,), num_processes=2)
+    with pytest.raises(ConfigError, match="--tp 2 does not divide 3 ranks"):
+        ProbeSpec(model="tiny", config=layout, micro_batch_sizes=(1,), num_processes=3)
     with pytest.raises(ConfigError, match="no export format writes a tensor"):
         Launch(
             model="tiny", config=layout, hidden_size=64, micro_batch_size=1, grad_accum=1,
