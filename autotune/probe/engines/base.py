@@ -152,14 +152,15 @@ class TorchTrainee(Trainee):
     def prepare_sync(self, sync: bool) -> None:
         """Engine hook: tell the wrapper whether this micro-step reduces gradients."""
 
+    def casting(self) -> contextlib.AbstractContextManager:
+        """Autocast where this engine casts per op (single, ddp), else nothing."""
+        if self._autocast:
+            return autocast_context(self._config, self._device)
+        return contextlib.nullcontext()
+
     def forward(self, input_ids: torch.Tensor, *, sync: bool) -> torch.Tensor:
         self.prepare_sync(sync)
-        context = (
-            autocast_context(self._config, self._device)
-            if self._autocast
-            else contextlib.nullcontext()
-        )
-        with context:
+        with self.casting():
             return self.model(input_ids=input_ids, labels=input_ids).loss
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:

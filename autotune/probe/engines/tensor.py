@@ -13,8 +13,6 @@ does. The plan is applied before checkpointing and FSDP2, in torchtitan's order.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,7 +33,6 @@ from autotune.probe.engines.base import (
     EngineContext,
     TorchTrainee,
     Trainee,
-    autocast_context,
     torch_dtype,
 )
 from autotune.probe.modeling import (
@@ -98,12 +95,7 @@ class _TensorParallelTrainee(TorchTrainee):
 
     def forward(self, input_ids: torch.Tensor, *, sync: bool) -> torch.Tensor:
         self.prepare_sync(sync)
-        context = (
-            autocast_context(self._config, self._device)
-            if self._autocast
-            else contextlib.nullcontext()
-        )
-        with context:
+        with self.casting():
             logits = self.model(input_ids=input_ids).logits
         shifted = logits[:, :-1].flatten(0, 1).float()
         with loss_parallel():
