@@ -107,6 +107,9 @@ def main() -> None:
         commands = {
             "autotune plan --help": ["plan", "--help"],
             "autotune plan (llama-7b, 8 x h100)": ["plan", "--gpu", "h100-80gb", "--gpus", "8"],
+            "autotune plan (llama-70b, 64 x h100, TP/PP/CP too)": [
+                "plan", "--model", "llama-70b", "--gpu", "h100-80gb", "--gpus", "64",
+            ],
             "autotune best": ["best", "--storage", storage],
             "autotune trials": ["trials", "--storage", storage],
             f"autotune best ({args.trials:,} trials)": ["best", "--storage", large],
