@@ -156,16 +156,19 @@ def pipeline_microbatches_ok(config: TrainConfig, microbatches: int) -> bool:
     return config.pp_schedule is not Schedule.INTERLEAVED_1F1B or microbatches % config.pp == 0
 
 
-def in_flight(config: TrainConfig, microbatches: int) -> float:
-    """Microbatches whose activations the first pipeline stage holds at once: all of them
-    under GPipe; ``min(pp, m)`` under 1F1B; 1F1B's times ``1 + (pp - 1) / (pp * v)`` under
-    the interleaved schedule (Korthikanti et al. 2022, "Reducing Activation Recomputation in
-    Large Transformer Models", section 4.2.3, as Megatron-LM's theoretical memory counts it).
-    1 without a pipeline."""
+def in_flight(config: TrainConfig, microbatches: int, *, last: bool = False) -> float:
+    """Microbatches whose activations the first pipeline stage (or with ``last``, the last)
+    holds at once: all of them under GPipe, on every stage; on the first, ``min(pp, m)``
+    under 1F1B, 1F1B's times ``1 + (pp - 1) / (pp * v)`` under the interleaved schedule
+    (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models", section 4.2.3, as Megatron-LM's theoretical memory counts it), and one on the
+    last (its backward follows each forward). 1 without a pipeline."""
     if config.pp == 1:
         return 1.0
     if config.pp_schedule is Schedule.GPIPE:
         return float(microbatches)
+    if last:
+        return 1.0
     held = float(min(config.pp, microbatches))
     if config.pp_schedule is Schedule.INTERLEAVED_1F1B:
         held *= 1.0 + (config.pp - 1) / (config.pp * config.pp_virtual)

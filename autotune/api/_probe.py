@@ -220,6 +220,11 @@ def probe(
         gpus_per_node=spec.num_processes,
         seq_len=seq_len,
     )
+    if config.pp > 1 and shape.tie_word_embeddings:
+        raise ConfigError(
+            f"{shape.name} ties its output layer to its embedding, which a pipeline puts on "
+            "its first and last stages: probe --pp with a model whose tables are apart"
+        )
     if isinstance(chosen, LocalDevice):
         _check_probe_host(shape, spec, size_bytes(host_memory, "--host-memory"))
     for step in chosen.setup(spec):

@@ -43,6 +43,7 @@ from autotune.config import (
     Offload,
     Optimizer,
     Precision,
+    Schedule,
     TrainConfig,
     parse_ac_ops,
 )
@@ -115,6 +116,21 @@ def probe(
             help="Tensor-parallel degree: each block split over this many ranks of --gpus, "
             "with sequence parallelism (torch's DTensor plans); the rest data-parallel.",
         ),
+    ] = 1,
+    pp: Annotated[
+        int,
+        typer.Option(
+            "--pp",
+            help="Pipeline stages, one a rank of --gpus (torch's pipelining); the step's "
+            "micro-steps (--grad-accum) are its microbatches.",
+        ),
+    ] = 1,
+    pp_schedule: Annotated[
+        Schedule, typer.Option("--pp-schedule", help="The pipeline's schedule.")
+    ] = Schedule.ONE_F_ONE_B,
+    pp_virtual: Annotated[
+        int,
+        typer.Option("--pp-virtual", help="Chunks a rank under --pp-schedule interleaved-1f1b."),
     ] = 1,
     micro_batch: Annotated[str, typer.Option(help="Size, or sizes to sweep: 1,2,4.")] = "1",
     seq_len: SeqLenOption = None,
@@ -205,6 +221,9 @@ _CONFIG_FIELDS = (
     "act_offload",
     "torch_compile",
     "tp",
+    "pp",
+    "pp_schedule",
+    "pp_virtual",
 )
 """``probe``'s options that are the configuration's own fields, under the same names."""
 

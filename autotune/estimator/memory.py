@@ -456,7 +456,9 @@ def estimate_memory(
     kept_before = list(itertools.accumulate(kept, initial=0.0))
     held_before = list(itertools.accumulate(held, initial=0.0))
     all_kept, all_held = kept_before[-1], held_before[-1]
-    others_kept = (in_flight - 1.0) * all_kept
+    # Another micro-batch in flight keeps what its forward saved for its backward: the
+    # blocks' kept tensors and the output layer's (a pipeline's last stage under GPipe).
+    others_kept = (in_flight - 1.0) * (all_kept + prof.head_saved_per_token * tokens)
     # Forward: the last checkpointed block runs with all its activations (autocast's cache keeps
     # every cast weight until the forward returns).
     last_ck = max((j for j, a in enumerate(again) if a), default=None)

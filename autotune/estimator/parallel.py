@@ -16,8 +16,9 @@ Memory (the larger of the first and the last pipeline stage):
   "tensor + sequence parallel"); at ``seq_len / cp`` tokens a sequence;
 - the first stage holds :func:`autotune.layouts.in_flight` microbatches' kept activations
   (p under 1F1B, times ``1 + (p - 1) / (p v)`` interleaved; Korthikanti et al. 2022,
-  section 4.2.3); the last stage holds one, and the logits and loss (``vocab / tp`` wide:
-  the output layer is split over the vocabulary);
+  section 4.2.3) and each one's output, sent on and kept for its backward; the last stage
+  holds one (every one under GPipe), with the logits and loss (``vocab / tp`` wide: the
+  output layer is split over the vocabulary);
 - context parallelism's ring: the key/value chunk in use and the one arriving, each
   ``seq_len / cp`` tokens of ``kv_heads / tp`` heads, in the compute dtype.
 
@@ -197,24 +198,30 @@ def estimate_layout_memory(
     tokens = float(micro_batch_size * seq)
     ring = _ring_bytes(model, config, tokens)
     stages = [(True, 1.0)] if config.pp == 1 else [(False, in_flight(config, grad_accum))]
-    if config.pp > 1:
-        stages.append((True, 1.0))
-    estimates = [
-        estimate_memory(
-            shard,
-            local,
-            micro_batch_size=micro_batch_size,
-            seq_len=seq,
-            world_size=sharded_over,
-            profile=_rank_profile(whole, config.tp, head),
-            cuda_allocator=cuda_allocator,
-            grad_accum=grad_accum,
-            loss_dtype=loss_dtype,
-            in_flight=held,
-            alongside=ring,
+    if config.pp > 1:  # the last stage: one microbatch in flight, every one under GPipe
+        stages.append((True, in_flight(config, grad_accum, last=True)))
+    estimates = []
+    for head, held in stages:
+        profile = _rank_profile(whole, config.tp, head)
+        # A stage before the last keeps each microbatch's output (its last block's output,
+        # sent on) until that microbatch's backward: the next stage's input, whose first
+        # block keeps its own copy.
+        sent = 0.0 if head else held * profile.layer_input_per_token * tokens
+        estimates.append(
+            estimate_memory(
+                shard,
+                local,
+                micro_batch_size=micro_batch_size,
+                seq_len=seq,
+                world_size=sharded_over,
+                profile=profile,
+                cuda_allocator=cuda_allocator,
+                grad_accum=grad_accum,
+                loss_dtype=loss_dtype,
+                in_flight=held,
+                alongside=ring + sent,
+            )
         )
-        for head, held in stages
-    ]
     return max(estimates, key=lambda e: e.device_bytes)
 
 

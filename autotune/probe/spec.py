@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.config import ConfigError, Engine, Precision, TrainConfig
+from autotune.layouts import pipeline_microbatches_ok
 from autotune.tuned.rlhf import Placement, RLHFProbe
 from autotune.tuned.script import ScriptJob
 
@@ -87,11 +88,25 @@ class ProbeSpec:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"unknown device {self.device!r}: use cuda, cpu or auto")
         layout = self.config
-        if layout.pp > 1 or layout.cp > 1:
+        if layout.cp > 1:
             raise ConfigError(
-                f"{layout.label()}: pipeline and context parallel layouts are planned "
-                "(autotune plan), not probed yet: probe a data-parallel or --tp configuration"
+                f"{layout.label()}: context parallel layouts are planned (autotune plan), "
+                "not probed yet (torch runs them on a GPU's attention kernels): probe --tp or --pp"
             )
+        if layout.pp > 1 and (layout.tp > 1 or self.world_size != layout.pp):
+            raise ConfigError(
+                f"--pp {layout.pp} probes one pipeline over all its ranks yet: use --gpus "
+                f"{layout.pp}, without --tp"
+            )
+        if layout.pp > 1 and self.script is None and self.rlhf is None:
+            for size in self.micro_batch_sizes:
+                if not pipeline_microbatches_ok(layout, self.accumulation(size)):
+                    raise ConfigError(
+                        f"--pp {layout.pp} ({layout.pp_schedule.value}) needs at least "
+                        f"{layout.pp} microbatches a step"
+                        + (", a multiple of it" if layout.pp_virtual > 1 else "")
+                        + f": use --grad-accum {2 * layout.pp}"
+                    )
         if layout.tp > 1 and self.world_size % layout.tp:
             raise ConfigError(
                 f"--tp {layout.tp} does not divide {self.world_size} ranks: use --gpus a "
@@ -102,9 +117,10 @@ class ProbeSpec:
                 "--tp probes FSDP2 over the data-parallel ranks (DDP does not wrap a "
                 "tensor-parallel model): use --engine fsdp with --tp"
             )
-        if layout.tp > 1 and (self.script is not None or self.rlhf is not None):
+        if layout.is_layout and (self.script is not None or self.rlhf is not None):
             raise ConfigError(
-                "--tp probes autotune's stand-in training step: leave out --script and --rlhf"
+                "--tp and --pp probe autotune's stand-in training step: leave out --script "
+                "and --rlhf"
             )
         if layout.engine is Engine.SINGLE and self.world_size != layout.model_parallel:
             raise ConfigError(

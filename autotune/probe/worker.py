@@ -191,7 +191,18 @@ class _StepLoop:
                 synchronize(device)
                 window_start = mark = now()
             loss = None
-            for micro in range(accumulation):
+            pipeline = getattr(self.trainee, "step", None)
+            if getattr(self.trainee, "pipelined", False) and pipeline is not None:
+                # A pipeline runs the step's micro-batches in one schedule: each counts an
+                # equal share of its time (the bubble included).
+                synchronize(device)
+                began = now()
+                self.stage = Stage.FORWARD
+                loss = pipeline(batch, accumulation)
+                synchronize(device)
+                if timed:
+                    micro_times += [(now() - began) / accumulation] * accumulation
+            for micro in range(0 if pipeline is not None else accumulation):
                 sync = micro == accumulation - 1
                 synchronize(device)
                 began = now()

@@ -229,10 +229,12 @@ def test_degrees_the_user_names_restrict_the_layouts() -> None:
     )
 
 
-def test_pipeline_and_context_layouts_are_planned_not_probed_and_none_exported() -> None:
-    for layout in (_layout(pp=2), _layout(cp=2)):
-        with pytest.raises(ConfigError, match=r"planned \(autotune plan\), not probed yet"):
-            ProbeSpec(model="tiny", config=layout, micro_batch_sizes=(1,), num_processes=2)
+def test_context_layouts_are_planned_not_probed_and_no_layout_exported() -> None:
+    with pytest.raises(ConfigError, match=r"planned \(autotune plan\), not probed yet"):
+        ProbeSpec(model="tiny", config=_layout(cp=2), micro_batch_sizes=(1,), num_processes=2)
+    pipeline = dataclasses.replace(_layout(pp=2), engine=Engine.SINGLE, zero_stage=0)
+    with pytest.raises(ConfigError, match="needs at least 2 microbatches a step"):
+        ProbeSpec(model="tiny", config=pipeline, micro_batch_sizes=(1,), num_processes=2)
     layout = _layout(tp=2)
     with pytest.raises(ConfigError, match="--tp 2 does not divide 3 ranks"):
         ProbeSpec(model="tiny", config=layout, micro_batch_sizes=(1,), num_processes=3)

@@ -13,7 +13,9 @@ def load_engine(config: TrainConfig, device_type: str) -> None:
     """Import the engine ``config`` names, with the libraries and compiled ops it loads (part
     of a rank's start-up, so that :func:`build_trainee` measures the build alone); once per
     process and configuration."""
-    if config.tp > 1:
+    if config.pp > 1:
+        import autotune.probe.engines.pipeline
+    elif config.tp > 1:
         import autotune.probe.engines.tensor
     elif config.engine is Engine.DEEPSPEED:
         from autotune.probe.engines.deepspeed import load_deepspeed
@@ -29,6 +31,10 @@ def build_trainee(ctx: EngineContext) -> Trainee:
     """Build the engine named by ``ctx.config.engine`` (imports only that engine)."""
     load_engine(ctx.config, ctx.device.type)
     engine = ctx.config.engine
+    if ctx.config.pp > 1:
+        from autotune.probe.engines.pipeline import build_pipeline
+
+        return build_pipeline(ctx)
     if ctx.config.tp > 1:
         from autotune.probe.engines.tensor import build_tensor_parallel
 
