@@ -191,18 +191,18 @@ class _StepLoop:
                 synchronize(device)
                 window_start = mark = now()
             loss = None
-            pipeline = getattr(self.trainee, "step", None)
-            if getattr(self.trainee, "pipelined", False) and pipeline is not None:
+            pipelined = self.trainee.pipelined
+            if pipelined:
                 # A pipeline runs the step's micro-batches in one schedule: each counts an
                 # equal share of its time (the bubble included).
                 synchronize(device)
                 began = now()
                 self.stage = Stage.FORWARD
-                loss = pipeline(batch, accumulation)
+                loss = self.trainee.pipeline_step(batch, accumulation)
                 synchronize(device)
                 if timed:
                     micro_times += [(now() - began) / accumulation] * accumulation
-            for micro in range(0 if pipeline is not None else accumulation):
+            for micro in range(0 if pipelined else accumulation):
                 sync = micro == accumulation - 1
                 synchronize(device)
                 began = now()

@@ -42,6 +42,14 @@ class Trainee(abc.ABC):
     """
 
     model: nn.Module
+    pipelined: bool = False
+    """Whether a step runs all its micro-steps in one call (:meth:`pipeline_step`: a
+    pipeline's schedule) instead of ``forward`` and ``backward`` a micro-step."""
+
+    def pipeline_step(self, input_ids: torch.Tensor, microbatches: int) -> torch.Tensor:
+        """Forward and backward of ``microbatches`` micro-steps at once (a pipelined
+        trainee's); their mean loss."""
+        raise NotImplementedError(f"{type(self).__name__} runs a micro-step at a time")
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor, *, sync: bool) -> torch.Tensor:

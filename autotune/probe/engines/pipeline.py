@@ -13,7 +13,6 @@ the logits) on the last stage, its microbatches' mean broadcast to every rank.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,9 +130,9 @@ class PipelineTrainee(TorchTrainee):
         return self._schedules[key]
 
     def forward(self, input_ids: torch.Tensor, *, sync: bool) -> torch.Tensor:
-        raise NotImplementedError("a pipeline runs a whole step: step(batch, microbatches)")
+        raise NotImplementedError("a pipeline runs a whole step: pipeline_step()")
 
-    def step(self, input_ids: torch.Tensor, microbatches: int) -> torch.Tensor:
+    def pipeline_step(self, input_ids: torch.Tensor, microbatches: int) -> torch.Tensor:
         """Forward and backward of ``microbatches`` micro-batches of ``input_ids`` through
         the pipeline; their mean loss, on every rank."""
         schedule = self._schedule(microbatches, input_ids.shape[0])
@@ -172,8 +171,7 @@ def build_pipeline(ctx: EngineContext) -> PipelineTrainee:
         inner.norm = None
         model.lm_head = None
     apply_activation_checkpointing(model, config.ac_every, config.ac_ops)
-    with contextlib.suppress(AttributeError):
-        model.config.tie_word_embeddings = False
+    model.config.tie_word_embeddings = False  # the tables sit apart (tied models: refused)
     materialize(model, ctx.device, seed=ctx.seed)
     cast_weights(model, config)
     mine = decoder_blocks(model)

@@ -86,11 +86,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 class _TensorParallelTrainee(TorchTrainee):
     """The loss on the vocabulary-split logits, forward and backward under ``loss_parallel``."""
 
-    _fsdp: bool = False
-    """Whether FSDP2 shards the model over the data-parallel ranks."""
-
     def prepare_sync(self, sync: bool) -> None:
-        if self._fsdp:
+        if self._config.engine is Engine.FSDP:  # FSDP2 over the data-parallel ranks
             self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
 
     def forward(self, input_ids: torch.Tensor, *, sync: bool) -> torch.Tensor:
@@ -129,6 +126,4 @@ def build_tensor_parallel(ctx: EngineContext) -> Trainee:
             fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
     materialize(model, ctx.device, seed=ctx.seed)
-    trainee = _TensorParallelTrainee(model, model.parameters(), ctx, autocast=not fsdp)
-    trainee._fsdp = fsdp
-    return trainee
+    return _TensorParallelTrainee(model, model.parameters(), ctx, autocast=not fsdp)
