@@ -26,6 +26,9 @@ from autotune.study.rlhf import RLHFTrial, layout_key
 
 __all__ = ["RLHFSummary", "may_fit", "measured_speed", "propose"]
 
+_SAME = 1e-9
+"""Relative difference below which a candidate's bound counts as equal to the best."""
+
 
 def may_fit(row: RLHFRow, error: float = PRIOR_ERROR) -> bool:
     """Whether ``row`` may fit once its trainer's memory is allowed ``error`` (the engine's
@@ -74,7 +77,9 @@ def propose(rows: Sequence[RLHFRow], trials: Sequence[RLHFTrial]) -> RLHFRow | N
     ]
     candidates.sort(key=lambda r: (-round(r.speed, 6), -r.share))
     for row in candidates:
-        if best and row.speed * scale <= best:
+        # A prediction equal to the best's own, scaled by the best's ratio, lands a rounding
+        # above or below it: equal is no win (the relative tolerance is far below any noise).
+        if best and row.speed * scale <= best * (1 + _SAME):
             return None
         return row
     return None

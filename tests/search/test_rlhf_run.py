@@ -151,3 +151,22 @@ def test_the_search_stops_when_nothing_left_can_beat_the_best() -> None:
         for r in planned
         if may_fit(r)
     )
+
+
+def test_a_layout_predicted_as_fast_as_the_best_never_extends_the_search() -> None:
+    """Pure: whatever speed the best measured, the layouts predicted exactly as fast (the same
+    layout at another share) are scaled to that speed and cannot beat it, however the ratio
+    rounds (a measured speed times prediction over prediction lands a rounding above it for
+    about one speed in thirty)."""
+    planned = rows((0.5, 0.8))
+    fastest = max(planned, key=lambda r: (r.speed, r.share))
+    for step in range(1, 400):
+        done = RLHFTrial(
+            config=fastest.config,
+            share=fastest.share,
+            sleep=fastest.sleep,
+            micro_batch_size=fastest.micro_batch_size,
+            outcome="ok",
+            samples_per_second=0.5 + step / 137,
+        )
+        assert propose(planned, [done]) is None, done.samples_per_second
