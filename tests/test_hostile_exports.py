@@ -173,9 +173,10 @@ STAND_IN = [
     (fmt, engine)
     for fmt in Format
     if fmt is not Format.COMMAND  # a study of a script of the user's own: below
-    for engine in (Engine.DEEPSPEED, Engine.FSDP)
+    for engine in (Engine.DEEPSPEED, Engine.FSDP, Engine.DDP)
     if not (fmt is Format.DEEPSPEED and engine is not Engine.DEEPSPEED)
     and not (fmt is Format.FSDP and engine is not Engine.FSDP)
+    and (engine is Engine.DDP) is (fmt is Format.MEGATRON)  # Megatron-LM's own engine
 ]
 
 
@@ -216,6 +217,11 @@ def test_every_stand_in_format_writes_a_hostile_folder_name_as_data(
             plain_argv = run_shell(baseline, root, root / "runs" / f"{where}-{index}-plain")
             assert argv == plain_argv == [["torchrun", "--nnodes=1", "--nproc-per-node=8",
                                            "train.py"]], where  # fmt: skip
+        elif fmt is Format.MEGATRON:
+            argv = run_shell(text, root, root / "runs" / f"{where}-{index}")
+            plain_argv = run_shell(baseline, root, root / "runs" / f"{where}-{index}-plain")
+            assert argv == plain_argv and argv[0][:4] == ["torchrun", "--nnodes=1",
+                "--nproc-per-node=8", "pretrain_gpt.py"], where  # fmt: skip
         else:
             same_python(text, baseline, name)
 

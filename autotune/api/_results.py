@@ -10,6 +10,7 @@ from typing import Any
 
 from autotune.config import ConfigError, Engine, parse_choice
 from autotune.handoff.launch import Format, Launch, knob_notes, render, value_notes
+from autotune.handoff.megatron import megatron_notes
 from autotune.handoff.script import job_command, shell_text
 from autotune.models import ModelSpec, resolve_model
 from autotune.outputs import check_output, write_new_file
@@ -125,7 +126,7 @@ def export(
     """The best configuration of the matching study, as a trainer's own configuration.
 
     Args:
-        format: ``deepspeed``, ``accelerate``, ``hf``, ``torchrun`` or ``fsdp`` (see
+        format: ``deepspeed``, ``accelerate``, ``hf``, ``torchrun``, ``fsdp`` or ``megatron`` (see
             :class:`~autotune.handoff.launch.Format`).
         model: Only studies of this model (a preset name, or the path its study was run
             with: the model's shape is read from it).
@@ -171,7 +172,9 @@ def export(
         launch=launch,
         format=chosen,
         text=text,
-        notes=knob_notes(launch, chosen) + value_notes(launch, chosen),
+        notes=knob_notes(launch, chosen)
+        + value_notes(launch, chosen)
+        + (megatron_notes(launch) if chosen is Format.MEGATRON else []),
     )
 
 
@@ -219,6 +222,7 @@ def _launch(found: StudyResult, measurement: Measurement, spec: ModelSpec) -> La
         seq_len=fingerprint.seq_len,
         transformers=fingerprint.software.get("transformers"),
         simulated=measurement.simulated or fingerprint.device == "simulated",
+        spec=spec,
     )
 
 

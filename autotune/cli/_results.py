@@ -99,7 +99,7 @@ def export(
         typer.Option(
             "--format",
             "-f",
-            help="deepspeed, accelerate, hf, torchrun or fsdp; for a run --script study: "
+            help="deepspeed, accelerate, hf, torchrun, fsdp or megatron; for a run --script study: "
             "command (your script's command line, tuned); for a run --rlhf study: trl, "
             "openrlhf or verl.",
             show_default=False,
@@ -124,7 +124,8 @@ def export(
 ) -> None:
     """The best configuration in a trainer's own format.
 
-    DeepSpeed JSON, accelerate YAML, TrainingArguments, a torchrun line, FSDP2 code, your
+    DeepSpeed JSON, accelerate YAML, TrainingArguments, a torchrun line, FSDP2 code,
+    Megatron-LM's arguments (megatron: tensor, pipeline and context parallel layouts too), your
     script's own command line (command), or an RL trainer's configuration (trl, openrlhf,
     verl)."""
     from autotune import api

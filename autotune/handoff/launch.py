@@ -35,11 +35,14 @@ from autotune.config import (
     TrainConfig,
     lora_alpha,
 )
+from autotune.layouts import data_parallel
+from autotune.models import ModelSpec
 
 __all__ = [
     "Format",
     "Launch",
     "checkpointing_field",
+    "comment_lines",
     "deepspeed_config",
     "deepspeed_for",
     "hf_fields",
@@ -71,6 +74,14 @@ class Format(enum.StrEnum):
     COMMAND = "command"
     """The user's own training script, as a study of it ran it: a shell script that writes its
     configuration files and starts it (``autotune.handoff.script``)."""
+    MEGATRON = "megatron"
+    """Megatron-LM's arguments (layout, batch, recomputation, the model's shape) and the
+    ``torchrun`` line that starts ``pretrain_gpt.py`` with them (``autotune.handoff.megatron``)."""
+
+
+LAYOUT_FORMATS = frozenset({Format.MEGATRON})
+"""The formats that write a tensor, pipeline or context parallel layout; the others write data
+parallelism alone and refuse one."""
 
 
 def deepspeed_config(
@@ -160,6 +171,8 @@ class Launch:
     field names follow it); None: the newest names."""
     simulated: bool = False
     """Its figures come from a simulated GPU (the estimator), not a run: every format says so."""
+    spec: ModelSpec | None = None
+    """The model's shape, for the formats that write it (``megatron``); None where unknown."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "micro_batch_size", "grad_accum", "world_size", "nodes"):
@@ -170,17 +183,12 @@ class Launch:
                 f"{self.world_size} GPUs do not split evenly over {self.nodes} nodes: use a "
                 "multiple of the node count"
             )
-        if self.config.is_layout:
-            raise ConfigError(
-                f"{self.config.label()}: no export format writes a tensor, pipeline or context "
-                "parallel layout yet (each writes data parallelism alone): export a "
-                "data-parallel configuration"
-            )
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step over all ranks."""
-        return self.micro_batch_size * self.grad_accum * self.world_size
+        """Sequences per optimizer step over all ranks (each data-parallel rank's micro-batches;
+        the tensor, pipeline and context parallel ranks of a replica share theirs)."""
+        return self.micro_batch_size * self.grad_accum * data_parallel(self.config, self.world_size)
 
     @property
     def per_node(self) -> int:
@@ -213,7 +221,7 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def _comments(lines: list[str]) -> list[str]:
+def comment_lines(lines: list[str]) -> list[str]:
     """Comment lines of shell or YAML, one each, whatever the text holds."""
     return [f"# {one_line(line)}" for line in lines]
 
@@ -389,6 +397,16 @@ def render(launch: Launch, fmt: Format | str) -> str:
             "--format command is the command of your own script, and this study probed "
             "autotune's stand-in: tune it with autotune run --script, or use --format torchrun"
         )
+    if launch.config.is_layout and chosen not in LAYOUT_FORMATS:
+        layout_formats = ", ".join(sorted(f.value for f in LAYOUT_FORMATS))
+        raise ConfigError(
+            f"{launch.config.label()}: --format {chosen.value} writes data parallelism alone, "
+            f"not a tensor, pipeline or context parallel layout: use --format {layout_formats}"
+        )
+    if chosen is Format.MEGATRON:
+        from autotune.handoff.megatron import render_megatron  # it imports this module
+
+        return render_megatron(launch)
     return _RENDERERS[chosen](launch)
 
 
@@ -400,7 +418,7 @@ def _needs(launch: Launch, engine: Engine, fmt: Format) -> None:
             if f is not fmt
             and not (f is Format.DEEPSPEED and launch.config.engine is not Engine.DEEPSPEED)
             and not (f is Format.FSDP and launch.config.engine is not Engine.FSDP)
-            and f is not Format.COMMAND
+            and f not in (Format.COMMAND, Format.MEGATRON)
         ]
         raise ConfigError(
             f"--format {fmt.value} needs a {engine.value} configuration, and this one is "
@@ -552,7 +570,7 @@ def _accelerate(launch: Launch) -> str:
     if launch.nodes > 1:
         notes.append("set machine_rank, main_process_ip and main_process_port on each node")
     notes += knob_notes(launch, Format.ACCELERATE)
-    return "\n".join(_comments(notes)) + "\n" + _yaml(data)
+    return "\n".join(comment_lines(notes)) + "\n" + _yaml(data)
 
 
 # ---- Hugging Face TrainingArguments -------------------------------------------------------
@@ -727,7 +745,7 @@ def _torchrun(launch: Launch) -> str:
     if launch.nodes > 1:
         notes.append("run on every node, with MASTER_ADDR the first node's address")
     lines = [
-        *_comments(notes),
+        *comment_lines(notes),
         f"export NNODES={launch.nodes}",
         f"export NPROC_PER_NODE={launch.per_node}",
         *thread_lines(launch.per_node),

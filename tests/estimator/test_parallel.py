@@ -18,7 +18,7 @@ from autotune.config import ConfigError, Engine, Offload, Schedule, TrainConfig
 from autotune.estimator.memory import estimate_memory
 from autotune.estimator.parallel import estimate_layout_memory, predict_layout_time
 from autotune.estimator.timing import predict_step_time
-from autotune.handoff.launch import Launch
+from autotune.handoff.launch import Launch, render
 from autotune.hardware import gpu_spec
 from autotune.layouts import check_layout, in_flight, layout_configs, shard_model
 from autotune.models import resolve_model
@@ -229,7 +229,7 @@ def test_degrees_the_user_names_restrict_the_layouts() -> None:
     )
 
 
-def test_context_layouts_are_planned_not_probed_and_no_layout_exported() -> None:
+def test_context_layouts_are_planned_not_probed_and_data_parallel_formats_refuse_a_layout() -> None:
     with pytest.raises(ConfigError, match=r"planned \(autotune plan\), not probed yet"):
         ProbeSpec(model="tiny", config=_layout(cp=2), micro_batch_sizes=(1,), num_processes=2)
     pipeline = dataclasses.replace(_layout(pp=2), engine=Engine.SINGLE, zero_stage=0)
@@ -238,8 +238,9 @@ def test_context_layouts_are_planned_not_probed_and_no_layout_exported() -> None
     layout = _layout(tp=2)
     with pytest.raises(ConfigError, match="--tp 2 does not divide 3 ranks"):
         ProbeSpec(model="tiny", config=layout, micro_batch_sizes=(1,), num_processes=3)
-    with pytest.raises(ConfigError, match="no export format writes a tensor"):
-        Launch(
-            model="tiny", config=layout, hidden_size=64, micro_batch_size=1, grad_accum=1,
-            world_size=2, seq_len=64,
-        )  # fmt: skip
+    exported = Launch(
+        model="tiny", config=layout, hidden_size=64, micro_batch_size=1, grad_accum=1,
+        world_size=2, seq_len=64,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="--format torchrun writes data parallelism alone"):
+        render(exported, "torchrun")
