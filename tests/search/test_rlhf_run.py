@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from autotune import api
 from autotune.cli import app
 from autotune.config import TrainConfig
-from autotune.estimator.rlhf import plan_rlhf
+from autotune.estimator.rlhf import RLHFRow, plan_rlhf
 from autotune.hardware import cpu_device_spec
 from autotune.models import resolve_model
 from autotune.search.rlhf import may_fit, propose
@@ -130,19 +130,23 @@ def test_an_oom_rules_out_the_same_layout_at_larger_shares() -> None:
     assert not (proposed.config == layout.config and proposed.share >= 0.8)
 
 
+def measured(row: RLHFRow, speed: float) -> RLHFTrial:
+    """A probe of ``row``'s layout that fitted at ``speed`` samples a second."""
+    return RLHFTrial(
+        config=row.config,
+        share=row.share,
+        sleep=row.sleep,
+        micro_batch_size=row.micro_batch_size,
+        outcome="ok",
+        samples_per_second=speed,
+    )
+
+
 def test_the_search_stops_when_nothing_left_can_beat_the_best() -> None:
     """Pure: a measured layout as fast as every remaining prediction ends the search."""
     planned = rows((0.5, 0.8))
     fastest = max(planned, key=lambda r: r.speed)
-    done = RLHFTrial(
-        config=fastest.config,
-        share=fastest.share,
-        sleep=fastest.sleep,
-        micro_batch_size=fastest.micro_batch_size,
-        outcome="ok",
-        samples_per_second=fastest.speed,
-    )
-    assert propose(planned, [done]) is None
+    assert propose(planned, [measured(fastest, fastest.speed)]) is None
     # Before any probe: the fastest that may fit, the larger share of equally fast ones.
     first = propose(planned, [])
     assert first is not None and may_fit(first)
@@ -161,12 +165,5 @@ def test_a_layout_predicted_as_fast_as_the_best_never_extends_the_search() -> No
     planned = rows((0.5, 0.8))
     fastest = max(planned, key=lambda r: (r.speed, r.share))
     for step in range(1, 400):
-        done = RLHFTrial(
-            config=fastest.config,
-            share=fastest.share,
-            sleep=fastest.sleep,
-            micro_batch_size=fastest.micro_batch_size,
-            outcome="ok",
-            samples_per_second=0.5 + step / 137,
-        )
-        assert propose(planned, [done]) is None, done.samples_per_second
+        speed = 0.5 + step / 137
+        assert propose(planned, [measured(fastest, speed)]) is None, speed
