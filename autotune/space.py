@@ -57,7 +57,7 @@ class Workload:
     global_batch: int
     """Sequences per optimizer step over all ranks."""
     world_size: int
-    """Data-parallel ranks (GPUs)."""
+    """Ranks (GPUs) in all; with a layout, :attr:`data_parallel` of them share the batch."""
     loss_dtype: LossDtype = LossDtype.FP32
     """The dtype the job's loss takes the logits in: the stand-in's and every export's is
     fp32 (the model's own loss); a user's job's is measured by its first probe."""
@@ -65,6 +65,10 @@ class Workload:
     """The engine a user's job trains under at one rank, whether a configuration asks for one
     process or DDP (the Trainer and accelerate launched by torchrun wrap a lone rank in DDP,
     with its gradient buckets; a plain loop may not): measured by a probe. None: as asked."""
+    model_parallel: int = 1
+    """Ranks of one replica's tensor, pipeline and context parallel groups, where a run keeps
+    one layout (``run --tp 2``): the global batch is shared by the data-parallel ranks, the
+    GPUs over it. 1: data parallelism alone."""
 
     def __post_init__(self) -> None:
         chosen = parse_choice(LossDtype, self.loss_dtype, "loss dtype")
@@ -73,9 +77,14 @@ class Workload:
         if engine not in (None, Engine.SINGLE, Engine.DDP):
             raise ConfigError(f"a lone rank trains with no wrapper or DDP, not {engine}")
         object.__setattr__(self, "one_rank_engine", engine)
-        for name in ("seq_len", "global_batch", "world_size"):
+        for name in ("seq_len", "global_batch", "world_size", "model_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1")
+        if self.world_size % self.model_parallel:
+            raise ConfigError(
+                f"a layout of {self.model_parallel} ranks does not divide {self.world_size} "
+                "GPUs: use degrees whose product divides the GPUs"
+            )
         if self.global_batch > MAX_GLOBAL_BATCH:
             raise ConfigError(
                 f"global batch {self.global_batch:,} is more sequences per step than any "
@@ -97,23 +106,30 @@ class Workload:
 
     @property
     def splits_evenly(self) -> bool:
-        """Whether every GPU takes as many sequences of the global batch: what data
-        parallelism needs (a layout with fewer data-parallel ranks than GPUs needs less)."""
-        return self.global_batch % self.world_size == 0
+        """Whether every data-parallel rank takes as many sequences of the global batch (a
+        plan's layouts, with fewer data-parallel ranks than GPUs, need less)."""
+        return self.global_batch % self.data_parallel == 0
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks that share the global batch: the GPUs over :attr:`model_parallel`."""
+        return self.world_size // self.model_parallel
 
     def check_splits(self) -> None:
-        """Refuse a global batch the GPUs cannot share evenly, in one line."""
+        """Refuse a global batch the data-parallel ranks cannot share evenly, in one line."""
         if not self.splits_evenly:
+            ranks = self.data_parallel
+            what = f"{ranks} GPUs" if ranks == self.world_size else f"{ranks} data-parallel ranks"
             raise ConfigError(
-                f"global batch {self.global_batch} is not a multiple of {self.world_size} GPUs: "
-                f"use a global batch divisible by {self.world_size}"
+                f"global batch {self.global_batch} is not a multiple of {what}: use a global "
+                f"batch divisible by {ranks}"
             )
 
     @property
     def per_rank_batch(self) -> int:
-        """Sequences each rank processes per optimizer step (data parallelism)."""
+        """Sequences each data-parallel rank processes per optimizer step."""
         self.check_splits()
-        return self.global_batch // self.world_size
+        return self.global_batch // self.data_parallel
 
     def grad_accum(self, micro_batch_size: int) -> int:
         """Micro-steps per optimizer step so that mbs × ranks × accumulation = global batch."""

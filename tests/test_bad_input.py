@@ -54,6 +54,16 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     ((*TPCPU, "--gpus", "4", "--tp", "2", "--engine", "ddp"), "use --engine fsdp with --tp"),
     ((*TPCPU, "--gpus", "2", "--pp", "2"), "needs at least 2 microbatches a step: use --grad"),
     ((*TPCPU, "--gpus", "4", "--pp", "2", "--grad-accum", "4"), "probes one pipeline over all"),
+    # A layout a run keeps (run --tp/--pp/--cp).
+    (("run", *SIM, "--gpus", "8", "--tp", "3"), "= 3 ranks do not divide 8 GPUs"),
+    (("run", *SIM, "--gpus", "8", "--pp-virtual", "2"), "shape a pipeline: give --pp 2 or more"),
+    (("run", *SIM, "--gpus", "8", "--tp", "0"), "--tp 0: use 1 or more"),
+    (
+        ("run", *SIM, "--gpus", "8", "--tp", "2", "--global-batch", "10"),
+        "global batch 10 is not a multiple of 4 data-parallel ranks",
+    ),
+    (("run", *SIM, "--gpus", "8", "--tp", "2", "--jobs", "j.yaml"), "leave them out with --jobs"),
+    (("run", *SIM, "--gpus", "8", "--pp", "2", "--pp-schedule", "zb"), "unknown pipeline schedule"),
     (
         (
             "probe",

@@ -21,6 +21,8 @@ from autotune.config import (
     NothingFits,
     Optimizer,
     Precision,
+    Schedule,
+    TrainConfig,
     parse_choice,
     parse_losses,
     parse_optimizers,
@@ -30,9 +32,10 @@ from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, point_estimat
 from autotune.estimator.plan import plan as plan_rows
 from autotune.hardware import GpuSpec, cpu_device_spec, detect_gpus, host_memory_bytes
 from autotune.jobs import JobResult
+from autotune.layouts import LayoutOptions, check_layout
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.nodes import Nodes
-from autotune.probe.spec import ProbeTemplate
+from autotune.probe.spec import ProbeTemplate, layout_refusal
 from autotune.space import Workload
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective, software_versions
 from autotune.study.measurement import measured_workload
@@ -233,6 +236,11 @@ def _prepare(
     optimizers: str | Iterable[Optimizer | str] | None = None,
     lora_rank: int | None = None,
     activation_offload: bool = False,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    pp_schedule: Schedule | str | None = None,
+    pp_virtual: int = 1,
     check_only: bool = False,
 ) -> Tuning | None:
     """:func:`prepare`, or with ``check_only`` :func:`_check` (None)."""
@@ -268,7 +276,15 @@ def _prepare(
     )
     per_node = per_node_count(gpus, count, here)
     world = per_node * count
-    workload = workload_for(spec, seq_len, global_batch, world)
+    fixed = _fixed_layout(tp, pp, cp, pp_schedule, pp_virtual)
+    if fixed is not None and job is not None:
+        raise ConfigError("--tp, --pp and --cp tune autotune's stand-in: leave out --script")
+    workload = workload_for(spec, seq_len, global_batch, world, layouts=fixed is not None)
+    if fixed is not None:
+        check_layout(fixed, spec, world_size=world, gpus_per_node=per_node,
+                     seq_len=workload.seq_len)  # fmt: skip
+        workload = dataclasses.replace(workload, model_parallel=fixed.model_parallel)
+        workload.check_splits()
     goal = objective_value(objective)
     # Real CPU probes, or their recordings replayed: an emulated device, no host to offload to.
     on_cpu = chosen.kind == "cpu" or (
@@ -312,11 +328,29 @@ def _prepare(
         precision=None if chosen_precision is None else chosen_precision.value,
         attention=None if chosen_attention is Attention.SDPA else chosen_attention.value,
         script=None if job is None else job.to_dict(),
+        model_parallel=workload.model_parallel,
     )
     share = fraction_value(headroom, "headroom")
     capped_gpu = gpu if cap is None or on_cpu else dataclasses.replace(gpu, memory_bytes=cap)
 
     def planned(workload: Workload) -> list[PlanRow]:
+        if fixed is not None:
+            return _layout_rows(
+                fixed,
+                plan_rows(
+                    spec,
+                    capped_gpu,
+                    workload,
+                    engines=engines,
+                    precision=chosen_precision,
+                    attention=chosen_attention,
+                    reserve=0 if on_cpu or cap is not None else DEVICE_RESERVE_BYTES,
+                    gpus_per_node=per_node,
+                    device="cpu" if on_cpu else "cuda",
+                    layouts=LayoutOptions(tp=(fixed.tp,), pp=(fixed.pp,), cp=(fixed.cp,)),
+                ),
+                probed=None if isinstance(chosen, SimulatedDevice) else world,
+            )
         return plan_rows(
             spec,
             capped_gpu,  # a cap is what the allocator may hold: the plan's capacity, no reserve
@@ -377,6 +411,46 @@ def _prepare(
         storage=storage,
         replan=None if job is None else planned,
     )
+
+
+def _fixed_layout(
+    tp: int, pp: int, cp: int, schedule: Schedule | str | None, virtual: int
+) -> TrainConfig | None:
+    """The layout a run keeps (its degrees on a data-parallel configuration, checked as a
+    configuration's), or None for data parallelism."""
+    degrees = {"--tp": tp, "--pp": pp, "--cp": cp, "--pp-virtual": virtual}
+    for option, value in degrees.items():
+        count_value(value, option)
+    chosen = parse_choice(Schedule, schedule, "pipeline schedule")
+    if tp * pp * cp == 1:
+        if chosen is not None or virtual > 1:
+            raise ConfigError(
+                "--pp-schedule and --pp-virtual shape a pipeline: give --pp 2 or more"
+            )
+        return None
+    return TrainConfig(
+        engine=Engine.FSDP,
+        zero_stage=3,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        pp_schedule=chosen or TrainConfig().pp_schedule,
+        pp_virtual=virtual,
+    )
+
+
+def _layout_rows(fixed: TrainConfig, rows: list[PlanRow], *, probed: int | None) -> list[PlanRow]:
+    """The plan's rows of the layout a run keeps: its degrees, its schedule and virtual stages,
+    and where real probes run (``probed``: their ranks), what they can measure
+    (:func:`autotune.probe.spec.layout_refusal`)."""
+    return [
+        row
+        for row in rows
+        if (row.config.tp, row.config.pp, row.config.cp) == (fixed.tp, fixed.pp, fixed.cp)
+        and (fixed.pp == 1 or (row.config.pp_schedule, row.config.pp_virtual)
+             == (fixed.pp_schedule, fixed.pp_virtual))
+        and (probed is None or layout_refusal(row.config, probed) is None)
+    ]  # fmt: skip
 
 
 def _recorded_knobs(asked: Knobs, recorded: Knobs) -> Knobs:

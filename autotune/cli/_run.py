@@ -42,6 +42,11 @@ from autotune.cli.options import (
     RlhfOption,
     RolloutBatchOption,
     RolloutShareOption,
+    RunCpOption,
+    RunPpOption,
+    RunPpScheduleOption,
+    RunPpVirtualOption,
+    RunTpOption,
     ScriptArgs,
     ScriptOption,
     SeqLenOption,
@@ -117,6 +122,11 @@ def run(
     nodes: NodesOption = None,
     hosts: HostsOption = None,
     engine: EngineOption = None,
+    tp: RunTpOption = None,
+    pp: RunPpOption = None,
+    cp: RunCpOption = None,
+    pp_schedule: RunPpScheduleOption = None,
+    pp_virtual: RunPpVirtualOption = None,
     precision: Annotated[
         Precision | None, typer.Option(help="Default: bf16-mixed, fp16-mixed without bf16.")
     ] = None,
@@ -247,15 +257,22 @@ def run(
             raise UsageError("--model and --jobs: name each workload's model in the job file")
         if script_job:
             raise UsageError("--script and --jobs: name each workload's script in the job file")
+        if any(given[name] is not None for name in _LAYOUT):
+            raise UsageError("--tp, --pp and --cp tune one workload: leave them out with --jobs")
         _run_jobs(jobs, max_age=max_age, json_output=json_output, **options)
     if max_age is not None:
         raise UsageError("--max-age applies to --jobs: a single run always tunes")
     if not script_job and model is None:
         model = "llama-7b"
-    _search(model, api_arguments(options) | script_job, json_output=json_output)
+    layout = {name: given[name] for name in _LAYOUT if given[name] is not None}
+    _search(model, api_arguments(options) | script_job | layout, json_output=json_output)
 
+
+_LAYOUT = ("tp", "pp", "cp", "pp_schedule", "pp_virtual")
+"""``run``'s options of the layout it keeps (a single search's, passed to the API as named)."""
 
 _NOT_RLHF = (
+    *_LAYOUT,
     "jobs",
     "script",
     "simulate",

@@ -217,6 +217,37 @@ CpOption = Annotated[
         "leave each rank 4096 tokens or more); 1 alone: none.",
     ),
 ]
+RunTpOption = Annotated[
+    int | None,
+    typer.Option(
+        "--tp",
+        help="Tune under this tensor-parallel degree (with sequence parallelism): every "
+        "configuration tried splits its blocks over this many ranks, the rest data-parallel.",
+    ),
+]
+RunPpOption = Annotated[
+    int | None,
+    typer.Option("--pp", help="Tune under this many pipeline stages (see --pp-schedule)."),
+]
+RunCpOption = Annotated[
+    int | None,
+    typer.Option(
+        "--cp",
+        help="Tune under this context-parallel degree (the simulated GPU: CP probes need a "
+        "GPU's attention kernels).",
+    ),
+]
+RunPpScheduleOption = Annotated[
+    str | None,
+    typer.Option(
+        "--pp-schedule",
+        help="The pipeline's schedule under --pp: gpipe, 1f1b (default), interleaved-1f1b.",
+    ),
+]
+RunPpVirtualOption = Annotated[
+    int | None,
+    typer.Option("--pp-virtual", help="Chunks a rank under --pp-schedule interleaved-1f1b."),
+]
 TpAcrossNodesOption = Annotated[
     bool,
     typer.Option(

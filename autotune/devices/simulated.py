@@ -37,9 +37,8 @@ from autotune.estimator.cost import (
     probe_seconds,
 )
 from autotune.estimator.host import estimate_host, usable_host_bytes
-from autotune.estimator.memory import estimate_memory
+from autotune.estimator.parallel import estimate_rank_memory, predict_rank_time
 from autotune.estimator.plan import DEVICE_RESERVE_BYTES, caching_allocator, usable_bytes
-from autotune.estimator.timing import predict_step_time
 from autotune.hardware import GpuSpec, gpu_spec
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.metrics import probe_throughput
@@ -271,7 +270,7 @@ class SimulatedDevice(AnsweredDevice):
         for mbs in spec.micro_batch_sizes:
             if failed is not None and oom_rules_out(failed, mbs, spec.accumulation):
                 continue  # as the worker: a larger size cannot fit either
-            memory = estimate_memory(
+            memory = estimate_rank_memory(
                 model,
                 spec.config,
                 micro_batch_size=mbs,
@@ -313,7 +312,7 @@ class SimulatedDevice(AnsweredDevice):
                 if spec.world_size > 1:
                     break  # a multi-rank probe stops at its first OOM, as the real one
                 continue
-            step = predict_step_time(
+            step = predict_rank_time(
                 model,
                 spec.config,
                 self.gpu,

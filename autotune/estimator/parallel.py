@@ -65,7 +65,12 @@ from autotune.hardware import GpuSpec
 from autotune.layouts import data_parallel, in_flight, shard_model, without_layout
 from autotune.models import ModelSpec
 
-__all__ = ["estimate_layout_memory", "predict_layout_time"]
+__all__ = [
+    "estimate_layout_memory",
+    "estimate_rank_memory",
+    "predict_layout_time",
+    "predict_rank_time",
+]
 
 _HEAD_FIELDS = (
     "head_saved_per_token",
@@ -330,4 +335,59 @@ def predict_layout_time(
         tokens_per_second=tokens_per_second,
         mfu=mfu,
         hfu=hfu,
+    )
+
+
+def estimate_rank_memory(
+    model: ModelSpec,
+    config: TrainConfig,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    world_size: int,
+    grad_accum: int = 1,
+    cuda_allocator: bool = True,
+    loss_dtype: LossDtype = LossDtype.FP32,
+) -> MemoryEstimate:
+    """A rank's memory under any configuration: :func:`estimate_layout_memory` for a layout,
+    the data-parallel estimate (:func:`~autotune.estimator.memory.estimate_memory`) for the
+    rest (the same figures at degree 1, without the layout's detour)."""
+    estimate = estimate_layout_memory if config.is_layout else estimate_memory
+    return estimate(
+        model,
+        config,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        world_size=world_size,
+        grad_accum=grad_accum,
+        cuda_allocator=cuda_allocator,
+        loss_dtype=loss_dtype,
+    )
+
+
+def predict_rank_time(
+    model: ModelSpec,
+    config: TrainConfig,
+    gpu: GpuSpec,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    world_size: int,
+    grad_accum: int = 1,
+    gpus_per_node: int = 8,
+    host_cores: int | None = None,
+) -> StepTime:
+    """A step's predicted time under any configuration: :func:`predict_layout_time` for a
+    layout, :func:`~autotune.estimator.timing.predict_step_time` for the rest."""
+    predict = predict_layout_time if config.is_layout else predict_step_time
+    return predict(
+        model,
+        config,
+        gpu,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        world_size=world_size,
+        grad_accum=grad_accum,
+        gpus_per_node=gpus_per_node,
+        host_cores=host_cores,
     )

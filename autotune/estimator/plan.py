@@ -31,9 +31,9 @@ from autotune.config import (
     TrainConfig,
 )
 from autotune.estimator.host import HOST_RESERVE_BYTES, HostEstimate, estimate_host
-from autotune.estimator.memory import MemoryEstimate, estimate_memory
-from autotune.estimator.parallel import estimate_layout_memory, predict_layout_time
-from autotune.estimator.timing import StepTime, predict_step_time
+from autotune.estimator.memory import MemoryEstimate
+from autotune.estimator.parallel import estimate_rank_memory, predict_rank_time
+from autotune.estimator.timing import StepTime
 from autotune.hardware import GpuSpec
 from autotune.layouts import (
     LayoutOptions,
@@ -246,8 +246,7 @@ def plan(
     cuda = caching_allocator(gpu)
 
     def peak(config: TrainConfig, m: int, accum: int) -> MemoryEstimate:
-        estimate = estimate_layout_memory if config.is_layout else estimate_memory
-        return estimate(
+        return estimate_rank_memory(
             model,
             workload.as_trained(config),  # a user's job at one rank: its own wrapper
             micro_batch_size=m,
@@ -270,9 +269,8 @@ def plan(
             if layout and memories[m].device_bytes > capacity:
                 break
         sizes = list(memories)
-        predict = predict_layout_time if layout else predict_step_time
         times = {
-            m: predict(
+            m: predict_rank_time(
                 model,
                 config,
                 gpu,

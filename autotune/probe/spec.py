@@ -11,13 +11,41 @@ from autotune.layouts import pipeline_microbatches_ok
 from autotune.tuned.rlhf import Placement, RLHFProbe
 from autotune.tuned.script import ScriptJob
 
-__all__ = ["MAX_PROBE_ACCUMULATION", "ProbeSpec", "ProbeTemplate"]
+__all__ = ["MAX_PROBE_ACCUMULATION", "ProbeSpec", "ProbeTemplate", "layout_refusal"]
 
 MAX_PROBE_ACCUMULATION = 2
 """Micro-steps per optimizer step of a probe, at most: from the second one on, the gradients
 of the one before are alive through its forward (and, where the engine skips the reduction
 until the last micro-step, kept unreduced: FSDP2 keeps each block's whole gradient), which is
 the peak of training with accumulation; more micro-steps add time, not memory."""
+
+
+def layout_refusal(config: TrainConfig, world_size: int) -> str | None:
+    """Why a probe of ``world_size`` ranks cannot run ``config``'s layout yet (one line, what
+    to do), or None: context parallelism needs a GPU's attention kernels; a pipeline is probed
+    as one over all the ranks, without TP; TP's groups must divide the ranks, under FSDP2
+    (DDP does not wrap a tensor-parallel model)."""
+    if config.cp > 1:
+        return (
+            f"{config.label()}: context parallel layouts are planned (autotune plan), not "
+            "probed yet (torch runs them on a GPU's attention kernels): probe --tp or --pp"
+        )
+    if config.pp > 1 and (config.tp > 1 or world_size != config.pp):
+        return (
+            f"--pp {config.pp} probes one pipeline over all its ranks yet: use --gpus "
+            f"{config.pp}, without --tp"
+        )
+    if config.tp > 1 and world_size % config.tp:
+        return (
+            f"--tp {config.tp} does not divide {world_size} ranks: use --gpus a multiple of "
+            f"{config.tp}"
+        )
+    if config.tp > 1 and config.engine is Engine.DDP:
+        return (
+            "--tp probes FSDP2 over the data-parallel ranks (DDP does not wrap a "
+            "tensor-parallel model): use --engine fsdp with --tp"
+        )
+    return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,16 +116,9 @@ class ProbeSpec:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"unknown device {self.device!r}: use cuda, cpu or auto")
         layout = self.config
-        if layout.cp > 1:
-            raise ConfigError(
-                f"{layout.label()}: context parallel layouts are planned (autotune plan), "
-                "not probed yet (torch runs them on a GPU's attention kernels): probe --tp or --pp"
-            )
-        if layout.pp > 1 and (layout.tp > 1 or self.world_size != layout.pp):
-            raise ConfigError(
-                f"--pp {layout.pp} probes one pipeline over all its ranks yet: use --gpus "
-                f"{layout.pp}, without --tp"
-            )
+        refusal = layout_refusal(layout, self.world_size)
+        if refusal is not None:
+            raise ConfigError(refusal)
         if layout.pp > 1 and self.script is None and self.rlhf is None:
             for size in self.micro_batch_sizes:
                 if not pipeline_microbatches_ok(layout, self.accumulation(size)):
@@ -107,16 +128,6 @@ class ProbeSpec:
                         + (", a multiple of it" if layout.pp_virtual > 1 else "")
                         + f": use --grad-accum {2 * layout.pp}"
                     )
-        if layout.tp > 1 and self.world_size % layout.tp:
-            raise ConfigError(
-                f"--tp {layout.tp} does not divide {self.world_size} ranks: use --gpus a "
-                f"multiple of {layout.tp}"
-            )
-        if layout.tp > 1 and layout.engine is Engine.DDP:
-            raise ConfigError(
-                "--tp probes FSDP2 over the data-parallel ranks (DDP does not wrap a "
-                "tensor-parallel model): use --engine fsdp with --tp"
-            )
         if layout.is_layout and (self.script is not None or self.rlhf is not None):
             raise ConfigError(
                 "--tp and --pp probe autotune's stand-in training step: leave out --script "
@@ -161,13 +172,14 @@ class ProbeSpec:
     def accumulation(self, micro_batch_size: int) -> int:
         """Micro-steps per optimizer step the probe runs at ``micro_batch_size``: as training
         accumulates at that size (the global batch over the size and the ranks), up to
-        :data:`MAX_PROBE_ACCUMULATION`; ``grad_accum`` without a global batch, and for an RL
-        iteration (whose micro-steps are its own)."""
+        :data:`MAX_PROBE_ACCUMULATION` (a pipeline runs all of its step's microbatches: its
+        schedule's memory and bubble depend on them); ``grad_accum`` without a global batch,
+        and for an RL iteration (whose micro-steps are its own)."""
         if self.global_batch is None or self.rlhf is not None:
             return self.grad_accum
         ranks = self.world_size // self.config.model_parallel  # the data-parallel ones
         steps = self.global_batch // (micro_batch_size * ranks)
-        return max(1, min(MAX_PROBE_ACCUMULATION, steps))
+        return max(1, steps if self.config.pp > 1 else min(MAX_PROBE_ACCUMULATION, steps))
 
     @property
     def tokens_per_micro_step(self) -> int:

@@ -244,7 +244,7 @@ class Controller:
         for mbs in proposal.micro_batch_sizes:
             speed = row.speeds.get(mbs)
             fits = row.peak_at(mbs) <= row.capacity_bytes
-            tokens = mbs * workload.seq_len * workload.world_size  # one micro-step a step
+            tokens = mbs * workload.seq_len * workload.data_parallel  # one micro-step a step
             steps.append(tokens / speed if speed and fits else None)
         build_s = build_seconds(
             self._model,

@@ -102,6 +102,10 @@ class Fingerprint:
     another password or token is the same study."""
     method: int = PROBE_METHOD
     """:data:`PROBE_METHOD` the probes measured with (a study stored without one: 1)."""
+    model_parallel: int = 1
+    """The ranks of a replica's tensor, pipeline and context parallel groups, where the run
+    keeps one layout (``run --tp 2``): another study, whose data-parallel ranks are the GPUs
+    over it (1: data parallelism, every study stored before layouts)."""
 
     def __post_init__(self) -> None:
         if self.script is not None:  # as stored: a study read back is masked too
@@ -115,7 +119,12 @@ class Fingerprint:
     @property
     def workload(self) -> Workload:
         """The workload this study tunes (sequence length, global batch, GPUs)."""
-        return Workload(seq_len=self.seq_len, global_batch=self.global_batch, world_size=self.gpus)
+        return Workload(
+            seq_len=self.seq_len,
+            global_batch=self.global_batch,
+            world_size=self.gpus,
+            model_parallel=self.model_parallel,
+        )
 
     @property
     def study_name(self) -> str:
@@ -139,6 +148,8 @@ class Fingerprint:
                 name += f"/{asked}"
         if self.script is not None:
             name += f"/{ScriptJob.from_dict(self.script).key}"
+        if self.model_parallel > 1:
+            name += f"/mp{self.model_parallel}"
         short = {"torch": "torch", "deepspeed": "ds", "transformers": "tf", "driver": "drv"}
         versions = "+".join(
             f"{short.get(k, k)}{self.software[k]}"
@@ -149,7 +160,10 @@ class Fingerprint:
         return f"{name}/{versions}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "objective": self.objective.value}
+        data = {**dataclasses.asdict(self), "objective": self.objective.value}
+        if self.model_parallel == 1:  # a data-parallel study stores what it stored before
+            del data["model_parallel"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fingerprint:

@@ -54,6 +54,7 @@ from autotune.config import (
     Offload,
     Optimizer,
     Precision,
+    Schedule,
     TrainConfig,
 )
 from autotune.probe.metrics import throughput
@@ -82,8 +83,13 @@ OPEN_ATTEMPTS = 5
 """Tries to open a storage whose tables another worker is creating at the same moment."""
 
 
-def _distributions() -> dict[str, BaseDistribution]:
-    """The search space as Optuna distributions (fixed per trial: the sampler is autotune's)."""
+def _distributions(params: Mapping[str, Any]) -> dict[str, BaseDistribution]:
+    """The search space as Optuna distributions (fixed per trial: the sampler is autotune's),
+    of the fields ``params`` holds (a data-parallel configuration stores no layout field)."""
+    return {k: v for k, v in _SPACE.items() if k in params}
+
+
+def _space() -> dict[str, BaseDistribution]:
     return {
         "engine": CategoricalDistribution([e.value for e in Engine]),
         "zero_stage": IntDistribution(0, 3),
@@ -98,7 +104,15 @@ def _distributions() -> dict[str, BaseDistribution]:
         "act_offload": CategoricalDistribution([False, True]),
         "torch_compile": CategoricalDistribution([False, True]),
         "micro_batch_size": IntDistribution(1, 1 << 16),
+        "tp": IntDistribution(1, 1 << 10),
+        "pp": IntDistribution(1, 1 << 10),
+        "pp_schedule": CategoricalDistribution([x.value for x in Schedule]),
+        "pp_virtual": IntDistribution(1, 1 << 10),
+        "cp": IntDistribution(1, 1 << 10),
     }
+
+
+_SPACE = _space()
 
 
 STORAGE_ERRORS: tuple[type[Exception], ...] = (
@@ -385,8 +399,8 @@ class TrialStore:
         fixed, its owner (host, process) recorded, and its heartbeat started (call :meth:`beat`
         while the probe runs). ``repeat`` numbers a deliberate re-measurement of the point.
         """
-        distributions = _distributions()
         params = {**config.to_dict(), "micro_batch_size": micro_batch_size}
+        distributions = _distributions(params)
         template = create_trial(
             state=TrialState.RUNNING,
             params=params,
@@ -597,6 +611,7 @@ class TrialStore:
             model_flops_per_token=0.0,
             hardware_flops_per_token=0.0,
             peak_flops=None,
+            model_parallel=result.spec.config.model_parallel,
         )
         scale = speed.tokens_per_second / (entry.tokens_per_second or speed.tokens_per_second)
         attrs["objective_mfu"] = entry.mfu * scale if entry.mfu else None
