@@ -335,7 +335,7 @@ def _prepare(
 
     def planned(workload: Workload) -> list[PlanRow]:
         if fixed is not None:
-            return _layout_rows(
+            return _kept_layout_rows(
                 fixed,
                 plan_rows(
                     spec,
@@ -439,7 +439,9 @@ def _fixed_layout(
     )
 
 
-def _layout_rows(fixed: TrainConfig, rows: list[PlanRow], *, probed: int | None) -> list[PlanRow]:
+def _kept_layout_rows(
+    fixed: TrainConfig, rows: list[PlanRow], *, probed: int | None
+) -> list[PlanRow]:
     """The plan's rows of the layout a run keeps: its degrees, its schedule and virtual stages,
     and where real probes run (``probed``: their ranks), what they can measure
     (:func:`autotune.probe.spec.layout_refusal`)."""
