@@ -85,7 +85,7 @@ def test_a_real_cpu_probe_with_parameter_offload(tmp_path: Path) -> None:
     """FSDP2 parameter offload on the CPU device: nothing pinned, the device is the host."""
     config = TrainConfig(engine="fsdp", zero_stage=3, offload="params")
     result = probe("gpt2", config, micro_batch_sizes=(1,), seq_len=64, device="cpu",
-                   trials_dir=tmp_path)  # fmt: skip
+                   warmup_steps=1, timed_steps=1, trials_dir=tmp_path)  # fmt: skip
     assert result.outcome is Outcome.OK, result.message
     model = resolve_model("gpt2")
     device = estimate_memory(model, config, micro_batch_size=1, seq_len=64).peak_bytes
