@@ -48,9 +48,9 @@ from autotune.models import resolve_model
 from autotune.probe.nodes import check_host
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import Measurement, StudyResult
-from autotune.study.urls import masked
 from autotune.tuned.script import Framework, ScriptJob, masked_args
 from autotune.units import format_bytes, format_duration
+from autotune.urls import masked
 from autotune.values import (
     count_value,
     engines_value,

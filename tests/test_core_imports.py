@@ -105,3 +105,83 @@ print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(path: Path, modules: set[str]) -> set[str]:
+    """The autotune modules ``path`` imports when it runs, anywhere in it (a function's
+    import too: it closes a circle as surely, later), each with the packages above it (their
+    ``__init__`` runs first); an ``if TYPE_CHECKING:`` block's imports, which never run, left
+    out."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
+    targets: list[str] = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                above = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*above, base] if base else above)
+            targets += [f"{base}.{alias.name}" for alias in node.names] + [base]
+    found: set[str] = set()
+    for target in targets:
+        parts = target.split(".")
+        for end in range(2, len(parts) + 1):
+            module = ".".join(parts[:end])
+            if module in modules and module != name and not name.startswith(module + "."):
+                found.add(module)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """autotune's import graph has no circle: each module can be read (and loaded) after
+    everything it imports. Every strongly connected part of the graph (Tarjan's algorithm,
+    iteratively) must be one module."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: _imported(path, set(paths)) for name, path in paths.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            following = next(edges, None)
+            if following is not None:
+                if following not in index:
+                    index[following] = low[following] = len(index)
+                    stack.append(following)
+                    work.append((following, iter(sorted(graph[following]))))
+                elif following in stack:
+                    low[node] = min(low[node], index[following])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                part = stack[stack.index(node) :]
+                del stack[stack.index(node) :]
+                if len(part) > 1:
+                    circles.append(sorted(part))
+    assert circles == []

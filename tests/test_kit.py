@@ -28,8 +28,8 @@ from autotune import api
 from autotune.config import Engine
 from autotune.jobs import read_jobs
 from autotune.models import preset_names
-from autotune.study.urls import check_storage_url, masked
 from autotune.units import parse_duration
+from autotune.urls import check_storage_url, masked
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

@@ -31,8 +31,8 @@ from autotune.handoff.launch import Launch
 from autotune.handoff.script import JobCommand, shell_text
 from autotune.jobs import JobResult, read_jobs
 from autotune.models import resolve_model
-from autotune.study.urls import check_storage_url, holds_secret, masked, redact
 from autotune.tuned.script import Framework, ScriptJob, masked_args, referenced_args, secret_flag
+from autotune.urls import check_storage_url, holds_secret, masked, redact
 from tests.test_cli import autotune
 
 BIN = Path(sys.executable).parent
@@ -100,7 +100,7 @@ def test_a_sqlite_url_is_shown_without_loading_sqlalchemy() -> None:
     SQLAlchemy (0.1 s of every command); a URL that may hold a secret does."""
     code = (
         "import sys\n"
-        "from autotune.study.urls import masked\n"
+        "from autotune.urls import masked\n"
         "assert masked('sqlite:///trials/autotune.db') == 'sqlite:///trials/autotune.db'\n"
         "print('sqlalchemy' in sys.modules)\n"
         "masked('postgresql://u:pw@h/db')\n"

@@ -17,7 +17,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from autotune.study.urls import masked, redact
+from autotune.urls import masked, redact
 from tests.test_cli import TINY_CPU, autotune
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autotune"

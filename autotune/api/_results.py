@@ -16,8 +16,8 @@ from autotune.models import ModelSpec, resolve_model
 from autotune.outputs import check_output, write_new_file
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.study.measurement import Measurement, StudyResult, best_point
-from autotune.study.urls import masked
 from autotune.tuned.script import ScriptJob
+from autotune.urls import masked
 from autotune.values import positive_seconds
 
 

@@ -20,7 +20,6 @@ from autotune.models import ModelSpec, resolve_model
 from autotune.probe.launcher import new_probe_dir
 from autotune.probe.spec import ProbeSpec
 from autotune.study.fingerprint import DEFAULT_STORAGE
-from autotune.study.urls import masked
 from autotune.tuned.rlhf import (
     Algorithm,
     Placement,
@@ -34,6 +33,7 @@ from autotune.tuned.rlhf import (
     parse_shares,
     role_names,
 )
+from autotune.urls import masked
 from autotune.values import (
     count_value,
     positive_seconds,

@@ -55,8 +55,8 @@ from autotune.cli.options import (
 )
 from autotune.config import LORA_RANK, Attention, ConfigError, Precision
 from autotune.study.fingerprint import DEFAULT_STORAGE
-from autotune.study.urls import masked
 from autotune.tuned.script import Framework, ScriptJob
+from autotune.urls import masked
 from autotune.values import api_arguments, engines_value
 
 if TYPE_CHECKING:

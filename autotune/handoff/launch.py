@@ -35,6 +35,7 @@ from autotune.config import (
     TrainConfig,
     lora_alpha,
 )
+from autotune.handoff.megatron import SCRIPT_VARIABLE, megatron_arguments, megatron_notes
 from autotune.layouts import data_parallel
 from autotune.models import ModelSpec
 
@@ -403,10 +404,6 @@ def render(launch: Launch, fmt: Format | str) -> str:
             f"{launch.config.label()}: --format {chosen.value} writes data parallelism alone, "
             f"not a tensor, pipeline or context parallel layout: use --format {layout_formats}"
         )
-    if chosen is Format.MEGATRON:
-        from autotune.handoff.megatron import render_megatron  # it imports this module
-
-        return render_megatron(launch)
     return _RENDERERS[chosen](launch)
 
 
@@ -897,10 +894,44 @@ def _fsdp(launch: Launch) -> str:
     )
 
 
+# ---- Megatron-LM ------------------------------------------------------------------------------
+
+
+def _megatron(launch: Launch) -> str:
+    """The shell script of ``autotune export --format megatron`` (POSIX ``sh``): the
+    ``torchrun`` line of a node that starts ``$PRETRAIN_GPT`` (``pretrain_gpt.py`` unless set)
+    with Megatron-LM's arguments, an option a line, each word quoted by the shell's rule, then
+    the script's own arguments."""
+    options: list[str] = []
+    for arg in megatron_arguments(launch):
+        if arg.startswith("--") or not options:
+            options.append(shlex.quote(arg))
+        else:
+            options[-1] += " " + shlex.quote(arg)
+    runner = " ".join(
+        arg if arg.startswith("--rdzv-endpoint=$") else shlex.quote(arg)
+        for arg in torchrun_args(launch)[:-1]
+    )
+    notes = [f"autotune: {launch.summary()}", *megatron_notes(launch)]
+    if launch.nodes > 1:
+        notes.append("run on every node, with MASTER_ADDR the first node's address")
+    lines = [
+        *comment_lines(notes),
+        f"export NNODES={launch.nodes}",
+        f"export NPROC_PER_NODE={launch.per_node}",
+        *thread_lines(launch.per_node),
+        f'{runner} "${{{SCRIPT_VARIABLE}:-pretrain_gpt.py}}" \\',
+        *(f"    {option} \\" for option in options),
+        '    "$@"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
 _RENDERERS = {
     Format.DEEPSPEED: _deepspeed_json,
     Format.ACCELERATE: _accelerate,
     Format.HF: _hf,
     Format.TORCHRUN: _torchrun,
     Format.FSDP: _fsdp,
+    Format.MEGATRON: _megatron,
 }

@@ -29,7 +29,6 @@ speed. Pure functions, no torch.
 from __future__ import annotations
 
 import math
-import shlex
 from typing import TYPE_CHECKING
 
 from autotune.config import (
@@ -46,7 +45,7 @@ from autotune.config import (
 if TYPE_CHECKING:
     from autotune.handoff.launch import Launch
 
-__all__ = ["FAMILIES", "megatron_arguments", "megatron_notes", "render_megatron"]
+__all__ = ["FAMILIES", "SCRIPT_VARIABLE", "megatron_arguments", "megatron_notes"]
 
 FAMILIES = ("llama", "mistral", "qwen2")
 """The ``model_type`` values whose architecture Megatron-LM's GPT model builds with rotary
@@ -232,35 +231,3 @@ def megatron_notes(launch: Launch) -> list[str]:
             "method recomputes the same number of blocks in each pipeline chunk, its first ones"
         )
     return notes
-
-
-def render_megatron(launch: Launch) -> str:
-    """The shell script of ``autotune export --format megatron`` (POSIX ``sh``): the
-    ``torchrun`` line of a node that starts ``$PRETRAIN_GPT`` (``pretrain_gpt.py`` unless set)
-    with Megatron-LM's arguments, an option a line, each word quoted by the shell's rule, then
-    the script's own arguments."""
-    from autotune.handoff.launch import comment_lines, thread_lines, torchrun_args
-
-    options: list[str] = []
-    for arg in megatron_arguments(launch):
-        if arg.startswith("--") or not options:
-            options.append(shlex.quote(arg))
-        else:
-            options[-1] += " " + shlex.quote(arg)
-    runner = " ".join(
-        arg if arg.startswith("--rdzv-endpoint=$") else shlex.quote(arg)
-        for arg in torchrun_args(launch)[:-1]
-    )
-    notes = [f"autotune: {launch.summary()}", *megatron_notes(launch)]
-    if launch.nodes > 1:
-        notes.append("run on every node, with MASTER_ADDR the first node's address")
-    lines = [
-        *comment_lines(notes),
-        f"export NNODES={launch.nodes}",
-        f"export NPROC_PER_NODE={launch.per_node}",
-        *thread_lines(launch.per_node),
-        f'{runner} "${{{SCRIPT_VARIABLE}:-pretrain_gpt.py}}" \\',
-        *(f"    {option} \\" for option in options),
-        '    "$@"',
-    ]
-    return "\n".join(lines) + "\n"

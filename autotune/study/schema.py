@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from autotune.config import ConfigError
-from autotune.study.urls import check_storage_url, masked, redact
+from autotune.urls import check_storage_url, masked, redact
 
 __all__ = [
     "FINGERPRINT_ATTR",
@@ -222,7 +222,7 @@ def refuse_foreign_sqlite(path: Path) -> None:
 
 def check_storage(url: str) -> None:
     """Refuse a storage a run could not use, opening and creating nothing: a URL that is no
-    storage (:func:`~autotune.study.urls.check_storage_url`) or a SQLite file of another
+    storage (:func:`~autotune.urls.check_storage_url`) or a SQLite file of another
     program (:func:`refuse_foreign_sqlite`). A server's database is not reached.
 
     Raises:

@@ -73,7 +73,7 @@ from autotune.study.schema import (
     refuse_foreign_sqlite,
     sqlite_path,
 )
-from autotune.study.urls import check_storage_url, masked
+from autotune.urls import check_storage_url, masked
 
 __all__ = ["STORAGE_ERRORS", "TrialStore", "open_storage", "storage_problem"]
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import ConfigError, Engine
+from autotune.urls import MASK, holds_secret, masked, redact
 
 __all__ = [
     "BOOL_WORDS",
@@ -166,9 +167,7 @@ def _is_flag(arg: str) -> bool:
 def _secrets(args: Sequence[str]) -> list[_Secret]:
     """The secrets among ``args``: the value of each flag that takes a secret (``--flag value``,
     ``--flag=value``, ``name=value``; a boolean word is none), and each URL with a secret in
-    it (:func:`autotune.study.urls.holds_secret`)."""
-    from autotune.study.urls import holds_secret  # autotune.study imports this module
-
+    it (:func:`autotune.urls.holds_secret`)."""
     found: list[_Secret] = []
     taken: set[str] = set()
 
@@ -199,10 +198,8 @@ def _secrets(args: Sequence[str]) -> list[_Secret]:
 
 def masked_args(args: Sequence[str]) -> tuple[str, ...]:
     """``args`` as autotune stores and shows them: each secret ``***``, a URL with its secrets
-    masked (:func:`autotune.study.urls.masked`); the rest as given. Masking twice changes
+    masked (:func:`autotune.urls.masked`); the rest as given. Masking twice changes
     nothing."""
-    from autotune.study.urls import MASK, masked
-
     shown = list(args)
     for secret in _secrets(args):
         shown[secret.index] = secret.prefix + (masked(secret.value) if secret.url else MASK)
@@ -505,8 +502,6 @@ class ScriptJob:
 
     def redact(self, text: str) -> str:
         """``text`` (the job's last lines of output) without the secrets of its arguments."""
-        from autotune.study.urls import MASK, redact
-
         for secret in sorted(_secrets(self.args), key=lambda s: len(s.value), reverse=True):
             text = redact(text, secret.value) if secret.url else text.replace(secret.value, MASK)
         return text
