@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +186,55 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
                 if len(part) > 1:
                     circles.append(sorted(part))
     assert circles == []
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def _layers() -> list[tuple[str, list[str]]]:
+    """docs/architecture.md's table of layers, bottom up, above the rank side's line: each
+    layer's name and the files or folders it names (``{a,b}.py`` spelled out)."""
+    lines = ARCHITECTURE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| layer | modules |"))
+    layers = []
+    for line in lines[start + 2 :]:
+        if "rank side" in line or not line.startswith("|"):
+            break
+        name, modules = (cell.strip() for cell in line.split("|")[1:3])
+        found: list[str] = []
+        for named in re.findall(r"`(autotune/[^`]+)`", modules):
+            braces = re.fullmatch(r"(.*)\{(.*)\}(.*)", named)
+            found += (
+                [braces[1] + each.strip() + braces[3] for each in braces[2].split(",")]
+                if braces
+                else [named]
+            )
+        layers.append((name, found))
+    return layers
+
+
+def test_the_architecture_pages_layers_import_only_downward() -> None:
+    """The table of layers on docs/architecture.md is read bottom up: no module of a layer
+    imports one of a layer above it (each module in the layer naming it most closely)."""
+    layers = _layers()
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+    def layer(module: str) -> int | None:
+        file = str(paths[module].relative_to(PACKAGE.parent))
+        matches = [
+            (len(named), index)
+            for index, (_, names) in enumerate(layers)
+            for named in names
+            if file == named or (named.endswith("/") and file.startswith(named))
+        ]
+        return max(matches)[1] if matches else None
+
+    upward = []
+    for module, path in paths.items():
+        here = layer(module)
+        for imported in _imported(path, set(paths)) if here is not None else ():
+            there = layer(imported)
+            if there is not None and there > here:
+                upward.append(f"{module} ({layers[here][0]}) -> {imported} ({layers[there][0]})")
+    assert upward == []
+    assert len(layers) > 20 and layer("autotune.search.ladder") is not None
