@@ -57,6 +57,7 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     # A layout a run keeps (run --tp/--pp/--cp).
     (("run", *SIM, "--gpus", "8", "--tp", "3"), "= 3 ranks do not divide 8 GPUs"),
     (("run", *SIM, "--gpus", "8", "--pp-virtual", "2"), "shape a pipeline: give --pp 2 or more"),
+    (("run", *SIM, "--gpus", "8", "--pp", "2"), "--pp 2 probes one pipeline over all its ranks"),
     (("run", *SIM, "--gpus", "8", "--tp", "0"), "--tp 0: use 1 or more"),
     (
         ("run", *SIM, "--gpus", "8", "--tp", "2", "--global-batch", "10"),
@@ -544,8 +545,12 @@ def test_no_gpu_is_said_without_a_traceback_when_cuda_is_hidden(folder: Path) ->
          "per GPU: the smallest, deepspeed z3 off:params ac:every at micro-batch 1, needs"),
         (("--model", "qwen2.5-1.5b", "--device", "cpu", "--device-memory", "1MiB"),
          "no configuration of qwen2.5-1.5b on 1 CPU rank fits 1.00 MiB per rank: "),
+        (("--model", "llama3.1-405b", *SIM, "--gpus", "128", "--nodes", "16", "--host-memory",
+          "256GiB"), "data-parallel configurations this run searches fits llama3.1-405b on 128 "
+         "x h100-80gb, and the best layout that fits, --tp 4 --pp 16 --pp-schedule "
+         "interleaved-1f1b --pp-virtual 2, cannot be probed yet: --pp 16 probes one pipeline"),
     ],
-    ids=["gpus", "cpu"],
+    ids=["gpus", "cpu", "layouts-only"],
 )  # fmt: skip
 def test_a_workload_predicted_to_fit_nothing_exits_1_with_one_line(
     folder: Path,

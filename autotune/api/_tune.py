@@ -81,6 +81,9 @@ class Tuning:
     replan: Callable[[Workload], list[PlanRow]] | None = None
     """The planner's predictions for another workload (a user's job, once its probes have
     measured it otherwise than assumed: ``measured_workload``); None: the rows stand."""
+    climbed: str | None = None
+    """Why the run searches under a layout no one named (no data-parallel configuration
+    fits, and the plan's best layout does); None where it does not."""
 
     @property
     def fingerprint(self) -> Fingerprint:
@@ -279,12 +282,22 @@ def _prepare(
     fixed = _fixed_layout(tp, pp, cp, pp_schedule, pp_virtual)
     if fixed is not None and job is not None:
         raise ConfigError("--tp, --pp and --cp tune autotune's stand-in: leave out --script")
-    workload = workload_for(spec, seq_len, global_batch, world, layouts=fixed is not None)
-    if fixed is not None:
+
+    def kept(fixed: TrainConfig | None) -> Workload:
+        """The workload of a run that keeps ``fixed``'s layout (None: data parallelism)."""
+        workload = workload_for(spec, seq_len, global_batch, world, layouts=fixed is not None)
+        if fixed is None:
+            return workload
         check_layout(fixed, spec, world_size=world, gpus_per_node=per_node,
                      seq_len=workload.seq_len)  # fmt: skip
+        refusal = layout_refusal(fixed, world)
+        if refusal is not None:  # before a study is made for probes that cannot run
+            raise ConfigError(refusal)
         workload = dataclasses.replace(workload, model_parallel=fixed.model_parallel)
         workload.check_splits()
+        return workload
+
+    workload = kept(fixed)
     goal = objective_value(objective)
     # Real CPU probes, or their recordings replayed: an emulated device, no host to offload to.
     on_cpu = chosen.kind == "cpu" or (
@@ -313,6 +326,64 @@ def _prepare(
     chosen_precision = parse_choice(Precision, precision, "precision")
     chosen_attention = parse_choice(Attention, attention, "attention") or Attention.SDPA
     check_attention(chosen_attention, "cpu" if on_cpu else chosen.kind, chosen_precision)
+    share = fraction_value(headroom, "headroom")
+    capped_gpu = gpu if cap is None or on_cpu else dataclasses.replace(gpu, memory_bytes=cap)
+    reserve = 0 if on_cpu or cap is not None else DEVICE_RESERVE_BYTES
+
+    def laid_out(workload: Workload, layouts: LayoutOptions) -> list[PlanRow]:
+        """The plan's rows of the layouts ``layouts`` names (a layout probes no offload)."""
+        return plan_rows(
+            spec,
+            capped_gpu,
+            workload,
+            engines=engines,
+            precision=chosen_precision,
+            attention=chosen_attention,
+            reserve=reserve,
+            gpus_per_node=per_node,
+            device="cpu" if on_cpu else "cuda",
+            layouts=layouts,
+        )
+
+    def planned(workload: Workload) -> list[PlanRow]:
+        if fixed is not None:
+            return _kept_layout_rows(
+                fixed,
+                laid_out(workload, LayoutOptions(tp=(fixed.tp,), pp=(fixed.pp,), cp=(fixed.cp,))),
+                world,
+            )
+        return plan_rows(
+            spec,
+            capped_gpu,  # a cap is what the allocator may hold: the plan's capacity, no reserve
+            workload,
+            engines=engines,
+            precision=chosen_precision,
+            attention=chosen_attention,
+            reserve=reserve,
+            offload=not on_cpu,  # a CPU emulating a device has no host to offload to
+            host_memory_bytes=_host_for(chosen, host),
+            host_cores=_cores_for(chosen, cores),
+            device="cpu" if on_cpu else "cuda",
+            gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
+            knobs=knobs,
+            planned_out=True,  # the search revives a knob whose twin's prediction fails
+        )
+
+    rows = planned(workload)
+    climbed = None
+    if fixed is None and job is None and rows and not any(row.fits for row in rows):
+        ranks = f"{world} CPU ranks" if on_cpu else f"{world} x {gpu.key}"
+        whole = workload_for(spec, seq_len, global_batch, world, layouts=True)
+        top = climb(laid_out(whole, LayoutOptions()), world, f"{spec.name} on {ranks}")
+        if top is not None:
+            fixed = _fixed_layout(top.tp, top.pp, top.cp, top.pp_schedule, top.pp_virtual)
+            workload = kept(fixed)
+            rows = planned(workload)
+            climbed = (
+                f"none of the data-parallel configurations this run searches fits "
+                f"{spec.name} on {ranks}: searching under the plan's best layout that fits, "
+                f"{_degrees(top)}"
+            )
     fingerprint = Fingerprint(
         model=spec.name,
         seq_len=workload.seq_len,
@@ -330,45 +401,6 @@ def _prepare(
         script=None if job is None else job.to_dict(),
         model_parallel=workload.model_parallel,
     )
-    share = fraction_value(headroom, "headroom")
-    capped_gpu = gpu if cap is None or on_cpu else dataclasses.replace(gpu, memory_bytes=cap)
-
-    def planned(workload: Workload) -> list[PlanRow]:
-        if fixed is not None:
-            return _kept_layout_rows(
-                fixed,
-                plan_rows(
-                    spec,
-                    capped_gpu,
-                    workload,
-                    engines=engines,
-                    precision=chosen_precision,
-                    attention=chosen_attention,
-                    reserve=0 if on_cpu or cap is not None else DEVICE_RESERVE_BYTES,
-                    gpus_per_node=per_node,
-                    device="cpu" if on_cpu else "cuda",
-                    layouts=LayoutOptions(tp=(fixed.tp,), pp=(fixed.pp,), cp=(fixed.cp,)),
-                ),
-                probed=None if isinstance(chosen, SimulatedDevice) else world,
-            )
-        return plan_rows(
-            spec,
-            capped_gpu,  # a cap is what the allocator may hold: the plan's capacity, no reserve
-            workload,
-            engines=engines,
-            precision=chosen_precision,
-            attention=chosen_attention,
-            reserve=0 if on_cpu or cap is not None else DEVICE_RESERVE_BYTES,
-            offload=not on_cpu,  # a CPU emulating a device has no host to offload to
-            host_memory_bytes=_host_for(chosen, host),
-            host_cores=_cores_for(chosen, cores),
-            device="cpu" if on_cpu else "cuda",
-            gpus_per_node=per_node if count > 1 else 8,  # one node: its links, up to 8 GPUs
-            knobs=knobs,
-            planned_out=True,  # the search revives a knob whose twin's prediction fails
-        )
-
-    rows = planned(workload)
     if check_only:
         from autotune.study.schema import check_storage
 
@@ -410,6 +442,7 @@ def _prepare(
         trials_dir=Path(trials_dir),
         storage=storage,
         replan=None if job is None else planned,
+        climbed=climbed,
     )
 
 
@@ -439,19 +472,48 @@ def _fixed_layout(
     )
 
 
-def _kept_layout_rows(
-    fixed: TrainConfig, rows: list[PlanRow], *, probed: int | None
-) -> list[PlanRow]:
+def climb(rows: list[PlanRow], world: int, what: str) -> TrainConfig | None:
+    """The layout a run climbs to where none of its data-parallel configurations fits: the
+    configuration of the first of the plan's ``rows`` (ranked) that is a layout, fits, and a
+    probe of ``world`` ranks can run (:func:`autotune.probe.spec.layout_refusal`); the run
+    keeps its degrees and schedule and searches the rest. None where no layout fits.
+
+    Raises:
+        NothingFits: Layouts fit, but none a probe can run yet (one line: the best and why).
+    """
+    fitting = [row.config for row in rows if row.config.is_layout and row.fits]
+    runnable = [config for config in fitting if layout_refusal(config, world) is None]
+    if fitting and not runnable:
+        raise NothingFits(
+            f"none of the data-parallel configurations this run searches fits {what}, and the "
+            f"best layout that fits, {_degrees(fitting[0])}, cannot be probed yet: "
+            f"{layout_refusal(fitting[0], world)} (autotune plan ranks the layouts)"
+        )
+    return runnable[0] if runnable else None
+
+
+def _degrees(config: TrainConfig) -> str:
+    """A layout's degrees as ``run`` names them (``--tp 2 --pp 2``)."""
+    named = {"tp": config.tp, "pp": config.pp, "cp": config.cp}
+    words = [f"--{name} {degree}" for name, degree in named.items() if degree > 1]
+    if config.pp > 1:
+        words.append(f"--pp-schedule {config.pp_schedule.value}")
+        if config.pp_virtual > 1:
+            words.append(f"--pp-virtual {config.pp_virtual}")
+    return " ".join(words)
+
+
+def _kept_layout_rows(fixed: TrainConfig, rows: list[PlanRow], world: int) -> list[PlanRow]:
     """The plan's rows of the layout a run keeps: its degrees, its schedule and virtual stages,
-    and where real probes run (``probed``: their ranks), what they can measure
-    (:func:`autotune.probe.spec.layout_refusal`)."""
+    and what a probe of ``world`` ranks can measure (:func:`autotune.probe.spec.layout_refusal`:
+    the simulated GPU answers the probes a real one would run)."""
     return [
         row
         for row in rows
         if (row.config.tp, row.config.pp, row.config.cp) == (fixed.tp, fixed.pp, fixed.cp)
         and (fixed.pp == 1 or (row.config.pp_schedule, row.config.pp_virtual)
              == (fixed.pp_schedule, fixed.pp_virtual))
-        and (probed is None or layout_refusal(row.config, probed) is None)
+        and layout_refusal(row.config, world) is None
     ]  # fmt: skip
 
 

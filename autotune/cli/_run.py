@@ -356,6 +356,8 @@ def _search(model: str | None, options: dict[str, Any], *, json_output: bool) ->
         f"{masked(options['storage'])}",
         markup=True,
     )
+    if tuning.climbed is not None:
+        shown.print(tuning.climbed, markup=False, highlight=False)
     view = RunView(
         shown,
         budget_s=tuning.budget_s,
@@ -385,7 +387,9 @@ def _said(
     from autotune.report.tables import ranking_table
 
     if json_output:
-        extra = {} if gap is None else {"prediction_gap": gap.to_dict()}
+        extra: dict[str, Any] = {} if gap is None else {"prediction_gap": gap.to_dict()}
+        if tuning.climbed is not None:
+            extra["climbed"] = tuning.climbed
         print_json({"study": tuning.fingerprint.study_name, **summary.to_dict(), **extra})
     elif summary.mistake:
         pass  # one line, below: the job's own mistake is bad input

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from autotune import api
+from autotune.api._tune import climb
 from autotune.config import ConfigError
 from autotune.estimator.plan import plan
 from autotune.handoff.megatron import megatron_arguments
@@ -25,6 +26,7 @@ from autotune.models import resolve_model
 from autotune.probe.outcome import Outcome
 from autotune.space import Workload
 from autotune.study.fingerprint import Fingerprint
+from autotune.values import SEARCHED_KNOBS
 
 
 def test_a_workload_under_a_layout_shares_its_batch_among_the_data_parallel_ranks() -> None:
@@ -67,6 +69,42 @@ def test_run_keeps_a_tensor_parallel_layout_on_the_simulated_gpu(tmp_path: Path)
     assert args[args.index("--tensor-model-parallel-size") + 1] == "2"
     assert args[args.index("--global-batch-size") + 1] == "64"
     assert found.launch.grad_accum * found.launch.micro_batch_size * 4 == 64
+
+
+def test_run_climbs_to_a_layout_where_no_data_parallel_configuration_fits(
+    tmp_path: Path,
+) -> None:
+    """llama3.1-8b at 131,072 tokens on 8 simulated H100s, host memory too small to offload:
+    no data-parallel configuration of the run's space fits (the plan says so), so the run
+    searches under the plan's best layout that fits, says why, and a study of that layout holds
+    the answer."""
+    spec = resolve_model("llama3.1-8b")
+    workload = Workload(seq_len=131072, global_batch=8, world_size=8)
+    rows = plan(spec, gpu_spec("h100-80gb"), workload, host_memory_bytes=64 << 30,
+                knobs=SEARCHED_KNOBS)  # fmt: skip
+    assert rows and not any(row.fits for row in rows)
+    # The plan ranks context parallelism first, which no probe runs yet: the climb takes the
+    # first layout that fits and a probe can run.
+    layouts = plan(spec, gpu_spec("h100-80gb"), workload, host_memory_bytes=64 << 30,
+                   layouts=LayoutOptions())  # fmt: skip
+    fitting = [row.config for row in layouts if row.config.is_layout and row.fits]
+    assert fitting[0].cp > 1
+    top = climb(layouts, 8, "llama3.1-8b")
+    assert top is not None and top == next(c for c in fitting if c.cp == 1 and c.pp == 1)
+    storage = f"sqlite:///{tmp_path}/t.db"
+    tuning = api.prepare(
+        "llama3.1-8b", simulate="h100-80gb", gpus=8, seq_len=131072, global_batch=8,
+        host_memory="64GiB", budget="1h", storage=storage, trials_dir=tmp_path / "trials",
+    )  # fmt: skip
+    assert tuning.climbed is not None
+    assert (
+        "data-parallel configurations this run searches fits llama3.1-8b on 8 x" in tuning.climbed
+    )
+    degree = int(tuning.climbed.rsplit("--tp ", 1)[1].split()[0])
+    assert degree > 1 and all(row.config.tp == degree for row in tuning.rows)
+    summary = tuning.run()
+    assert summary.best is not None and summary.best.config.tp == degree
+    assert f"/mp{degree}/" in tuning.fingerprint.study_name
 
 
 def test_a_data_parallel_study_stores_its_fingerprint_as_before() -> None:
