@@ -380,9 +380,8 @@ def _prepare(
             workload = kept(fixed)
             rows = planned(workload)
             climbed = (
-                f"none of the data-parallel configurations this run searches fits "
-                f"{spec.name} on {ranks}: searching under the plan's best layout that fits, "
-                f"{_degrees(top)}"
+                f"{_unfit(f'{spec.name} on {ranks}')}: searching under the plan's best layout "
+                f"that fits, {_degrees(top)}"
             )
     fingerprint = Fingerprint(
         model=spec.name,
@@ -485,11 +484,15 @@ def climb(rows: list[PlanRow], world: int, what: str) -> TrainConfig | None:
     runnable = [config for config in fitting if layout_refusal(config, world) is None]
     if fitting and not runnable:
         raise NothingFits(
-            f"none of the data-parallel configurations this run searches fits {what}, and the "
-            f"best layout that fits, {_degrees(fitting[0])}, cannot be probed yet: "
-            f"{layout_refusal(fitting[0], world)} (autotune plan ranks the layouts)"
+            f"{_unfit(what)}, and the best layout that fits, {_degrees(fitting[0])}, cannot be "
+            f"probed yet: {layout_refusal(fitting[0], world)} (autotune plan ranks the layouts)"
         )
     return runnable[0] if runnable else None
+
+
+def _unfit(what: str) -> str:
+    """Why a run climbs, the first words of its line (and of its refusal)."""
+    return f"none of the data-parallel configurations this run searches fits {what}"
 
 
 def _degrees(config: TrainConfig) -> str:

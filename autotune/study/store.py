@@ -89,30 +89,27 @@ def _distributions(params: Mapping[str, Any]) -> dict[str, BaseDistribution]:
     return {k: v for k, v in _SPACE.items() if k in params}
 
 
-def _space() -> dict[str, BaseDistribution]:
-    return {
-        "engine": CategoricalDistribution([e.value for e in Engine]),
-        "zero_stage": IntDistribution(0, 3),
-        "precision": CategoricalDistribution([p.value for p in Precision]),
-        "ac_every": IntDistribution(0, 64),
-        "ac_ops": CategoricalDistribution([False, True]),
-        "offload": CategoricalDistribution([o.value for o in Offload]),
-        "attention": CategoricalDistribution([a.value for a in Attention]),
-        "loss": CategoricalDistribution([x.value for x in Loss]),
-        "optimizer": CategoricalDistribution([x.value for x in Optimizer]),
-        "lora_rank": IntDistribution(0, 1 << 12),
-        "act_offload": CategoricalDistribution([False, True]),
-        "torch_compile": CategoricalDistribution([False, True]),
-        "micro_batch_size": IntDistribution(1, 1 << 16),
-        "tp": IntDistribution(1, 1 << 10),
-        "pp": IntDistribution(1, 1 << 10),
-        "pp_schedule": CategoricalDistribution([x.value for x in Schedule]),
-        "pp_virtual": IntDistribution(1, 1 << 10),
-        "cp": IntDistribution(1, 1 << 10),
-    }
-
-
-_SPACE = _space()
+_SPACE: dict[str, BaseDistribution] = {
+    "engine": CategoricalDistribution([e.value for e in Engine]),
+    "zero_stage": IntDistribution(0, 3),
+    "precision": CategoricalDistribution([p.value for p in Precision]),
+    "ac_every": IntDistribution(0, 64),
+    "ac_ops": CategoricalDistribution([False, True]),
+    "offload": CategoricalDistribution([o.value for o in Offload]),
+    "attention": CategoricalDistribution([a.value for a in Attention]),
+    "loss": CategoricalDistribution([x.value for x in Loss]),
+    "optimizer": CategoricalDistribution([x.value for x in Optimizer]),
+    "lora_rank": IntDistribution(0, 1 << 12),
+    "act_offload": CategoricalDistribution([False, True]),
+    "torch_compile": CategoricalDistribution([False, True]),
+    "micro_batch_size": IntDistribution(1, 1 << 16),
+    "tp": IntDistribution(1, 1 << 10),
+    "pp": IntDistribution(1, 1 << 10),
+    "pp_schedule": CategoricalDistribution([x.value for x in Schedule]),
+    "pp_virtual": IntDistribution(1, 1 << 10),
+    "cp": IntDistribution(1, 1 << 10),
+}
+"""autotune's search space as Optuna distributions, every field a trial may store."""
 
 
 STORAGE_ERRORS: tuple[type[Exception], ...] = (
