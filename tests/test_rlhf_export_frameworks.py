@@ -1,8 +1,8 @@
 """``autotune export --format openrlhf|verl`` read by the frameworks themselves.
 
-Each framework runs in an environment of its own (``tests/envs/rlhf.sh``: OpenRLHF 0.11.2 and
+Each framework runs in an environment of its own (``tests/envs/frameworks.sh``: OpenRLHF 0.11.2 and
 verl 0.9.1 at their own transformers releases, before the project's environment; built on
-first use into ``build/rlhf-envs``). The export's text runs in ``sh`` with ``python`` and
+first use into ``build/framework-envs``). The export's text runs in ``sh`` with ``python`` and
 ``python3`` defined to print their arguments, so the command lines checked are the shell's
 reading of the text. Each framework then checks all of them in one process:
 
@@ -52,13 +52,13 @@ def _unavailable(reason: str) -> None:
 def framework_python(framework: str) -> str:
     """The python of ``framework``'s environment, built on first use."""
     done = subprocess.run(
-        ["bash", str(ENVS / "rlhf.sh"), framework, sys.executable],
+        ["bash", str(ENVS / "frameworks.sh"), framework, sys.executable],
         capture_output=True,
         text=True,
         timeout=900,
     )
     if done.returncode != 0:
-        _unavailable(f"tests/envs/rlhf.sh {framework} failed: {done.stderr.strip()[-2000:]}")
+        _unavailable(f"tests/envs/frameworks.sh {framework} failed: {done.stderr.strip()[-2000:]}")
     return done.stdout.strip().splitlines()[-1]
 
 

@@ -1,5 +1,5 @@
 """OpenRLHF's own argument parser and checks of ``python -m openrlhf.cli.train_ppo_ray
-FLAGS...`` command lines, run in OpenRLHF's environment (``tests/envs/rlhf.sh openrlhf``).
+FLAGS...`` command lines, run in OpenRLHF's environment (``tests/envs/frameworks.sh openrlhf``).
 
 ``openrlhf.cli.train_ppo_ray`` builds its parser and checks the arguments in its
 ``if __name__ == "__main__":`` block, then calls ``train(args)``, which asserts that the GPUs

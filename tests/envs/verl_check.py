@@ -1,5 +1,5 @@
 """verl's own check of ``python3 -m verl.trainer.main_ppo OVERRIDES...`` command lines, run
-in verl's environment (``tests/envs/rlhf.sh verl``).
+in verl's environment (``tests/envs/frameworks.sh verl``).
 
 ``verl.trainer.main_ppo.main`` is a ``hydra.main`` of its package's ``config/ppo_trainer.yaml``
 that validates the composed configuration before it starts Ray:

@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
-# Environments of the RL frameworks whose own checks read `autotune export --format verl|openrlhf`
-# (tests/test_rlhf_export_frameworks.py). Each framework pins a transformers release the
-# project's environment does not have, so each gets a virtual environment of its own:
+# Environments of the frameworks whose own code reads what autotune exports for them:
+# `autotune export --format verl|openrlhf` (tests/test_rlhf_export_frameworks.py) and
+# `--format torchtitan` (tests/test_export_torchtitan.py). Each framework pins packages the
+# project's environment does not have or has at another version, so each gets a virtual
+# environment of its own:
 #
-#   tests/envs/rlhf.sh verl|openrlhf [BASE_PYTHON]    prints the environment's python
+#   tests/envs/frameworks.sh verl|openrlhf|torchtitan [BASE_PYTHON]    prints its python
 #
 # An environment holds, at exact versions and without their dependencies (`pip --no-deps`),
 # the framework and what its configuration checks import that the project's environment lacks
-# or has at another version (the framework's transformers and that release's hub and
-# tokenizers; Ray, which verl imports at its top). A `.pth` file then puts the project's
-# environment (BASE_PYTHON's, default .venv) behind them, read-only, for what both use at any
-# version: torch, numpy, Hydra. Neither Ray nor vLLM runs, and no GPU library is installed: the
-# checks compose configurations and parse arguments.
+# or has at another version (the RL frameworks' transformers and that release's hub and
+# tokenizers; Ray, which verl imports at its top; torchtitan's parser tyro, its SPMD types,
+# and Triton, which its llama3 registry imports through its MoE dispatcher's kernels). A
+# `.pth` file then puts the project's environment (BASE_PYTHON's, default .venv) behind them,
+# read-only, for what both use at any version: torch, numpy, Hydra, torchao. Neither Ray nor
+# vLLM runs, no GPU library is installed and no Triton kernel is compiled: the checks compose
+# configurations, parse arguments and build models on the meta device.
 #
-# The environments live in $RLHF_ENVS (default build/rlhf-envs, which git ignores), one folder
-# per pinned set and project environment: a changed pin builds a new one. A build holds a lock,
-# so concurrent test workers build once, and a half-built environment is never used.
+# The environments live in $FRAMEWORK_ENVS (default build/framework-envs, which git ignores),
+# one folder per pinned set and project environment: a changed pin builds a new one. A build
+# holds a lock, so concurrent test workers build once, and a half-built environment is never
+# used.
 set -euo pipefail
 
-framework=${1:?usage: tests/envs/rlhf.sh verl|openrlhf [BASE_PYTHON]}
+framework=${1:?usage: tests/envs/frameworks.sh verl|openrlhf|torchtitan [BASE_PYTHON]}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 base=${2:-$root/.venv/bin/python}
 
@@ -36,14 +41,21 @@ openrlhf)
         httpx==0.28.1 httpcore==1.0.9 pylatexenc==2.11
     )
     ;;
+torchtitan)
+    packages=(
+        torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+        spmd-types==0.2.3 torchdata==0.11.0 tensorboard==2.21.0 protobuf==7.36.2
+        absl-py==2.5.1 triton==3.9.0
+    )
+    ;;
 *)
-    echo "unknown framework $framework: use verl or openrlhf" >&2
+    echo "unknown framework $framework: use verl, openrlhf or torchtitan" >&2
     exit 2
     ;;
 esac
 
 [[ -x "$base" ]] || { echo "no python at $base: run make install first" >&2; exit 2; }
-envs=${RLHF_ENVS:-$root/build/rlhf-envs}
+envs=${FRAMEWORK_ENVS:-$root/build/framework-envs}
 # The project's environment the framework's stands before: part of what names the folder.
 purelib=$("$base" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 pins=$(printf '%s\n' "${packages[@]}" "$purelib" | sha256sum | cut -c1-12)
