@@ -25,6 +25,7 @@ __all__ = [
     "MIN_CP_TOKENS",
     "LayoutOptions",
     "check_layout",
+    "chunk_bounds",
     "data_parallel",
     "in_flight",
     "layout_configs",
@@ -202,6 +203,18 @@ def _shard(model: ModelSpec, tp: int, pp: int, virtual: int) -> ModelSpec:
     if isinstance(layer_types, list) and layer_types:
         fields["layer_types"] = layer_types[: fields["num_hidden_layers"]]
     return ModelSpec(name=model.name, config=fields)
+
+
+def chunk_bounds(layers: int, chunks: int) -> list[range]:
+    """The blocks of each pipeline chunk: consecutive, the first ``layers % chunks`` chunks a
+    block more (the probe's split, and every export's)."""
+    size, extra = divmod(layers, chunks)
+    bounds, start = [], 0
+    for index in range(chunks):
+        end = start + size + (1 if index < extra else 0)
+        bounds.append(range(start, end))
+        start = end
+    return bounds
 
 
 def stage_layers(layers: int, pp: int, virtual: int = 1) -> int:

@@ -28,6 +28,7 @@ from torch.distributed.pipelining import (
 )
 
 from autotune.config import Schedule
+from autotune.layouts import chunk_bounds
 from autotune.probe.engines.base import (
     EngineContext,
     TorchTrainee,
@@ -41,18 +42,6 @@ from autotune.probe.modeling import (
 )
 
 _SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B}
-
-
-def chunk_bounds(layers: int, chunks: int) -> list[range]:
-    """The blocks of each chunk: consecutive, the first ``layers % chunks`` chunks a block
-    more."""
-    size, extra = divmod(layers, chunks)
-    bounds, start = [], 0
-    for index in range(chunks):
-        end = start + size + (1 if index < extra else 0)
-        bounds.append(range(start, end))
-        start = end
-    return bounds
 
 
 class _Chunk(nn.Module):
