@@ -564,6 +564,24 @@ class TrainConfig:
         """Whether only LoRA adapters are trained."""
         return self.lora_rank > 0
 
+    def model_code_knobs(self) -> list[tuple[str, str]]:
+        """The knobs of this configuration that change the Hugging Face model's code (what a
+        framework with a model of its own, Megatron-LM's or torchtitan's, cannot carry as
+        such): each its field's name and its name for a message (``("loss", "the chunked
+        loss")``)."""
+        knobs = (
+            ("ac_ops", self.ac_ops, "op-level selective checkpointing"),
+            ("attention", self.attention is not Attention.SDPA,
+             f"the {self.attention.value} attention kernel"),
+            ("loss", self.loss is not Loss.FULL, f"the {self.loss.value} loss"),
+            ("optimizer", self.optimizer is not Optimizer.ADAMW,
+             f"the {self.optimizer.value} optimizer"),
+            ("lora_rank", self.is_lora, "LoRA"),
+            ("torch_compile", self.torch_compile, "compiled blocks"),
+            ("act_offload", self.act_offload, "activation offload"),
+        )  # fmt: skip
+        return [(field, name) for field, present, name in knobs if present]
+
     @property
     def is_distributed(self) -> bool:
         """Whether the engine or the layout needs torch.distributed (even with one process)."""

@@ -32,12 +32,9 @@ import math
 from typing import TYPE_CHECKING
 
 from autotune.config import (
-    Attention,
     ConfigError,
     Engine,
-    Loss,
     Offload,
-    Optimizer,
     Precision,
     Schedule,
 )
@@ -59,22 +56,6 @@ def _refuse(launch: Launch, why: str, instead: str) -> ConfigError:
     return ConfigError(f"--format megatron: {launch.config.label()}: {why}: {instead}")
 
 
-def _knob(launch: Launch) -> str | None:
-    """The first knob of the configuration that changes the Hugging Face model's code, which
-    Megatron-LM's own model does not run."""
-    config = launch.config
-    knobs = (
-        (config.ac_ops, "op-level selective checkpointing"),
-        (config.attention is not Attention.SDPA, f"the {config.attention.value} attention kernel"),
-        (config.loss is not Loss.FULL, f"the {config.loss.value} loss"),
-        (config.optimizer is not Optimizer.ADAMW, f"the {config.optimizer.value} optimizer"),
-        (config.is_lora, "LoRA"),
-        (config.torch_compile, "compiled blocks"),
-        (config.act_offload, "activation offload"),
-    )
-    return next((name for present, name in knobs if present), None)
-
-
 def _check(launch: Launch) -> None:
     """Refuse, with one line, what Megatron-LM cannot run as it was measured."""
     config, spec = launch.config, launch.spec
@@ -87,7 +68,7 @@ def _check(launch: Launch) -> None:
             f"ones ({', '.join(FAMILIES)})",
             "use --format torchrun",
         )
-    knob = _knob(launch)
+    knob = next((name for _, name in config.model_code_knobs()), None)
     if knob is not None:
         raise _refuse(
             launch,
