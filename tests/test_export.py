@@ -626,9 +626,10 @@ def test_the_fsdp_snippet_builds_the_optimizer_measured(tmp_path: Path) -> None:
 # ---- Knobs a format has no setting for ----------------------------------------------------------
 
 CHUNKED_ADVICE = 'autotune.probe.loss.apply_loss(model, "chunked")'
-NOTING = [f for f in Format if f not in (Format.COMMAND, Format.MEGATRON)]
-"""The formats that write a knob they have no setting for with a note (Megatron-LM's model is
-not the Hugging Face one: ``megatron`` refuses the knobs, tests/test_export_megatron.py)."""
+NOTING = [f for f in Format if f not in (Format.COMMAND, Format.MEGATRON, Format.TORCHTITAN)]
+"""The formats that write a knob they have no setting for with a note (Megatron-LM's and
+torchtitan's models are not the Hugging Face one: ``megatron`` and ``torchtitan`` refuse the
+knobs, tests/test_export_megatron.py and tests/test_export_torchtitan.py)."""
 
 
 @pytest.mark.parametrize("fmt", NOTING)

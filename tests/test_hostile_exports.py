@@ -173,6 +173,9 @@ STAND_IN = [
     (fmt, engine)
     for fmt in Format
     if fmt is not Format.COMMAND  # a study of a script of the user's own: below
+    # torchtitan's presets are Llama 3.1's shapes, not the tiny folder's: a hostile name in its
+    # module is tests/test_export_torchtitan.py's
+    and fmt is not Format.TORCHTITAN
     for engine in (Engine.DEEPSPEED, Engine.FSDP, Engine.DDP)
     if not (fmt is Format.DEEPSPEED and engine is not Engine.DEEPSPEED)
     and not (fmt is Format.FSDP and engine is not Engine.FSDP)

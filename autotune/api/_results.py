@@ -12,6 +12,7 @@ from autotune.config import ConfigError, Engine, parse_choice
 from autotune.handoff.launch import Format, Launch, knob_notes, render, value_notes
 from autotune.handoff.megatron import megatron_notes
 from autotune.handoff.script import job_command, shell_text
+from autotune.handoff.torchtitan import torchtitan_notes
 from autotune.models import ModelSpec, resolve_model
 from autotune.outputs import check_output, write_new_file
 from autotune.study.fingerprint import DEFAULT_STORAGE
@@ -126,7 +127,8 @@ def export(
     """The best configuration of the matching study, as a trainer's own configuration.
 
     Args:
-        format: ``deepspeed``, ``accelerate``, ``hf``, ``torchrun``, ``fsdp`` or ``megatron`` (see
+        format: ``deepspeed``, ``accelerate``, ``hf``, ``torchrun``, ``fsdp``, ``megatron`` or
+            ``torchtitan`` (see
             :class:`~autotune.handoff.launch.Format`).
         model: Only studies of this model (a preset name, or the path its study was run
             with: the model's shape is read from it).
@@ -174,7 +176,8 @@ def export(
         text=text,
         notes=knob_notes(launch, chosen)
         + value_notes(launch, chosen)
-        + (megatron_notes(launch) if chosen is Format.MEGATRON else []),
+        + (megatron_notes(launch) if chosen is Format.MEGATRON else [])
+        + (torchtitan_notes(launch) if chosen is Format.TORCHTITAN else []),
     )
 
 

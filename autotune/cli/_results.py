@@ -99,7 +99,8 @@ def export(
         typer.Option(
             "--format",
             "-f",
-            help="deepspeed, accelerate, hf, torchrun, fsdp or megatron; for a run --script study: "
+            help="deepspeed, accelerate, hf, torchrun, fsdp, megatron or torchtitan; for a run "
+            "--script study: "
             "command (your script's command line, tuned); for a run --rlhf study: trl, "
             "openrlhf or verl.",
             show_default=False,
@@ -125,9 +126,9 @@ def export(
     """The best configuration in a trainer's own format.
 
     DeepSpeed JSON, accelerate YAML, TrainingArguments, a torchrun line, FSDP2 code,
-    Megatron-LM's arguments (megatron: tensor, pipeline and context parallel layouts too), your
-    script's own command line (command), or an RL trainer's configuration (trl, openrlhf,
-    verl)."""
+    Megatron-LM's arguments or a torchtitan module (megatron, torchtitan: tensor, pipeline and
+    context parallel layouts too), your script's own command line (command), or an RL
+    trainer's configuration (trl, openrlhf, verl)."""
     from autotune import api
     from autotune.handoff.launch import Format
     from autotune.handoff.rlhf import RLFormat

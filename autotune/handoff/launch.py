@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import pprint
 import re
 import shlex
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from autotune.config import (
     lora_alpha,
 )
 from autotune.handoff.megatron import SCRIPT_VARIABLE, megatron_arguments, megatron_notes
+from autotune.handoff.torchtitan import CONFIG_FUNCTION, torchtitan_notes, torchtitan_settings
 from autotune.layouts import data_parallel
 from autotune.models import ModelSpec
 
@@ -78,9 +80,13 @@ class Format(enum.StrEnum):
     MEGATRON = "megatron"
     """Megatron-LM's arguments (layout, batch, recomputation, the model's shape) and the
     ``torchrun`` line that starts ``pretrain_gpt.py`` with them (``autotune.handoff.megatron``)."""
+    TORCHTITAN = "torchtitan"
+    """A Python module for ``torchtitan.train --module``: what autotune measured, set on
+    torchtitan's preset for the model, and the ``torchrun`` line that starts it
+    (``autotune.handoff.torchtitan``)."""
 
 
-LAYOUT_FORMATS = frozenset({Format.MEGATRON})
+LAYOUT_FORMATS = frozenset({Format.MEGATRON, Format.TORCHTITAN})
 """The formats that write a tensor, pipeline or context parallel layout; the others write data
 parallelism alone and refuse one."""
 
@@ -415,7 +421,7 @@ def _needs(launch: Launch, engine: Engine, fmt: Format) -> None:
             if f is not fmt
             and not (f is Format.DEEPSPEED and launch.config.engine is not Engine.DEEPSPEED)
             and not (f is Format.FSDP and launch.config.engine is not Engine.FSDP)
-            and f not in (Format.COMMAND, Format.MEGATRON)
+            and f not in (Format.COMMAND, Format.MEGATRON, Format.TORCHTITAN)
         ]
         raise ConfigError(
             f"--format {fmt.value} needs a {engine.value} configuration, and this one is "
@@ -927,6 +933,114 @@ def _megatron(launch: Launch) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- torchtitan ------------------------------------------------------------------------------
+
+_TORCHTITAN_MODULE = '''"""A run autotune measured, for torchtitan.train --module.
+
+Start it on every node of the run (the file's name, less .py, must be a Python name):
+
+    python3 THIS_FILE [torchtitan's own options, e.g. --training.steps 1000]
+
+which runs torchrun -m torchtitan.train --module THIS_MODULE --config {function} [options]
+with this file's folder on PYTHONPATH. In your own config_registry, apply(config) sets what
+autotune measured on any Trainer.Config. What it measured, and what to add, is below.
+"""
+
+{comments}
+
+from __future__ import annotations
+
+import os
+import sys
+
+SUMMARY = {summary}
+FLAVOR = {flavor}  # torchtitan.models.llama3.model_registry's name of the model's shape
+TRAINING = {training}
+PARALLELISM = {parallelism}
+FULL_CHECKPOINTING = {full}  # every decoder block checkpointed whole (FullAC); False: none
+COMPILE_BLOCKS = {compile_blocks}  # each decoder block compiled
+NNODES = {nodes}
+NPROC_PER_NODE = {per_node}
+
+
+def apply(config):
+    """Set on a torchtitan Trainer.Config what autotune measured: the model, the layout, the
+    batch, the precision, checkpointing, compile and the loss (fp32 log-probabilities)."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.llama3 import model_registry
+
+    config.model_spec = model_registry(FLAVOR)
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))
+    for name, value in TRAINING.items():
+        setattr(config.training, name, value)
+    for name, value in PARALLELISM.items():
+        setattr(config.parallelism, name, value)
+    config.activation_checkpoint = FullAC.Config() if FULL_CHECKPOINTING else None
+    config.compile = CompileConfig(enable=COMPILE_BLOCKS, components=["model"])
+    return config
+
+
+def {function}():
+    """torchtitan's {preset} preset with what autotune measured (torchtitan's --config)."""
+    from torchtitan.models.llama3.config_registry import {preset}
+
+    return apply({preset}())
+
+
+def main(argv):
+    """torchrun over this node's ranks, each running torchtitan.train on this module."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    module = os.path.splitext(os.path.basename(__file__))[0]
+    if not module.isidentifier():
+        sys.exit(f"{{module}} is no Python module name: rename the file (letters, digits, _)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    threads = max(1, len(os.sched_getaffinity(0)) // NPROC_PER_NODE)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    torchrun = ["torchrun", f"--nnodes={{NNODES}}", f"--nproc-per-node={{NPROC_PER_NODE}}"]
+    if NNODES > 1:
+        address = env.get("MASTER_ADDR")
+        if not address:
+            sys.exit("set MASTER_ADDR to the first node's address, on every node")
+        torchrun += ["--rdzv-backend=c10d", f"--rdzv-endpoint={{address}}:29500",
+                     "--rdzv-id=autotune"]
+    command = [*torchrun, "-m", "torchtitan.train", "--module", module,
+               "--config", {function_literal}, *argv]
+    os.execvpe(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+'''
+
+
+def _torchtitan(launch: Launch) -> str:
+    """The Python module of ``autotune export --format torchtitan``: every value written by
+    Python's own ``repr`` (``pprint``'s, for the dictionaries: a literal of its type), every
+    note a comment line."""
+    settings = torchtitan_settings(launch)
+    notes = [f"autotune: {launch.summary()}", *torchtitan_notes(launch)]
+    if launch.nodes > 1:
+        notes.append("run on every node, with MASTER_ADDR the first node's address")
+    return _TORCHTITAN_MODULE.format(
+        function=CONFIG_FUNCTION,
+        function_literal=repr(CONFIG_FUNCTION),
+        comments="\n".join(comment_lines(notes)),
+        summary=repr(launch.summary()),
+        flavor=repr(settings.flavor),
+        preset=settings.preset,
+        training=pprint.pformat(settings.training, width=96, sort_dicts=False),
+        parallelism=pprint.pformat(settings.parallelism, width=96, sort_dicts=False),
+        full=repr(settings.full_checkpointing),
+        compile_blocks=repr(settings.compile_blocks),
+        nodes=repr(launch.nodes),
+        per_node=repr(launch.per_node),
+    )
+
+
 _RENDERERS = {
     Format.DEEPSPEED: _deepspeed_json,
     Format.ACCELERATE: _accelerate,
@@ -934,4 +1048,5 @@ _RENDERERS = {
     Format.TORCHRUN: _torchrun,
     Format.FSDP: _fsdp,
     Format.MEGATRON: _megatron,
+    Format.TORCHTITAN: _torchtitan,
 }
