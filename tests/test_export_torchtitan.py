@@ -98,9 +98,10 @@ LAYOUTS = {
     "8B ddp pp3 1f1b (11, 11 and 10 blocks) on two nodes": launch(
         "llama3-8b", TrainConfig(engine=Engine.DDP, pp=3), world_size=12, nodes=2, grad_accum=8,
     ),
-    "8B fsdp2 parameter offload, compiled blocks": launch(
-        "llama3.1-8b", fsdp(offload=Offload.PARAMS, torch_compile=True), micro_batch_size=4,
-        grad_accum=1,
+    "8B fsdp2 parameter offload, compiled blocks, fp32": launch(
+        "llama3.1-8b",
+        fsdp(offload=Offload.PARAMS, torch_compile=True, precision=Precision.FP32),
+        micro_batch_size=4, grad_accum=1,
     ),
     "8B one GPU, pure bf16": launch(
         "llama3.1-8b", TrainConfig(precision=Precision.BF16, ac_every=1), world_size=1,
@@ -190,7 +191,8 @@ def test_torchtitan_reads_every_layout_as_autotune_measured_it(
         assert local == exported.micro_batch_size and total // (local * dp) == exported.grad_accum
     # Precision, offload, CUDA graphs (off, as measured), checkpointing, compile, the loss.
     assert training["dtype"] == ("bfloat16" if config.precision is Precision.BF16 else "float32")
-    assert training["mixed_precision_param"] == "bfloat16"
+    fp32 = config.precision is Precision.FP32
+    assert training["mixed_precision_param"] == ("float32" if fp32 else "bfloat16")
     assert training["enable_cpu_offload"] is (config.offload is Offload.PARAMS)
     assert training["disable_cuda_graphs"] is True
     assert read["activation_checkpoint"] == ("FullAC.Config" if config.ac_every else None)

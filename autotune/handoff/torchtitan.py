@@ -227,6 +227,13 @@ def torchtitan_notes(launch: Launch) -> list[str]:
         "autotune measured SDPA's causal kernel on the Hugging Face model; both keep no "
         "score matrix, and torchtitan's kernels run at their own speed",
     ]
+    spec = launch.spec
+    if spec is not None and not spec.config.get("rope_scaling"):
+        notes.append(
+            f"torchtitan's {settings.flavor} flavor scales its rotary positions as Llama 3.1 "
+            f"does, and {launch.model} does not: the same parameters, memory and speed, other "
+            "positions past 8k tokens"
+        )
     if settings.flavor == "405B":
         notes.append(
             "torchtitan's llama3_405b preset builds float8 linears under compile (an SM89+ "
