@@ -34,9 +34,10 @@ from autotune.config import (
     Schedule,
     TrainConfig,
 )
-from autotune.handoff.launch import Format, Launch, render
+from autotune.handoff.launch import Format, render
 from autotune.layouts import check_layout, chunk_bounds, data_parallel
 from autotune.models import resolve_model
+from tests.test_export_megatron import launch
 
 ENVS = Path(__file__).resolve().parent / "envs"
 
@@ -67,16 +68,6 @@ def torchtitan_reads(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
-
-
-def launch(model: str, config: TrainConfig, **fields: object) -> Launch:
-    spec = resolve_model(model)
-    values: dict[str, object] = dict(
-        model=model, hidden_size=spec.hidden_size, config=config, micro_batch_size=1,
-        grad_accum=4, world_size=8, seq_len=4096, spec=spec,
-    )  # fmt: skip
-    values.update(fields)
-    return Launch(**values)  # type: ignore[arg-type]
 
 
 def fsdp(**fields: object) -> TrainConfig:
