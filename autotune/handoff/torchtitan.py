@@ -232,7 +232,7 @@ def torchtitan_notes(launch: Launch) -> list[str]:
         notes.append(
             f"torchtitan's {settings.flavor} flavor scales its rotary positions as Llama 3.1 "
             f"does, and {launch.model} does not: the same parameters, memory and speed, other "
-            "positions past 8k tokens"
+            "frequencies in the rotary dimensions whose wavelength exceeds 8k tokens"
         )
     if settings.flavor == "405B":
         notes.append(
