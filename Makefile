@@ -23,7 +23,7 @@ WHEEL_PACKAGES ?= optuna sqlalchemy alembic greenlet typer rich hjson pydantic n
 # resolver would fetch a CUDA torch build for them.
 WHEEL_NODEPS ?= torchao peft
 
-.PHONY: install run test test-fast lint bench wheelhouse clean constraints
+.PHONY: install envs run test test-fast lint bench wheelhouse clean constraints
 
 install: $(VENV)/.installed
 
@@ -52,6 +52,16 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 		|| echo "warning: DeepSpeed's CPU op was not built; autotune run builds it before its first DeepSpeed probe"
 	touch $@
 
+# The frameworks' own environments, in which the export tests have verl, OpenRLHF and
+# torchtitan read what autotune writes for them (tests/envs/frameworks.sh): built here, all
+# three at once, so no test waits on a download; each is kept by its pins and rebuilt only
+# when they change.
+FRAMEWORKS := verl openrlhf torchtitan
+envs: install
+	@pids=""; for framework in $(FRAMEWORKS); do \
+		bash tests/envs/frameworks.sh $$framework >/dev/null & pids="$$pids $$!"; \
+	done; status=0; for pid in $$pids; do wait $$pid || status=1; done; exit $$status
+
 # The main job: autotune run. With a GPU: tune qwen2.5-1.5b on this node's GPUs for 15 minutes.
 # Without one: the same search with real probes on the CPU, 2 ranks under an emulated 4 MiB device.
 run: install
@@ -71,11 +81,11 @@ run: install
 # tests/search/test_properties.py's seeded test at once, 136 s against 9 s).
 TEST_ENV := OPENBLAS_NUM_THREADS=1
 
-test: install
+test: install envs
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not serial" --durations=25 $(PYTEST_ARGS)
 	$(TEST_ENV) $(BIN)/python -m pytest -q -m serial --durations=25 $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install envs
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: install
