@@ -132,13 +132,14 @@ def test_probe_measures_the_saving_the_estimator_predicts(
     a micro-step (3 chunks, 6 × 512 tokens, measured once: docs/estimator.md): each chunked
     peak within 1 % of the estimate, the measured saving within 3 % of the predicted one, and
     more than a fifth of the peak once there are two chunks (one chunk saves nothing: it is
-    the whole batch's logits, made twice)."""
+    the whole batch's logits, made twice). In fp32: the logits' bytes are what is checked,
+    and bf16's matmuls take 41x fp32's on a CPU without AVX-512."""
     spec = resolve_model(str(vocab_heavy))
     sizes = (2, 4)
     measured: dict[Loss, dict[int, int]] = {}
     for loss in (Loss.FULL, Loss.CHUNKED):
         result = run_probe(
-            TrainConfig(loss=loss),
+            TrainConfig(loss=loss, precision="fp32"),
             name=loss.value,
             model=str(vocab_heavy),
             seq_len=512,
@@ -151,7 +152,7 @@ def test_probe_measures_the_saving_the_estimator_predicts(
         predicted = {
             loss: estimate_memory(
                 spec,
-                TrainConfig(loss=loss),
+                TrainConfig(loss=loss, precision="fp32"),
                 micro_batch_size=mbs,
                 seq_len=512,
                 cuda_allocator=False,
