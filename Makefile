@@ -23,7 +23,7 @@ WHEEL_PACKAGES ?= optuna sqlalchemy alembic greenlet typer rich hjson pydantic n
 # resolver would fetch a CUDA torch build for them.
 WHEEL_NODEPS ?= torchao peft
 
-.PHONY: install envs run test test-fast lint bench wheelhouse clean constraints
+.PHONY: install envs run test test-fast coverage lint bench wheelhouse clean constraints
 
 install: $(VENV)/.installed
 
@@ -87,6 +87,20 @@ test: install envs
 
 test-fast: install envs
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Line coverage of autotune/ over both parts of the suite, every process it starts included
+# ([tool.coverage.run] in pyproject.toml); about 1.9x make test's time. A failing test does not
+# stop the count; the tests' verdicts are make test's.
+COVERAGE_DATA := $(CURDIR)/build/coverage/.coverage
+coverage: install envs
+	rm -rf build/coverage && mkdir -p build/coverage
+	-$(TEST_ENV) $(BIN)/python -m coverage run --data-file=$(COVERAGE_DATA) -m pytest -q -n 2 \
+		--dist worksteal -m "not serial" $(PYTEST_ARGS)
+	-$(TEST_ENV) $(BIN)/python -m coverage run --data-file=$(COVERAGE_DATA) -m pytest -q \
+		-m serial $(PYTEST_ARGS)
+	$(BIN)/python -m coverage combine --quiet --data-file=$(COVERAGE_DATA)
+	$(BIN)/python -m coverage report --data-file=$(COVERAGE_DATA) > build/coverage/report.txt
+	@tail -1 build/coverage/report.txt
 
 lint: install
 	$(BIN)/ruff check autotune tests bench
