@@ -75,15 +75,15 @@ run: install
 	fi
 
 # The suite on both cores: what does not race the clock in parallel, then the rest alone
-# (tests/conftest.py: SERIAL); the 25 slowest tests of each part are printed.
+# (tests/conftest.py: SERIAL); the 30 slowest tests of each part are printed.
 # numpy's OpenBLAS on one thread: with two test workers each spinning two BLAS threads on two
 # cores, the search's small Gaussian-process solves ran 15x slower (bench: two of
 # tests/search/test_properties.py's seeded test at once, 136 s against 9 s).
 TEST_ENV := OPENBLAS_NUM_THREADS=1
 
 test: install envs
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not serial" --durations=25 $(PYTEST_ARGS)
-	$(TEST_ENV) $(BIN)/python -m pytest -q -m serial --durations=25 $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not serial" --durations=30 $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/python -m pytest -q -m serial --durations=30 $(PYTEST_ARGS)
 
 test-fast: install envs
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
