@@ -71,6 +71,8 @@ MODEL_PRELOAD = (
 )
 """The model families' modules, imported once too where that leaves CUDA alone: where torchao
 is installed they import it, and its import asks the driver for the compute capability."""
+DEEPSPEED_OPTIMIZER_CHECK = "deepspeed.runtime.zero.muon.muon_optimizer"
+"""What DeepSpeed's optimizer check imports in every engine, in the versions that have it."""
 
 
 class ForkServerError(RuntimeError):
@@ -161,6 +163,10 @@ def _preload(mode: str, extra: Sequence[str] = ()) -> None:
     if mode == "never":
         return
     importlib.import_module("deepspeed")
+    # deepspeed.initialize imports this module on every engine (its optimizer check), and its
+    # import builds torch.compile's machinery: about 2 s a DeepSpeed rank when each does it.
+    with contextlib.suppress(ImportError):
+        importlib.import_module(DEEPSPEED_OPTIMIZER_CHECK)
     if mode == "try" and _cuda_touched() is not None:
         raise ForkServerError(RESTART_WITHOUT_DEEPSPEED)
 
