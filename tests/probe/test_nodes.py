@@ -423,6 +423,8 @@ def test_autotune_run_tunes_across_two_nodes_and_exports_their_launch(tmp_path: 
         *("run", "--model", "tiny", "--device", "cpu", "--device-memory", "4MiB"),
         *("--hosts", "127.0.0.1,127.0.0.2", "--engine", "ddp", "--seq-len", "64"),
         *("--global-batch", "16", "--budget", "2m", "--trials-dir", "trials", "--json"),
+        # Two configurations (ac:off, ac:every): the search ends, not its budget.
+        *("--loss", "full", "--no-ac-ops", "--no-act-offload", "--optimizer", "adamw"),
         *common,
         cwd=tmp_path,
     )
