@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared_study import FinishedRun, finished_run
 
 ARMED_MAIN = (
     "from autotune.probe import faults; faults.arm(); from autotune.cli import main; main()"
@@ -48,43 +49,42 @@ TINY_CPU = (
 )
 
 
-def test_probe_json_is_the_result_file(tmp_path: Path) -> None:
-    """--json prints result.json; the folder lands under --trials-dir/probes/0; exit 0."""
-    done = autotune(
-        "probe",
-        *TINY_CPU,
-        "--micro-batch",
-        "1,2",
-        "--json",
-        "--trials-dir",
-        str(tmp_path / "t"),
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
-    data = json.loads(done.stdout)
-    assert data["outcome"] == "ok"
-    assert [s["micro_batch_size"] for s in data["sizes"]] == [1, 2]
-    written = json.loads((tmp_path / "t" / "probes" / "0" / "result.json").read_text())
-    assert written == data
-
-
-def test_probe_table_names_the_emulation_and_exit_1_when_nothing_fits(tmp_path: Path) -> None:
-    """A limit below the model's own size: OOM while building, exit 1, 'emulated' is said."""
+def test_probe_table_and_exit_1_when_nothing_fits_then_json_is_the_result_file(
+    tmp_path: Path,
+) -> None:
+    """A limit below the model's own size: OOM while building, exit 1, 'emulated' is said.
+    Then a probe that fits: --json prints result.json, exit 0. Each probe's folder lands under
+    --trials-dir/probes/<n>, numbered from 0 in the order they ran."""
+    trials = tmp_path / "t"
     done = autotune(
         "probe",
         *TINY_CPU,
         "--device-memory",
         "64KiB",
         "--trials-dir",
-        str(tmp_path / "t"),
+        str(trials),
         cwd=tmp_path,
     )
     assert done.returncode == 1, done.stderr
     assert "emulated device memory 64.00 KiB" in done.stdout
     assert "outcome oom at build" in done.stdout
-    second = autotune("probe", *TINY_CPU, "--trials-dir", str(tmp_path / "t"), cwd=tmp_path)
+    assert (trials / "probes" / "0" / "result.json").is_file()
+    second = autotune(
+        "probe",
+        *TINY_CPU,
+        "--micro-batch",
+        "1,2",
+        "--json",
+        "--trials-dir",
+        str(trials),
+        cwd=tmp_path,
+    )
     assert second.returncode == 0, second.stderr
-    assert (tmp_path / "t" / "probes" / "1" / "result.json").is_file()  # numbered folders
+    data = json.loads(second.stdout)
+    assert data["outcome"] == "ok"
+    assert [s["micro_batch_size"] for s in data["sizes"]] == [1, 2]
+    written = json.loads((trials / "probes" / "1" / "result.json").read_text())
+    assert written == data
 
 
 def test_models_json_lists_every_preset(tmp_path: Path) -> None:
@@ -152,12 +152,22 @@ def test_run_on_the_cpu_finds_a_fit_records_trials_and_resumes(tmp_path: Path) -
     assert missing.returncode == 2 and "run autotune run first" in missing.stderr
 
 
-def test_run_on_a_simulated_gpu_says_so(tmp_path: Path) -> None:
-    # The simulated noise of seed 1 leaves near-ties with the best to re-measure.
-    args = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8", "--seed", "1")
-    done = autotune(*args, "--seq-len", "4096", "--global-batch", "512", "--json", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout)
+LLAMA_8_H100 = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8")
+LLAMA_8_H100 += ("--seed", "1", "--seq-len", "4096", "--global-batch", "512", "--json")
+"""llama-7b on 8 simulated H100s. The simulated noise of seed 1 leaves near-ties with the best
+to re-measure."""
+
+
+@pytest.fixture(scope="session")
+def llama_8_h100(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """``autotune run`` of ``LLAMA_8_H100`` in the default storage, made once per session;
+    each test copies its folder."""
+    return finished_run(tmp_path_factory, *LLAMA_8_H100)
+
+
+def test_run_on_a_simulated_gpu_says_so(tmp_path: Path, llama_8_h100: FinishedRun) -> None:
+    llama_8_h100.copy_to(tmp_path)  # the run as if made here: trials/autotune.db
+    summary = json.loads(llama_8_h100.stdout)
     assert "simulated" in summary["study"]
     assert summary["best"]["simulated"] is True
     assert summary["stop_reason"].startswith("search done")
@@ -185,11 +195,15 @@ def test_run_on_a_simulated_gpu_says_so(tmp_path: Path) -> None:
     assert zero.returncode == 2 and "--last" in zero.stderr
 
 
-def test_run_can_maximize_mfu_in_a_study_of_its_own(tmp_path: Path) -> None:
-    args = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8")
-    args += ("--seq-len", "4096", "--global-batch", "512", "--json")
-    tokens = json.loads(autotune(*args, cwd=tmp_path).stdout)
-    done = autotune(*args, "--objective", "mfu", cwd=tmp_path)
+def test_run_can_maximize_mfu_in_a_study_of_its_own(
+    tmp_path: Path, llama_8_h100: FinishedRun
+) -> None:
+    """The tokens/s study of the workload is in the database: ``--objective mfu`` measures
+    in a study of its own beside it."""
+    llama_8_h100.copy_to(tmp_path)
+    tokens = json.loads(llama_8_h100.stdout)
+    # Five simulated minutes: a few probes of its own, not the whole search.
+    done = autotune(*LLAMA_8_H100, "--objective", "mfu", "--budget", "5m", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     mfu = json.loads(done.stdout)
     assert "/mfu/" in mfu["study"] and mfu["study"].replace("/mfu", "") == tokens["study"]
@@ -248,30 +262,24 @@ def test_the_default_sequence_fits_the_model_and_a_longer_one_is_refused() -> No
 
 def test_the_storage_url_can_come_from_the_environment(tmp_path: Path) -> None:
     """``$AUTOTUNE_STORAGE`` stands for ``--storage`` (a password in argv is visible to every
-    user of the machine in ``ps``; the environment is not), and ``--storage`` still wins."""
+    user of the machine in ``ps``; the environment is not), and ``--storage`` still wins. The
+    run's header names its study, and its last line its probe count in words."""
     env = {"AUTOTUNE_STORAGE": f"sqlite:///{tmp_path / 'env.db'}"}
-    run = ("run", "--model", "tiny", "--simulate", "a100-40gb", "--budget", "5m", "--json")
+    run = ("run", "--model", "tiny", "--simulate", "a100-40gb", "--budget", "5m")
     done = autotune(*run, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "env.db").is_file() and not (tmp_path / "trials" / "autotune.db").exists()
+    line = next(x for x in done.stdout.splitlines() if x.startswith("stopped:"))
+    count = int(line.rsplit("; ", 1)[1].split()[0])
+    assert line.endswith(f"{count} probe this run" if count == 1 else f"{count} probes this run")
+    named = re.search(r"; study\s+(\S+)\s+in\s", done.stdout)
+    assert named, done.stdout
     best = autotune("best", "--json", cwd=tmp_path, env=env)
-    assert json.loads(best.stdout)[0]["study"] == json.loads(done.stdout)["study"]
+    assert json.loads(best.stdout)[0]["study"] == named[1]
     given = autotune(
         "best", "--storage", f"sqlite:///{tmp_path / 'none.db'}", cwd=tmp_path, env=env
     )
     assert given.returncode != 0 and "none.db" in given.stderr
-
-
-def test_the_run_ends_with_its_probe_count_in_words(tmp_path: Path) -> None:
-    storage = f"sqlite:///{tmp_path / 'study.db'}"
-    done = autotune(
-        "run", "--model", "tiny", "--simulate", "a100-40gb", "--budget", "5m",
-        "--storage", storage, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    line = next(x for x in done.stdout.splitlines() if x.startswith("stopped:"))
-    count = int(line.rsplit("; ", 1)[1].split()[0])
-    assert line.endswith(f"{count} probe this run" if count == 1 else f"{count} probes this run")
 
 
 def test_bare_autotune_prints_the_help_and_version_prints_the_versions(tmp_path: Path) -> None:
@@ -284,14 +292,16 @@ def test_bare_autotune_prints_the_help_and_version_prints_the_versions(tmp_path:
     assert version.returncode == 0
     assert version.stdout.startswith("autotune ") and "torch " in version.stdout
     assert "deepspeed " in version.stdout and "optuna " in version.stdout
+    helps = {}
     for command in ("", "probe", "plan", "run", "best", "trials", "export", "report", "models"):
         shown = autotune(*([command] if command else []), "--help", cwd=tmp_path)
         assert shown.returncode == 0, shown.stderr
         assert "<bool>" not in shown.stdout, command
-    listed = autotune("--help", cwd=tmp_path).stdout
+        helps[command] = shown.stdout
+    listed = helps[""]  # autotune --help
     assert "export  The best configuration in a trainer's own format." in listed
     assert "report  One self-contained HTML page of a study (works offline)." in listed
-    assert "--simulate" not in autotune("plan", "--help", cwd=tmp_path).stdout
+    assert "--simulate" not in helps["plan"]
 
 
 def test_the_library_prints_no_optuna_line(tmp_path: Path) -> None:
@@ -340,10 +350,6 @@ def test_run_takes_precision_and_attention_as_plan_and_probe_do(tmp_path: Path) 
     done = autotune(*args, "--precision", "fp16-mixed", "--attention", "eager", "--json",
                     cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    rows = json.loads(autotune("trials", "--json", cwd=tmp_path).stdout)[0]["trials"]
-    assert rows and {(r["config"]["precision"], r["config"]["attention"]) for r in rows} == {
-        ("fp16-mixed", "eager")
-    }
     (tmp_path / "jobs.yaml").write_text(
         "workloads:\n  - model: tiny\n    precision: fp32\n    simulate: a100-40gb\n"
         "    budget: 2m\n"
@@ -353,4 +359,8 @@ def test_run_takes_precision_and_attention_as_plan_and_probe_do(tmp_path: Path) 
     studies = json.loads(autotune("trials", "--json", cwd=tmp_path).stdout)
     # Another precision is another question: a study of its own, named so.
     assert [s["study"].split("/")[3:-1] for s in studies] == [["fp16-mixed", "eager"], ["fp32"]]
+    rows = studies[0]["trials"]  # the first run's study
+    assert rows and {(r["config"]["precision"], r["config"]["attention"]) for r in rows} == {
+        ("fp16-mixed", "eager")
+    }
     assert {r["config"]["precision"] for r in studies[1]["trials"]} == {"fp32"}

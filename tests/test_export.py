@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_study import LLAMA_H100_RUN, finished_run
 from test_cli import autotune
 
 import autotune as library
@@ -859,30 +860,11 @@ def test_formats_refuse_other_engines_and_unknown_names() -> None:
 # ---- The command line and the library, on a real study ------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def study(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A study of llama-7b on 8 simulated H100s, made by ``autotune run``."""
-    folder = tmp_path_factory.mktemp("study")
-    storage = f"sqlite:///{folder}/t.db"
-    done = autotune(
-        "run",
-        "--simulate",
-        "h100-80gb",
-        "--gpus",
-        "8",
-        "--model",
-        "llama-7b",
-        "--budget",
-        "10m",
-        "--storage",
-        storage,
-        "--trials-dir",
-        str(folder / "trials"),
-        "--json",
-        cwd=folder,
-    )
-    assert done.returncode == 0, done.stderr
-    return storage
+    """A finished study of llama-7b on 8 simulated H100s, made by ``autotune run`` once per
+    session (``LLAMA_H100_RUN``): the URL of its SQLite file, which the tests only read."""
+    return finished_run(tmp_path_factory, *LLAMA_H100_RUN).storage
 
 
 def test_the_library_exports_the_best_or_a_named_trial(study: str) -> None:
@@ -1012,13 +994,15 @@ def test_cli_trial_exports_that_trial(study: str, tmp_path: Path) -> None:
 
 def test_a_chunked_best_is_exported_with_its_note(tmp_path: Path) -> None:
     """``run --loss chunked`` on a simulated A100 40GB: the study's best has the chunked loss;
-    its export says so on stderr beside the file, and in --json."""
+    its export says so on stderr beside the file, and in --json. Every configuration the run
+    searches has the chunked loss, so three minutes of the simulated clock (a few probes)
+    make such a best."""
     storage = f"sqlite:///{tmp_path}/t.db"
     common = ("--storage", storage)
     done = autotune(
         "run",
         *("--simulate", "a100-40gb", "--gpus", "1", "--model", "qwen2.5-1.5b"),
-        *("--loss", "chunked", "--budget", "10m", "--trials-dir", str(tmp_path / "trials")),
+        *("--loss", "chunked", "--budget", "3m", "--trials-dir", str(tmp_path / "trials")),
         *common,
         "--json",
         cwd=tmp_path,

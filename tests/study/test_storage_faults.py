@@ -37,9 +37,17 @@ from autotune.study.store import (
     open_storage,
     storage_problem,
 )
+from tests.shared_study import LLAMA_H100_RUN, FinishedRun, finished_run
 from tests.test_cli import autotune
 
-RUN = ("run", "--model", "llama-7b", "--simulate", "h100-80gb", "--budget", "30m")
+RUN = LLAMA_H100_RUN  # llama-7b on a simulated H100 node, 30 minutes of its clock
+
+
+@pytest.fixture(scope="session")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """``RUN`` to its end (the search done), made once per session: the tests that fault a
+    finished study each start from a copy of its database."""
+    return finished_run(tmp_path_factory, *RUN)
 
 
 def _line(stderr: str) -> str:
@@ -70,13 +78,15 @@ def _tmpfs(path: Path, size: str) -> Iterator[Path]:
 @pytest.mark.parametrize(
     "kind", ["random bytes", "truncated", "another program's", "named like Optuna's"]
 )
-def test_a_file_that_is_no_trial_database_is_refused_and_kept(tmp_path: Path, kind: str) -> None:
+def test_a_file_that_is_no_trial_database_is_refused_and_kept(
+    tmp_path: Path, kind: str, request: pytest.FixtureRequest
+) -> None:
     db = tmp_path / "t.db"
     if kind == "random bytes":
         db.write_bytes(os.urandom(8192))
-    elif kind == "truncated":
-        done = autotune(*RUN, "--storage", f"sqlite:///{db}", cwd=tmp_path)
-        assert done.returncode == 0, done.stderr
+    elif kind == "truncated":  # a finished study's database, cut to its first third
+        finished: FinishedRun = request.getfixturevalue("finished")
+        finished.copy_database(db)
         db.write_bytes(db.read_bytes()[: db.stat().st_size // 3])
     elif kind == "another program's":
         with contextlib.closing(sqlite3.connect(db)) as connection:
@@ -119,9 +129,10 @@ def test_reading_commands_write_nothing_into_an_empty_or_new_database(tmp_path: 
         assert db.read_bytes() == before
 
 
-def test_a_database_locked_too_long_is_a_bounded_wait_then_one_line(tmp_path: Path) -> None:
-    db = tmp_path / "t.db"
-    assert autotune(*RUN, "--storage", f"sqlite:///{db}", cwd=tmp_path).returncode == 0
+def test_a_database_locked_too_long_is_a_bounded_wait_then_one_line(
+    tmp_path: Path, finished: FinishedRun
+) -> None:
+    db = finished.copy_database(tmp_path / "t.db")  # a finished RUN's study
     before = _states(db)
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], "
@@ -142,11 +153,11 @@ def test_a_database_locked_too_long_is_a_bounded_wait_then_one_line(tmp_path: Pa
     assert _states(db) == before
 
 
-def test_a_read_only_database_is_refused_and_still_read(tmp_path: Path) -> None:
+def test_a_read_only_database_is_refused_and_still_read(
+    tmp_path: Path, finished: FinishedRun
+) -> None:
     with _tmpfs(tmp_path / "ro", "2m") as folder:
-        db = folder / "t.db"
-        done = autotune(*RUN, "--storage", f"sqlite:///{db}", cwd=tmp_path)
-        assert done.returncode == 0, done.stderr
+        db = finished.copy_database(folder / "t.db")  # a finished RUN's study
         subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
         for more in ((), ("--gpus", "4")):  # the same study, and a new one
             refused = autotune(*RUN, *more, "--storage", f"sqlite:///{db}", cwd=tmp_path)
@@ -294,13 +305,14 @@ def test_a_server_gone_past_the_retry_window_stops_the_call_and_loses_nothing(
     assert kept.state == "RUNNING"  # visible to the next run: retried, never lost silently
 
 
-def test_a_full_disk_leaves_no_empty_database_and_no_empty_output_file(tmp_path: Path) -> None:
+def test_a_full_disk_leaves_no_empty_database_and_no_empty_output_file(
+    tmp_path: Path, finished: FinishedRun
+) -> None:
     """On a full file system: ``run`` with a new database there refuses with one line and
-    leaves no 0-byte ``.db``; ``export -o`` and ``report -o`` refuse with one line and leave no
-    empty file, so that once there is room the same commands write it (no "exists")."""
-    study = f"sqlite:///{tmp_path / 'study.db'}"
-    done = autotune(*RUN, "--storage", study, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    leaves no 0-byte ``.db``; ``export -o`` and ``report -o`` (of a finished study elsewhere)
+    refuse with one line and leave no empty file, so that once there is room the same
+    commands write it (no "exists")."""
+    study = f"sqlite:///{finished.copy_database(tmp_path / 'study.db')}"
     with _tmpfs(tmp_path / "full", "16m") as folder:
         with (folder / "filler").open("wb") as filler, pytest.raises(OSError):
             filler.write(b"x" * (32 << 20))
