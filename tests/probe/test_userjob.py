@@ -58,6 +58,10 @@ SEQ = 64
 GLOBAL_BATCH = 16
 UNTIL_S = 600.0
 """Longest wait for a tuner (a failure, not a timing claim)."""
+PEAK_STEPS = {"warmup_steps": 1, "timed_steps": 1}
+"""Steps of a run measured for its peak alone: the second step holds everything a later one
+does (the optimizer's state is made in the first), so its peak is the peak of the tuner's
+five-step probes."""
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +143,8 @@ class Case:
         return proposal
 
     def peaks(self, config: TrainConfig, sizes: tuple[int, ...], folder: Path) -> list[int]:
-        """The job's real peak at each size, as the tuner's probes run it, without a cap."""
+        """The job's real peak at each size, as the tuner's probes run it (the peak of their
+        second step on: ``PEAK_STEPS``), without a cap."""
         spec = ProbeSpec(
             model=str(self.model),
             script=self.job,
@@ -149,6 +154,7 @@ class Case:
             num_processes=self.ranks,
             global_batch=GLOBAL_BATCH,
             device="cpu",
+            **PEAK_STEPS,
         )
         result = launch_script_probe(spec, folder, warm=self.warm)
         assert result.outcome is Outcome.OK, result.message
@@ -194,8 +200,9 @@ def tune(case: Case, storage: str, trials: Path, cap: int) -> dict[str, Any]:
 
 
 def run_export(text: str, case: Case, best: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """The exported shell script run as a user runs it, with the measurement layer on: each
-    rank's size entry, measured at the export's own accumulation."""
+    """The exported shell script run as a user runs it, with the measurement layer on (which
+    stops it once it has trained ``PEAK_STEPS``): each rank's size entry, measured at the
+    export's own accumulation."""
     folder.mkdir()
     script = folder / "run.sh"
     script.write_text(text)
@@ -208,6 +215,7 @@ def run_export(text: str, case: Case, best: dict[str, Any], folder: Path) -> dic
         seq_len=SEQ,
         num_processes=case.ranks,
         device="cpu",
+        **PEAK_STEPS,
     )
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // case.ranks))
@@ -281,7 +289,10 @@ def test_a_trainer_script_is_tuned_exported_and_its_export_runs_as_probed(
     wrapper, the predictions recorded with every later trial count DDP's gradient buckets
     (4 bytes a parameter the one-process configuration does not keep)."""
     args = tuple(hf_args(model_dir, tmp_path / "out"))
-    case = Case(EXAMPLES / "train_hf.py", "hf", args, model_dir, warm=fork_server)
+    # Several probes, a bounded number: a probe after the first starts while 30 s (or its
+    # predicted time, about the first's) are left, and the search's re-measures of points
+    # within the noise of the best end with the budget.
+    case = Case(EXAMPLES / "train_hf.py", "hf", args, model_dir, budget="150s", warm=fork_server)
     check_tuned_and_exported(tmp_path, case)
     [study] = trials(storage=f"sqlite:///{tmp_path}/at.db")
     ran = [m for m in study.measurements if m.outcome == "ok"]
@@ -304,8 +315,17 @@ def test_a_torchrun_script_over_two_ranks_is_tuned_and_its_export_runs_as_probed
     tmp_path: Path, model_dir: Path, fork_server: ForkServer
 ) -> None:
     args = ("--model", str(model_dir), "--seq-len", str(SEQ), "--batch-size", "64")
+    # A budget of a probe or two: the first probe alone holds an OOM (its largest size, under
+    # the cap) and sizes that fit; the search past it is the Trainer's test's.
     case = Case(
-        EXAMPLES / "train_torchrun.py", "torchrun", args, model_dir, 2, "ddp", warm=fork_server
+        EXAMPLES / "train_torchrun.py",
+        "torchrun",
+        args,
+        model_dir,
+        2,
+        "ddp",
+        budget="60s",
+        warm=fork_server,
     )
     check_tuned_and_exported(tmp_path, case)
 
@@ -479,7 +499,8 @@ def test_a_nightly_job_tunes_a_script_workload_then_keeps_it(here: Path) -> None
         f"    global_batch: {GLOBAL_BATCH}\n"
         "    device: cpu\n"
         "    device_memory: 8MiB\n"
-        "    budget: 3m\n"
+        # A budget of a probe or two: a best is all a workload needs to be kept.
+        "    budget: 60s\n"
     )
     storage = ["--storage", f"sqlite:///{here}/at.db", "--trials-dir", str(here / "trials")]
     first = json.loads(autotune("run", "--jobs", str(nightly), *storage, "--json").stdout)
