@@ -27,7 +27,9 @@ WHEEL_NODEPS ?= torchao peft
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+# The packages, then DeepSpeed's CPU op (.installed): the frameworks' environments need only
+# the packages, so `make -j2 install envs` builds the op and the environments side by side.
+$(VENV)/.packages: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet setuptools wheel
 	@# torch itself from an index when asked (or when a CPU machine has no local CPU wheel);
@@ -46,6 +48,9 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	@# DeepSpeed's setup.py imports torch: build it against the torch just installed.
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) --no-build-isolation "deepspeed>=0.16"
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.packages
 	@# DeepSpeed JIT-builds the CPU probes' shared-memory op on first use (about a minute): build
 	@# it now, so no probe pays for it. A failed build only warns (the tuner builds it later).
 	$(BIN)/python -m autotune.probe.ops build deepspeed_shm_comm \
@@ -57,7 +62,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 # three at once, so no test waits on a download; each is kept by its pins and rebuilt only
 # when they change.
 FRAMEWORKS := verl openrlhf torchtitan
-envs: install
+envs: $(VENV)/.packages
 	@pids=""; for framework in $(FRAMEWORKS); do \
 		bash tests/envs/frameworks.sh $$framework >/dev/null & pids="$$pids $$!"; \
 	done; status=0; for pid in $$pids; do wait $$pid || status=1; done; exit $$status

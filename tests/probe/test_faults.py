@@ -244,6 +244,8 @@ def test_run_records_a_garbled_probe_and_finishes(
         seq_len=128,
         global_batch=32,
         engines=[Engine.DDP, Engine.FSDP],
+        losses="full",  # the ladder's engines and checkpointing: what a torn report is about
+        optimizers="adamw",
         budget="2m",
         storage=storage,
         trials_dir=tmp_path / "trials",

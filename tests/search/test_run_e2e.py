@@ -61,7 +61,7 @@ class Workload:
     """One rank on the CPU: the single engine, probes of a few seconds each."""
 
     model: str
-    seq_len: int = 128
+    seq_len: int = 64
     global_batch: int = 16
 
     @property
@@ -75,9 +75,9 @@ class Workload:
     @property
     def space(self) -> list[str]:
         """The ladder's two rungs these tests reason about, ac:off and ac:every: without the
-        chunked loss, op-level checkpointing and activation offload (``plan`` and ``run``
-        options)."""
-        return ["--loss", "full", "--no-ac-ops", "--no-act-offload"]
+        chunked loss, op-level checkpointing, activation offload and the 8-bit optimizer (``plan``
+        and ``run`` options)."""
+        return ["--loss", "full", "--no-ac-ops", "--no-act-offload", "--optimizer", "adamw"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,7 @@ def tuner_rows(workload: Workload, cap: int, folder: Path) -> list[PlanRow]:
         trials_dir=folder / "trials",
         losses="full",
         op_checkpointing=False,
+        optimizers="adamw",
     )
     return tuning.rows
 
