@@ -34,6 +34,7 @@ from autotune.probe.ops import (
     build_command,
     build_lock,
     deepspeed_ops,
+    environment_ninja,
     library_path,
     normalize_arch_list,
     op_environment,
@@ -122,6 +123,17 @@ def test_ranks_and_the_build_step_get_a_parsable_arch_list_only_where_one_is_set
         "/srv/ops"
     )
     assert op_environment({})["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+
+
+def test_builds_run_the_environments_own_ninja_first_on_the_path() -> None:
+    """DeepSpeed requires pip's ninja, installed beside this interpreter: every process that
+    may build an op finds it first on PATH, once (the rest of PATH kept in order)."""
+    ninja = environment_ninja()
+    assert ninja is not None and ninja.parent == Path(sys.executable).parent
+    env = op_environment({"PATH": f"/usr/bin{os.pathsep}/bin"})
+    assert env["PATH"].split(os.pathsep) == [str(ninja.parent), "/usr/bin", "/bin"]
+    assert op_environment(env)["PATH"] == env["PATH"]
+    assert op_environment({})["PATH"] == str(ninja.parent)
 
 
 def test_the_ops_a_probe_loads_follow_the_engine_the_device_and_the_offload() -> None:
@@ -465,3 +477,26 @@ def test_the_build_step_waits_for_a_live_holder_then_clears_a_stale_lock(built: 
     assert any(line.startswith(f"warning: removed a stale lock {lock} ") for line in lines)
     assert lines[-1].startswith(f"{SHM}: loaded in ")  # checked by ninja, not compiled
     assert not lock.exists() and library.stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_a_job_in_the_activated_environment_loads_the_built_op_without_compiling(
+    built: Path,
+) -> None:
+    """A user's job (an exported run) in the activated environment, its bin folder first on
+    PATH, loads the op the build step built through DeepSpeed's own builder: nothing is
+    compiled again. (A build by a system ninja of another build-log format, 1.11 against
+    pip's 1.13, made every such load rebuild the op: a minute and more on 2 cores.)"""
+    library = library_path(built, SHM)
+    before = library.stat().st_mtime_ns
+    folders = [str(Path(sys.executable).parent), *os.environ.get("PATH", "").split(os.pathsep)]
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(built), "PATH": os.pathsep.join(folders)}
+    load = (
+        "from deepspeed.accelerator import get_accelerator; "
+        f"get_accelerator().create_op_builder({BUILDERS[SHM]!r}).load(verbose=False)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert library.stat().st_mtime_ns == before

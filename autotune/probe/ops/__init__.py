@@ -60,6 +60,7 @@ __all__ = [
     "build_command",
     "build_lock",
     "deepspeed_ops",
+    "environment_ninja",
     "extensions_dir",
     "library_path",
     "load_ops",
@@ -151,12 +152,31 @@ def extensions_dir(env: Mapping[str, str]) -> Path:
     return Path(env.get(EXTENSIONS_ENV) or Path(sys.prefix) / "torch_extensions")
 
 
+def environment_ninja() -> Path | None:
+    """The ``ninja`` installed beside this interpreter (pip's ``ninja``, which DeepSpeed
+    requires), if there is one."""
+    ninja = Path(sys.executable).parent / "ninja"
+    return ninja if ninja.is_file() and os.access(ninja, os.X_OK) else None
+
+
 def op_environment(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` as a process that may build DeepSpeed ops needs it: the extensions folder set
-    (:func:`extensions_dir`), and ``TORCH_CUDA_ARCH_LIST``, where set, normalized for
-    DeepSpeed (:func:`normalize_arch_list`; removed when it names no architecture)."""
+    (:func:`extensions_dir`); the environment's own ``ninja`` first on ``PATH``
+    (:func:`environment_ninja`); and ``TORCH_CUDA_ARCH_LIST``, where set, normalized for
+    DeepSpeed (:func:`normalize_arch_list`; removed when it names no architecture).
+
+    torch builds an op by running the ``ninja`` on ``PATH``, and ninja rebuilds everything
+    when the build log was written by a ninja of another log format: a system ninja (1.11)
+    and pip's (1.13) rebuild each other's ops. The environment's own is the one its users'
+    jobs find once it is activated (an exported run), so the ops built here are theirs too.
+    """
     out = dict(env)
     out[EXTENSIONS_ENV] = str(extensions_dir(env))
+    ninja = environment_ninja()
+    if ninja is not None:
+        folders = [f for f in out.get("PATH", "").split(os.pathsep) if f]
+        if not folders or folders[0] != str(ninja.parent):
+            out["PATH"] = os.pathsep.join([str(ninja.parent), *folders])
     if ARCH_LIST_ENV in out:
         arch_list = normalize_arch_list(out[ARCH_LIST_ENV])
         if arch_list is None:

@@ -38,7 +38,7 @@ def _build(ops: list[str], directory: Path, wait_s: float) -> int:
         print(f"nothing to build: {', '.join(ops)} built in {directory}")
         return 0
     env = op_environment({**os.environ, EXTENSIONS_ENV: str(directory)})
-    for name in (EXTENSIONS_ENV, ARCH_LIST_ENV):
+    for name in (EXTENSIONS_ENV, ARCH_LIST_ENV, "PATH"):
         if name in env:
             os.environ[name] = env[name]
         else:
