@@ -24,16 +24,19 @@ from autotune.config import TrainConfig
 from autotune.probe import faults
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.launcher import SubprocessSpawner, launch_probe
-from autotune.probe.ops import EXTENSIONS_ENV, extensions_dir
+from autotune.probe.ops import EXTENSIONS_ENV, op_environment
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec
 
-# DeepSpeed's ops where `make install` built them and autotune's own probes load them
-# (autotune/probe/ops: the environment's folder), for every process the suite starts: an
-# exported DeepSpeed job run as a user runs it would otherwise JIT-build its CPU op in torch's
-# default folder first (a minute and more on 2 cores, in whichever test gets there first).
-# Tests of the build itself set a folder of their own.
-os.environ.setdefault(EXTENSIONS_ENV, str(extensions_dir(os.environ)))
+# Every process the suite starts finds DeepSpeed's ops where `make install` built them and
+# autotune's probes load them (the environment's folder), built by the environment's own ninja
+# first on PATH, as in the activated environment (autotune/probe/ops: op_environment). An
+# exported DeepSpeed job run as a user runs it would otherwise JIT-build its CPU op again
+# (a minute and more on 2 cores, in whichever test gets there first), and a ninja of another
+# build-log format would rebuild it under the next probe. Tests of the build set their own.
+_OPS = op_environment(os.environ)
+os.environ[EXTENSIONS_ENV] = _OPS[EXTENSIONS_ENV]
+os.environ["PATH"] = _OPS["PATH"]
 
 # CPU-friendly defaults: a probe of the tiny model takes a few seconds per process.
 PROBE_DEFAULTS: dict[str, Any] = {
