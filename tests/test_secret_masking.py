@@ -183,7 +183,7 @@ def test_each_url_form_that_connects_shows_no_piece_of_its_password(
         outputs.append(said)
     url = f"postgresql+psycopg://tuner1:Yx/9?Kq#Secr@{at}"
     run = autotune(
-        "run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8", "--budget", "5m",
+        "run", "--model", "llama-7b", "--simulate", "h100-80gb", "--gpus", "8", "--budget", "1m",
         "--storage", url, "--trials-dir", str(tmp_path / "trials"), cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -360,7 +360,8 @@ DB_URL = "postgresql://u:pgPASS123@127.0.0.1/db"
 
 def test_a_scripts_secret_arguments_reach_it_and_nothing_autotune_writes(tmp_path: Path) -> None:
     """A real ``run --script`` on the CPU with ``--db-password``, ``--hub_token=`` and a URL
-    with a password among the script's arguments: every run of the script gets them as given;
+    with a password among the script's arguments (a budget of one probe or two): every run of
+    the script gets them as given;
     no probe folder's file (``config.json``, ``cmd.txt``, ``result.json``), no row of the
     database, nothing ``best``, ``trials``, ``report`` or ``export`` print or write holds one.
     The exported ``run.sh`` stops, naming the variable, until the user sets them, and then
@@ -380,7 +381,7 @@ def test_a_scripts_secret_arguments_reach_it_and_nothing_autotune_writes(tmp_pat
     run = autotune(
         "run", "--script", "train.py", "--framework", "torchrun", "--device", "cpu",
         "--device-memory", "1GiB", "--engine", "single", "--seq-len", "32", "--global-batch",
-        "2", "--budget", "3m", "--trials-dir", str(tmp_path / "trials"), *common, "--", *given,
+        "2", "--budget", "45s", "--trials-dir", str(tmp_path / "trials"), *common, "--", *given,
         cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
