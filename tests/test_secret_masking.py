@@ -361,9 +361,9 @@ DB_URL = "postgresql://u:pgPASS123@127.0.0.1/db"
 def test_a_scripts_secret_arguments_reach_it_and_nothing_autotune_writes(tmp_path: Path) -> None:
     """A real ``run --script`` on the CPU with ``--db-password``, ``--hub_token=`` and a URL
     with a password among the script's arguments (a budget of one probe or two): every run of
-    the script gets them as given;
-    no probe folder's file (``config.json``, ``cmd.txt``, ``result.json``), no row of the
-    database, nothing ``best``, ``trials``, ``report`` or ``export`` print or write holds one.
+    the script gets them as given; no probe folder's file (``config.json``, ``cmd.txt``,
+    ``result.json``), no row of the database, nothing ``best``, ``trials``, ``report`` or
+    ``export`` print or write holds one.
     The exported ``run.sh`` stops, naming the variable, until the user sets them, and then
     hands the job exactly what it was given."""
     (tmp_path / "model").mkdir()
