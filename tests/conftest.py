@@ -35,8 +35,7 @@ from autotune.probe.spec import ProbeSpec
 # (a minute and more on 2 cores, in whichever test gets there first), and a ninja of another
 # build-log format would rebuild it under the next probe. Tests of the build set their own.
 _OPS = op_environment(os.environ)
-os.environ[EXTENSIONS_ENV] = _OPS[EXTENSIONS_ENV]
-os.environ["PATH"] = _OPS["PATH"]
+os.environ.update({name: _OPS[name] for name in (EXTENSIONS_ENV, "PATH") if name in _OPS})
 
 # CPU-friendly defaults: a probe of the tiny model takes a few seconds per process.
 PROBE_DEFAULTS: dict[str, Any] = {
