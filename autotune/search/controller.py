@@ -382,15 +382,27 @@ class Controller:
         except _Stop as stop:
             reason, failure, mistake = str(stop), stop.failure, stop.mistake
         except STORAGE_ERRORS as error:
-            failure = storage_problem(error)
-            lost = self.store.lost_file()
-            reason = (
-                f"the trial database failed: {failure}; {lost}, and the trials it held are "
-                "lost with it"
-                if lost
-                else f"the trial database failed: {failure}; the trials recorded before are "
-                "kept, and a probe that was running is probed again by the next run"
-            )
+            cut = _interruption(error)
+            if cut is not None:
+                # Its record failed: the probe's trials stay RUNNING, and the next run fails
+                # them as stale and probes their points again.
+                interrupted = str(cut) or "Ctrl-C"
+                probes += self._probing
+                reason = (
+                    f"interrupted ({interrupted}); recording it failed: "
+                    f"{storage_problem(error)}; a probe that was running is probed again by "
+                    "the next run"
+                )
+            else:
+                failure = storage_problem(error)
+                lost = self.store.lost_file()
+                reason = (
+                    f"the trial database failed: {failure}; {lost}, and the trials it held "
+                    "are lost with it"
+                    if lost
+                    else f"the trial database failed: {failure}; the trials recorded before "
+                    "are kept, and a probe that was running is probed again by the next run"
+                )
         except KeyboardInterrupt as stop:
             interrupted = str(stop) or "Ctrl-C"
             probes += self._probing  # the probe it stopped ran, and is recorded interrupted

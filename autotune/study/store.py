@@ -32,7 +32,9 @@ import datetime as dt
 import functools
 import os
 import random
+import signal
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -118,6 +120,38 @@ STORAGE_ERRORS: tuple[type[Exception], ...] = (
 )
 """What a write to (or a read of) an open study raises when its database fails under it: a
 full disk, a lock held too long, a lost server."""
+
+
+_INTERRUPTIONS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _interruptions_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM held back while a heartbeat's write runs, and raised again as it ends
+    (to whatever handles them outside).
+
+    A probe's heartbeat is written many times a second, so most interruptions would land inside
+    one. One that lands inside SQLAlchemy's commit leaves the session's transaction half closed,
+    and on SQLite its connection, orphaned, keeps the write lock until it is collected: the
+    interruption's own record then fails with "database is locked", and a Ctrl-C reads as a
+    database failure. A heartbeat is one short write (no retries). The handlers are swapped,
+    not the signal mask: a signal sent to the process reaches whichever thread does not block
+    it (a progress display's), and Python runs its handler on the main thread regardless.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    outside = {
+        signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in _INTERRUPTIONS
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in outside.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        for number in dict.fromkeys(caught):
+            signal.raise_signal(number)
 
 
 RETRY_WINDOW_S = 120.0
@@ -482,8 +516,9 @@ class TrialStore:
     def beat(self, trials: Iterable[Trial]) -> None:
         """Tell the storage these trials' tuner is alive (from the probe's progress callback)."""
         try:
-            for trial in trials:
-                self.storage.record_heartbeat(trial._trial_id)
+            with _interruptions_held():
+                for trial in trials:
+                    self.storage.record_heartbeat(trial._trial_id)
         except STORAGE_ERRORS as error:
             if not (self._server and lost_connection(error)):
                 raise

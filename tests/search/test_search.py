@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -196,6 +197,36 @@ def test_an_interrupted_probe_is_retried_once_on_resume(tmp_path: Path) -> None:
     complete = [(*m.key, m.repeat) for m in done.measurements if m.state == "COMPLETE"]
     assert not set(interrupted) & {point[:2] for point in complete}
     assert len(complete) == len(set(complete))
+
+
+def test_a_ctrl_c_whose_record_the_database_refuses_is_still_an_interruption(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C during a probe while another process holds SQLite's write lock past its wait:
+    recording the stopped probe fails, and the run still ends as interrupted (exit 130), not
+    as a database failure; the stopped probe's trials stay RUNNING (the next run fails them as
+    stale)."""
+    controller, _, _ = _controller(tmp_path, SCENARIOS[0])
+    holder = sqlite3.connect(tmp_path / "t.db", timeout=0, isolation_level=None)
+
+    def hook(spec: ProbeSpec) -> None:
+        if controller.device.results:  # type: ignore[attr-defined]
+            holder.execute("BEGIN IMMEDIATE")  # another writer, holding the lock
+            raise KeyboardInterrupt
+
+    controller.device = _Hooked(controller.device, hook)
+    try:
+        summary = controller.run()
+    finally:
+        holder.rollback()
+        holder.close()
+    assert summary.interrupted == "Ctrl-C" and not summary.failure, summary.stop_reason
+    assert summary.stop_reason.startswith(
+        "interrupted (Ctrl-C); recording it failed: database is locked"
+    ), summary.stop_reason
+    assert summary.probes == 2
+    states = sorted({m.state for m in controller.store.measurements()})
+    assert states == ["COMPLETE", "RUNNING"], states
 
 
 class _StoppedInSetUp(_Hooked):
