@@ -99,8 +99,8 @@ clock, and every wait there is bounded by the product's own timeouts, not the te
 
 DURATIONS = Path(__file__).with_name("durations.json")
 """The seconds each test of 4 s or more took in one run of `make test`'s parallel part (a clean
-clone's `.ci/run` at 6b34e44, 2026-11-29, on 2 cores without AVX-512, with other work on
-them): only their order is used."""
+clone's `.ci/run` at 189ec79, 2026-11-29, on 2 cores without AVX-512, other work beside it for
+a few minutes): only their order is used."""
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
