@@ -142,10 +142,10 @@ def _interruptions_held() -> Iterator[None]:
         yield
         return
     caught: list[int] = []
-    outside = {
-        signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in _INTERRUPTIONS
-    }
+    outside: dict[int, Any] = {}
     try:
+        for swapped in _INTERRUPTIONS:  # in the try: a signal between two swaps undoes both
+            outside[swapped] = signal.signal(swapped, lambda n, _: caught.append(n))
         yield
     finally:
         for signum, handler in outside.items():
@@ -586,9 +586,9 @@ class TrialStore:
     def interrupt(self, trials: Iterable[Trial], probe_dir: Path, why: str) -> None:
         """Record trials cut short through no fault of their point (Ctrl-C, the budget's end):
         failed as ``interrupted``, so the search retries the point once."""
-        # The interruption may have cut a heartbeat's write short, leaving this thread's
-        # session mid-transaction (Optuna rolls back only on SQLAlchemy's own errors): start
-        # the record from a fresh session.
+        # The interruption may have cut a write short (a claim's or a record's: a heartbeat
+        # holds it back), leaving this thread's session mid-transaction (Optuna rolls back only
+        # on SQLAlchemy's own errors): start the record from a fresh session.
         self.storage.scoped_session.remove()
         for trial in trials:
             self._fail(

@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy
 
 from autotune.config import ConfigError, TrainConfig
-from autotune.study import TrialStore
+from autotune.study import Fingerprint, TrialStore
 from autotune.study import reader as reader_module
 from autotune.study.measurement import Measurement, decode, point
 from autotune.study.reader import read_studies
@@ -60,7 +60,7 @@ def _every_kind_of_trial(url: str, tmp_path: Path) -> TrialStore:
     return store
 
 
-def check_same_as_through_optuna(url: str) -> list[TrialStore]:
+def check_same_as_through_optuna(url: str) -> list[OptunaView]:
     """Every study read by the reader equals the same study read through Optuna, whether
     every trial is decoded or only the last few: the trials shown, their count, and the best
     point with every attribute of its latest trial."""
@@ -69,7 +69,7 @@ def check_same_as_through_optuna(url: str) -> list[TrialStore]:
     views = [optuna_view(slow) for slow in through_optuna]  # read once: nothing writes here
     for last, best in itertools.product(LASTS, (True, False)):
         read = read_studies(url, last=last, best=best)
-        assert [s.fingerprint for s in read] == [s.fingerprint for s in through_optuna]
+        assert [s.fingerprint for s in read] == [v.fingerprint for v in views]
         for fast, view in zip(read, views, strict=True):
             every = view.measurements
             expected = every
@@ -79,21 +79,22 @@ def check_same_as_through_optuna(url: str) -> list[TrialStore]:
             assert fast.trial_count == len(every)
             assert fast.best == (view.best if best else None), (last, best)
             assert fast.updated == view.updated  # the newest trial's end, as Optuna reads it
-    return through_optuna
+    return views
 
 
 @dataclass(frozen=True)
 class OptunaView:
-    """A study as :class:`TrialStore` reads it through Optuna's API: every trial decoded, the
-    best point, and its newest trial's end."""
+    """A study as :class:`TrialStore` reads it through Optuna's API: its fingerprint, every
+    trial decoded, the best point, and its newest trial's end."""
 
+    fingerprint: Fingerprint
     measurements: list[Measurement]
     best: Measurement | None
     updated: dt.datetime | None
 
 
 def optuna_view(store: TrialStore) -> OptunaView:
-    return OptunaView(store.measurements(), store.best(), store.updated())
+    return OptunaView(store.fingerprint, store.measurements(), store.best(), store.updated())
 
 
 def check_reader_matches_optuna(url: str, tmp_path: Path) -> None:
@@ -209,8 +210,7 @@ def check_a_grown_study_reads_as_through_optuna(url: str, tmp_path: Path) -> Non
     also when more trials are shown than one query names (500)."""
     _every_kind_of_trial(url, tmp_path)
     _grow(url, 1200)
-    stores = check_same_as_through_optuna(url)
-    views = [optuna_view(s) for s in stores]
+    views = check_same_as_through_optuna(url)
     for last, best in itertools.product((499, 500, 501, 700), (True, False)):
         for fast, view in zip(read_studies(url, last=last, best=best), views, strict=True):
             every = sorted(view.measurements, key=lambda m: m.number)
@@ -220,20 +220,20 @@ def check_a_grown_study_reads_as_through_optuna(url: str, tmp_path: Path) -> Non
     assert top is not None and top.repeats > 100
     expected_best = [
         {
-            "study": s.fingerprint.study_name,
-            "fingerprint": s.fingerprint.to_dict(),
+            "study": view.fingerprint.study_name,
+            "fingerprint": view.fingerprint.to_dict(),
             "trials": len(view.measurements),
             "best": view.best.to_dict() if view.best else None,
         }
-        for s, view in zip(stores, views, strict=True)
+        for view in views
     ]
     assert _cli("best", "--storage", url) == json.loads(json.dumps(expected_best, default=str))
     expected_trials = [
         {
-            "study": s.fingerprint.study_name,
+            "study": view.fingerprint.study_name,
             "trials": [m.to_dict() for m in sorted(view.measurements, key=lambda m: m.number)[-7:]],
         }
-        for s, view in zip(stores, views, strict=True)
+        for view in views
     ]
     listed = _cli("trials", "--storage", url, "--last", "7")
     assert listed == json.loads(json.dumps(expected_trials, default=str))
