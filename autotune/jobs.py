@@ -283,10 +283,10 @@ def _checked(key: str, value: Any, at: str) -> Any:
         wanted = " or ".join(_TYPE_NAMES[t] for t in types)
         raise ConfigError(f"{at}: {key} must be {wanted}, not {value!r}")
     try:
-        if key == "budget" and not isinstance(value, str):
-            raise ConfigError(f"budget {value!r} has no unit: write it like 45m, 90s or 1h30m")
         if key == "budget":
-            positive_seconds(str(value), f"the budget {value!r}")
+            if not isinstance(value, str):
+                raise ConfigError(f"budget {value!r} has no unit: write it like 45m, 90s or 1h30m")
+            positive_seconds(value, "budget")
         if key in ("device_memory", "host_memory") and isinstance(value, int):
             raise ConfigError(f"{key} {value!r} has no unit: write it like 40GiB")
         if key in ("device_memory", "host_memory"):

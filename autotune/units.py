@@ -10,7 +10,15 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["GIB", "MIB", "format_bytes", "format_duration", "parse_duration", "parse_size"]
+__all__ = [
+    "GIB",
+    "MIB",
+    "format_bytes",
+    "format_duration",
+    "is_plain_number",
+    "parse_duration",
+    "parse_size",
+]
 
 _KIB = 1024
 MIB = _KIB**2
@@ -109,7 +117,12 @@ _DURATION_TOKEN_RE = re.compile(
 )
 _PLAIN_NUMBER_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*$", re.ASCII)
 """Digits are ASCII's only: ``５m`` (full-width) is refused, not read as 5 minutes."""
-_DURATION_HELP = "use a number with a unit, like 90s, 30m, 1h30m or 2h (a plain number is seconds)"
+_DURATION_HELP = "use a number with a unit, like 90s, 30m, 1h30m or 2h"
+
+
+def is_plain_number(text: str) -> bool:
+    """Whether ``text`` is a number with no unit (``30``, ``1.5``)."""
+    return _PLAIN_NUMBER_RE.match(text) is not None
 
 
 def parse_duration(text: str) -> float:

@@ -37,7 +37,13 @@ from autotune.probe.nodes import Nodes, nodes_from_environment
 from autotune.space import Workload
 from autotune.study.fingerprint import Objective
 from autotune.tuned.script import ScriptJob
-from autotune.units import format_bytes, parse_duration, parse_fraction, parse_size
+from autotune.units import (
+    format_bytes,
+    is_plain_number,
+    parse_duration,
+    parse_fraction,
+    parse_size,
+)
 
 PER_GPU_BATCH = 8
 """Global batch per GPU when none is given (sequences)."""
@@ -46,6 +52,11 @@ DEFAULT_SEQ_LEN = 2048
 
 
 def positive_seconds(value: str | float, what: str) -> float:
+    """A positive duration: typed text with its unit (``30m``, ``1h30m``; a bare ``30`` is
+    refused, as a job file refuses it: minutes or seconds?), or a number of seconds (the
+    Python API's)."""
+    if isinstance(value, str) and is_plain_number(value):
+        raise ConfigError(f"{what} {value.strip()} has no unit: write it like 45m, 90s or 1h30m")
     seconds = parse_duration(value) if isinstance(value, str) else float(value)
     if seconds <= 0:
         raise ConfigError(f"{what} must be positive, like 30m")

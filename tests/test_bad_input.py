@@ -86,7 +86,9 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     # Budgets, sizes and counts.
     (("run", *SIM, "--budget", "-5m"), "invalid duration '-5m'"),
     (("run", *SIM, "--budget", "abc"), "invalid duration 'abc'"),
-    (("run", *SIM, "--budget", "0"), "the budget must be positive"),
+    (("run", *SIM, "--budget", "0s"), "the budget must be positive"),
+    (("run", *SIM, "--budget", "30"), "the budget 30 has no unit: write it like 45m, 90s"),
+    (("probe", "--timeout", "90"), "the probe timeout 90 has no unit"),
     (("probe", "--micro-batch", "0"), "invalid micro-batch '0'"),
     (("run", *SIM, "--seq-len", "0"), "seq-len must be at least 1"),
     (("plan", "--gpu", "h100", "--seq-len", "8192"), "--seq-len 8192 is longer than llama-7b"),

@@ -94,6 +94,7 @@ A = "workloads:\n  - model: a\n"
         (A + "    budget: .inf\n", r":3: workload 1: budget inf has no unit"),
         (A + "    budget: 45\n", r":3: workload 1: budget 45 has no unit: write it like 45m"),
         (A + "    budget: -5\n", r":3: workload 1: budget -5 has no unit"),
+        (A + "    budget: '45'\n", r":3: workload 1: budget 45 has no unit: write it like 45m"),
         (A + "    headroom: 150\n", r":3: workload 1: .*headroom '150' must be between 0% and"),
         (A + "    device_memory: -1\n", r":3: workload 1: device_memory -1 has no unit"),
         (A + "    device_memory: 0GiB\n", r":3: workload 1: device_memory must be a positive"),
