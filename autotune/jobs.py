@@ -338,6 +338,9 @@ class Freshness:
 
     tune: bool
     why: str
+    again: bool = False
+    """Measure the study again, as its next generation (its result is older than
+    ``--max-age``): the search starts afresh, beside the earlier trials."""
 
 
 _COMPARED = ("gpu", "gpus", "nodes", "device", "gpu_memory_bytes")
@@ -365,7 +368,9 @@ def freshness(
         if max_age_s is not None and (age is None or age > max_age_s):
             old = "of unknown age" if age is None else f"{format_duration(age)} old"
             return Freshness(
-                tune=True, why=f"its result is {old} (--max-age {format_duration(max_age_s)})"
+                tune=True,
+                why=f"its result is {old} (--max-age {format_duration(max_age_s)}): measured again",
+                again=True,
             )
         when = "" if age is None else f" {format_duration(max(age, 0.0))} ago"
         return Freshness(

@@ -184,9 +184,11 @@ def test_an_unchanged_fit_stands_until_it_is_older_than_the_max_age() -> None:
     assert not kept.tune and "unchanged since it was tuned 30h00m ago" in kept.why
     assert not freshness(FP, stored, now=NOW, max_age_s=2 * 86400).tune
     aged = freshness(FP, stored, now=NOW, max_age_s=86400)
-    assert aged.tune and aged.why == "its result is 30h00m old (--max-age 24h00m)"
+    assert aged.tune and aged.again
+    assert aged.why == "its result is 30h00m old (--max-age 24h00m): measured again"
     week = freshness(FP, [_study(FP, hours_ago=24 * 8 + 3)], now=NOW, max_age_s=7 * 86400)
-    assert week.tune and week.why == "its result is 8d3h old (--max-age 7d)"
+    assert week.tune and week.why == "its result is 8d3h old (--max-age 7d): measured again"
+    assert not freshness(FP, [_study(FP, hours_ago=1, fits=False)], now=NOW, max_age_s=60).again
 
 
 def test_a_changed_fingerprint_is_tuned_and_says_what_changed() -> None:
@@ -283,6 +285,71 @@ def test_a_nightly_job_tunes_each_workload_then_skips_what_did_not_change(
     second = next(line for line in table.stdout.splitlines() if "│ 2 │" in line)
     cells = [cell.strip() for cell in second.split("│")]
     assert cells[2:5] == ["qwen2.5-1.5b", "tuned", "never tuned"], second
+
+
+def test_a_result_older_than_the_max_age_is_measured_again_beside_the_old_trials(
+    tmp_path: Path,
+) -> None:
+    """A nightly job with ``--max-age``: the aged workload's study is searched afresh (new
+    trials, the earlier ones kept), its best is the new measurements', and what reads the
+    study reads the new generation from then on: autotune's reader, and Optuna's own view
+    through the store (the same trials)."""
+    import time
+
+    from autotune.study.schema import GENERATION
+    from autotune.study.store import TrialStore
+
+    # One engine: the search ends (nothing left to probe) within a few seconds' probes.
+    (tmp_path / "nightly.yaml").write_text(
+        "workloads:\n  - model: qwen2.5-1.5b\n    engine: [ddp]\n"
+    )
+    db = tmp_path / "t.db"
+    url = f"sqlite:///{db}"
+    args = ("run", "--jobs", "nightly.yaml", "--simulate", "a100-40gb", "--storage", url)
+    args += ("--gpus", "4", "--budget", "10h", "--json")
+    first = autotune(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    [tuned] = json.loads(first.stdout)["workloads"]
+    assert tuned["status"] == "tuned" and tuned["run"]["probes"] > 0
+    assert tuned["run"]["stop_reason"].startswith("search done")  # a re-run finds nothing new
+    trials = _trials(db)
+    [before] = read_studies(url)
+
+    time.sleep(1.1)  # older than the --max-age below
+    aged = autotune(*args, "--max-age", "1s", cwd=tmp_path)
+    assert aged.returncode == 0, aged.stderr
+    [again] = json.loads(aged.stdout)["workloads"]
+    assert again["status"] == "tuned", again
+    assert again["why"].startswith("its result is") and again["why"].endswith("measured again")
+    # Measured again: as many probes as the first search (the same simulated GPU and seed),
+    # the first night's trials kept.
+    assert again["run"]["probes"] == tuned["run"]["probes"]
+    assert _trials(db) > trials
+    with sqlite3.connect(db) as connection:
+        generations = dict(
+            connection.execute(
+                "SELECT value_json, COUNT(*) FROM trial_user_attributes WHERE key = ? "
+                "GROUP BY value_json",
+                (GENERATION,),
+            ).fetchall()
+        )
+    assert set(generations) == {"1"} and generations["1"] == _trials(db) - trials
+    [after] = read_studies(url)
+    assert after.study_name == before.study_name  # one study, measured again
+    assert after.trial_count == before.trial_count  # the new generation's trials alone
+    assert after.best is not None and after.best.number >= trials  # a trial of tonight's
+    [store] = TrialStore.existing(url)
+    assert store.generation == 1
+    assert sorted(m.number for m in store.measurements()) == sorted(
+        m.number for m in after.measurements
+    )
+    best = json.loads(autotune("best", "--storage", url, "--json", cwd=tmp_path).stdout)
+    assert best[0]["best"]["number"] == after.best.number
+
+    # The next night, without --max-age: the new result stands.
+    kept = autotune(*args, cwd=tmp_path)
+    [skipped] = json.loads(kept.stdout)["workloads"]
+    assert skipped["status"] == "skipped" and skipped["best"]["number"] == after.best.number
 
 
 def test_a_bad_job_file_runs_nothing_and_writes_nothing(tmp_path: Path) -> None:

@@ -708,6 +708,8 @@ def tune_jobs(
                 kept = next(s.best for s in studies if s.study_name == study)
                 result = JobResult(job=job, status="skipped", why=fresh.why, study=study, best=kept)
             else:
+                if fresh.again:
+                    tuning.store.measure_again()
                 on_event = on_job(job, tuning, fresh) if on_job is not None else None
                 summary = tuning.run(on_event)
                 status = (

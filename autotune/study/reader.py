@@ -47,6 +47,7 @@ from autotune.study.measurement import (
 )
 from autotune.study.schema import (
     FINGERPRINT_ATTR,
+    GENERATION,
     GRACE_S,
     KNOWN_SCHEMAS,
     WITHDRAWN,
@@ -190,6 +191,13 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
     if not fingerprints:
         return []
     studies = _ints(fingerprints)
+    generations = {
+        study_id: int(json.loads(value))
+        for study_id, value in query(
+            "SELECT study_id, value_json FROM study_user_attributes "
+            f"WHERE key = '{GENERATION}' AND study_id IN ({studies})"
+        )
+    }
     updated = {
         study_id: parse_time(value)
         for study_id, value in query(
@@ -207,7 +215,7 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
     rows.silent = _silent_for(query, running) if running else {}
     if last is None:  # every row of every trial
         rows.read(query, of_studies)
-        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn())
+        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn(), generations, rows)
         results = []
         for study_id, fingerprint in fingerprints.items():
             measurements = [rows.decode(t) for t in counted[study_id]]
@@ -226,8 +234,8 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
         # Each study's best point, from its completed trials as pooling reads them; the
         # point's latest trial, which the pooled measurement is made of, is decoded below
         # with every attribute.
-        rows.read(query, of_studies, keys=(WITHDRAWN, *POOLED_ATTRS))
-        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn())
+        rows.read(query, of_studies, keys=(WITHDRAWN, GENERATION, *POOLED_ATTRS))
+        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn(), generations, rows)
         for study_id, kept in counted.items():
             completed = [t for t in kept if t.state == "COMPLETE"]
             points = [rows.point(t) for t in completed]
@@ -244,15 +252,12 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
                 f"AND param_name = '{MICRO_BATCH_SIZE}'"
             )
         }
-        withdrawn = {
-            trial_id
-            for trial_id, value in query(
-                "SELECT trial_id, value_json FROM trial_user_attributes "
-                f"WHERE {of_studies} AND key = '{WITHDRAWN}'"
-            )
-            if json.loads(value)
-        }
-        counted = _counted(fingerprints, trials, sized, withdrawn)
+        for trial_id, key, value in query(
+            "SELECT trial_id, key, value_json FROM trial_user_attributes "
+            f"WHERE {of_studies} AND key IN ({_texts((WITHDRAWN, GENERATION))})"
+        ):
+            rows.add_user_attr(trial_id, key, value)
+        counted = _counted(fingerprints, trials, sized, rows.withdrawn(), generations, rows)
     shown = {study_id: kept[max(len(kept) - last, 0) :] for study_id, kept in counted.items()}
     full = {t.trial_id for kept in shown.values() for t in kept}
     full.update(trial.trial_id for _, trial in best.values())
@@ -280,13 +285,19 @@ def _counted(
     trials: Iterable[Sequence[Any]],
     sized: set[int],
     withdrawn: set[int],
+    generations: dict[int, int],
+    rows: _TrialRows,
 ) -> dict[int, list[_Trial]]:
-    """What each study counts, by number: its trials with a micro-batch size, less the claims
-    withdrawn in a race with another worker."""
+    """What each study counts, by number: its trials with a micro-batch size of the
+    generation it reads (``generations``, by study; the trials' own from ``rows``), less the
+    claims withdrawn in a race with another worker."""
     counted: dict[int, list[_Trial]] = {study_id: [] for study_id in fingerprints}
     for trial_id, number, study_id, state in trials:
-        if trial_id in sized and trial_id not in withdrawn:
-            counted[study_id].append(_Trial(trial_id, number, str(getattr(state, "name", state))))
+        if trial_id not in sized or trial_id in withdrawn:
+            continue
+        if rows.generation(trial_id) != generations.get(study_id, 0):
+            continue  # an earlier generation's (or a re-tune's, before its first fit)
+        counted[study_id].append(_Trial(trial_id, number, str(getattr(state, "name", state))))
     return counted
 
 
@@ -421,6 +432,10 @@ class _TrialRows:
     def withdrawn(self) -> set[int]:
         """The trials read that are withdrawn claims."""
         return {trial_id for trial_id, attrs in self.user_attrs.items() if attrs.get(WITHDRAWN)}
+
+    def generation(self, trial_id: int) -> int:
+        """The generation a trial read is of (none recorded: the first, 0)."""
+        return int(self.user_attrs.get(trial_id, {}).get(GENERATION, 0))
 
     def stored(self, trial: _Trial) -> StoredTrial:
         """A trial's fields, from the rows read of it."""

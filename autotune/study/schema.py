@@ -17,6 +17,7 @@ from autotune.urls import check_storage_url, masked, redact
 
 __all__ = [
     "FINGERPRINT_ATTR",
+    "GENERATION",
     "GRACE_S",
     "HEARTBEAT_S",
     "KNOWN_SCHEMAS",
@@ -44,6 +45,13 @@ FINGERPRINT_ATTR = "autotune_fingerprint"
 
 WITHDRAWN = "withdrawn"
 """The user attribute of a claim withdrawn in a race with another worker (not counted)."""
+
+GENERATION = "generation"
+"""A study's measurements are of one generation: a re-tune (a nightly job's ``--max-age``)
+measures the study again as the next one, its trials beside the earlier ones. The trial user
+attribute says which generation a trial is of (none: the first, 0); the study user attribute
+which generation its readers read (none: 0), set once the new one has a configuration that
+fits, so a launcher reading the study mid-re-tune still gets the last complete answer."""
 
 
 def sqlite_path(url: str) -> Path | None:

@@ -67,6 +67,7 @@ from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
 from autotune.study.measurement import Measurement, StoredTrial, best_point, decode
 from autotune.study.schema import (
     FINGERPRINT_ATTR,
+    GENERATION,
     GRACE_S,
     HEARTBEAT_S,
     WITHDRAWN,
@@ -354,6 +355,18 @@ class TrialStore:
         from the study alone (a user's job against the stand-in's prediction)."""
         self._server = self.storage.engine.dialect.name != "sqlite"
         self._file = _file_id(self.storage.engine.url.database) if not self._server else None
+        self._read_generation = int(self.study.user_attrs.get(GENERATION, 0))
+        self.generation = self._read_generation
+        """The generation this store's trials are of, and its measurements read
+        (:data:`~autotune.study.schema.GENERATION`): the study's, or the next one after
+        :meth:`measure_again`."""
+
+    def measure_again(self) -> int:
+        """Measure the study again, as its next generation: the search starts afresh beside
+        the earlier trials (kept, and read by the study's readers until the new generation
+        has a configuration that fits). Returns the new generation's number."""
+        self.generation = self._read_generation + 1
+        return self.generation
 
     def lost_file(self) -> str | None:
         """What became of a SQLite file that was deleted or replaced since the study was
@@ -439,6 +452,7 @@ class TrialStore:
             user_attrs={
                 **_owner(),
                 **({"repeat": repeat} if repeat else {}),
+                **({GENERATION: self.generation} if self.generation else {}),
                 **_estimate_attrs(self.estimates.get((config, micro_batch_size))),
             },
         )
@@ -484,6 +498,7 @@ class TrialStore:
         keys = {_key(config.to_dict(), m, repeat) for m, repeat in repeats.items()}
         taken = any(
             other._trial_id not in mine
+            and _generation(other.user_attrs) == self.generation
             and _key(
                 other.params,
                 int(other.params.get("micro_batch_size", -1)),
@@ -662,7 +677,12 @@ class TrialStore:
             if self.fingerprint.objective is Objective.TOKENS
             else attrs["objective_mfu"]
         )
-        return self.study.tell(trial, float(objective or 0.0))
+        told = self.study.tell(trial, float(objective or 0.0))
+        if violation <= 0 and self.generation != self._read_generation:
+            # The new generation's first fit: from now on the study's readers read it.
+            self.study.set_user_attr(GENERATION, self.generation)
+            self._read_generation = self.generation
+        return told
 
     def _infeasible(self, trial: Trial, attrs: dict[str, Any], violation: float) -> FrozenTrial:
         for key, value in attrs.items():
@@ -690,7 +710,9 @@ class TrialStore:
         return [
             _decode(t)
             for t in trials
-            if "micro_batch_size" in t.params and not t.user_attrs.get("withdrawn")
+            if "micro_batch_size" in t.params
+            and not t.user_attrs.get(WITHDRAWN)
+            and _generation(t.user_attrs) == self.generation
         ]
 
     def best(self, measurements: Iterable[Measurement] | None = None) -> Measurement | None:
@@ -710,6 +732,11 @@ def _estimate_attrs(estimate: tuple[float | None, float | None] | None) -> dict[
         return {}
     speed, peak = estimate
     return {"estimate_tokens_per_second": speed, "estimate_peak_bytes": peak}
+
+
+def _generation(attrs: Mapping[str, Any]) -> int:
+    """The generation a trial is of (:data:`~autotune.study.schema.GENERATION`)."""
+    return int(attrs.get(GENERATION, 0))
 
 
 def _owner() -> dict[str, Any]:
