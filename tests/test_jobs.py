@@ -7,6 +7,7 @@ import dataclasses
 import datetime as dt
 import json
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from autotune.jobs import JobResult, freshness, read_jobs
 from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import StudyResult
 from autotune.study.reader import read_studies
+from autotune.study.schema import GENERATION
+from autotune.study.store import TrialStore
 from autotune.tuned.script import ScriptJob
 from tests.test_cli import autotune
 
@@ -294,11 +297,6 @@ def test_a_result_older_than_the_max_age_is_measured_again_beside_the_old_trials
     trials, the earlier ones kept), its best is the new measurements', and what reads the
     study reads the new generation from then on: autotune's reader, and Optuna's own view
     through the store (the same trials)."""
-    import time
-
-    from autotune.study.schema import GENERATION
-    from autotune.study.store import TrialStore
-
     # One engine: the search ends (nothing left to probe) within a few seconds' probes.
     (tmp_path / "nightly.yaml").write_text(
         "workloads:\n  - model: qwen2.5-1.5b\n    engine: [ddp]\n"

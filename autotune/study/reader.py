@@ -55,6 +55,7 @@ from autotune.study.schema import (
     check_storage,
     holds_no_database,
     sqlite_path,
+    trial_generation,
 )
 from autotune.units import format_duration
 
@@ -215,7 +216,7 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
     rows.silent = _silent_for(query, running) if running else {}
     if last is None:  # every row of every trial
         rows.read(query, of_studies)
-        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn(), generations, rows)
+        counted = _counted(fingerprints, trials, rows.sized(), generations, rows)
         results = []
         for study_id, fingerprint in fingerprints.items():
             measurements = [rows.decode(t) for t in counted[study_id]]
@@ -235,7 +236,7 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
         # point's latest trial, which the pooled measurement is made of, is decoded below
         # with every attribute.
         rows.read(query, of_studies, keys=(WITHDRAWN, GENERATION, *POOLED_ATTRS))
-        counted = _counted(fingerprints, trials, rows.sized(), rows.withdrawn(), generations, rows)
+        counted = _counted(fingerprints, trials, rows.sized(), generations, rows)
         for study_id, kept in counted.items():
             completed = [t for t in kept if t.state == "COMPLETE"]
             points = [rows.point(t) for t in completed]
@@ -257,7 +258,7 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
             f"WHERE {of_studies} AND key IN ({_texts((WITHDRAWN, GENERATION))})"
         ):
             rows.add_user_attr(trial_id, key, value)
-        counted = _counted(fingerprints, trials, sized, rows.withdrawn(), generations, rows)
+        counted = _counted(fingerprints, trials, sized, generations, rows)
     shown = {study_id: kept[max(len(kept) - last, 0) :] for study_id, kept in counted.items()}
     full = {t.trial_id for kept in shown.values() for t in kept}
     full.update(trial.trial_id for _, trial in best.values())
@@ -284,13 +285,13 @@ def _counted(
     fingerprints: Iterable[int],
     trials: Iterable[Sequence[Any]],
     sized: set[int],
-    withdrawn: set[int],
     generations: dict[int, int],
     rows: _TrialRows,
 ) -> dict[int, list[_Trial]]:
     """What each study counts, by number: its trials with a micro-batch size of the
     generation it reads (``generations``, by study; the trials' own from ``rows``), less the
-    claims withdrawn in a race with another worker."""
+    claims withdrawn in a race with another worker (``rows`` say which)."""
+    withdrawn = rows.withdrawn()
     counted: dict[int, list[_Trial]] = {study_id: [] for study_id in fingerprints}
     for trial_id, number, study_id, state in trials:
         if trial_id not in sized or trial_id in withdrawn:
@@ -435,7 +436,7 @@ class _TrialRows:
 
     def generation(self, trial_id: int) -> int:
         """The generation a trial read is of (none recorded: the first, 0)."""
-        return int(self.user_attrs.get(trial_id, {}).get(GENERATION, 0))
+        return trial_generation(self.user_attrs.get(trial_id, {}))
 
     def stored(self, trial: _Trial) -> StoredTrial:
         """A trial's fields, from the rows read of it."""

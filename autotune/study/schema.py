@@ -9,8 +9,9 @@ No Optuna and no SQLAlchemy: Python's ``sqlite3`` looks at a file before either 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from autotune.config import ConfigError
 from autotune.urls import check_storage_url, masked, redact
@@ -29,6 +30,7 @@ __all__ = [
     "holds_no_database",
     "refuse_foreign_sqlite",
     "sqlite_path",
+    "trial_generation",
 ]
 
 HEARTBEAT_S = 30
@@ -52,6 +54,11 @@ measures the study again as the next one, its trials beside the earlier ones. Th
 attribute says which generation a trial is of (none: the first, 0); the study user attribute
 which generation its readers read (none: 0), set once the new one has a configuration that
 fits, so a launcher reading the study mid-re-tune still gets the last complete answer."""
+
+
+def trial_generation(attrs: Mapping[str, Any]) -> int:
+    """The generation a trial is of, from its user attributes (:data:`GENERATION`)."""
+    return int(attrs.get(GENERATION, 0))
 
 
 def sqlite_path(url: str) -> Path | None:

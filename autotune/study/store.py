@@ -75,6 +75,7 @@ from autotune.study.schema import (
     holds_no_database,
     refuse_foreign_sqlite,
     sqlite_path,
+    trial_generation,
 )
 from autotune.urls import check_storage_url, masked
 
@@ -337,8 +338,8 @@ class TrialStore:
                     direction="maximize",
                     load_if_exists=True,
                 )
-            stored = self.study.user_attrs.get(FINGERPRINT_ATTR)
-            if stored is None:
+            attrs = self.study.user_attrs  # one read: Optuna queries it on every access
+            if attrs.get(FINGERPRINT_ATTR) is None:
                 self.study.set_user_attr(FINGERPRINT_ATTR, fingerprint.to_dict())
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -355,7 +356,7 @@ class TrialStore:
         from the study alone (a user's job against the stand-in's prediction)."""
         self._server = self.storage.engine.dialect.name != "sqlite"
         self._file = _file_id(self.storage.engine.url.database) if not self._server else None
-        self._read_generation = int(self.study.user_attrs.get(GENERATION, 0))
+        self._read_generation = int(attrs.get(GENERATION, 0))
         self.generation = self._read_generation
         """The generation this store's trials are of, and its measurements read
         (:data:`~autotune.study.schema.GENERATION`): the study's, or the next one after
@@ -498,7 +499,7 @@ class TrialStore:
         keys = {_key(config.to_dict(), m, repeat) for m, repeat in repeats.items()}
         taken = any(
             other._trial_id not in mine
-            and _generation(other.user_attrs) == self.generation
+            and trial_generation(other.user_attrs) == self.generation
             and _key(
                 other.params,
                 int(other.params.get("micro_batch_size", -1)),
@@ -712,7 +713,7 @@ class TrialStore:
             for t in trials
             if "micro_batch_size" in t.params
             and not t.user_attrs.get(WITHDRAWN)
-            and _generation(t.user_attrs) == self.generation
+            and trial_generation(t.user_attrs) == self.generation
         ]
 
     def best(self, measurements: Iterable[Measurement] | None = None) -> Measurement | None:
@@ -732,11 +733,6 @@ def _estimate_attrs(estimate: tuple[float | None, float | None] | None) -> dict[
         return {}
     speed, peak = estimate
     return {"estimate_tokens_per_second": speed, "estimate_peak_bytes": peak}
-
-
-def _generation(attrs: Mapping[str, Any]) -> int:
-    """The generation a trial is of (:data:`~autotune.study.schema.GENERATION`)."""
-    return int(attrs.get(GENERATION, 0))
 
 
 def _owner() -> dict[str, Any]:
