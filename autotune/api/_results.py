@@ -4,6 +4,7 @@ the HTML report."""
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,21 +16,49 @@ from autotune.handoff.script import job_command, shell_text
 from autotune.handoff.torchtitan import torchtitan_notes
 from autotune.models import ModelSpec, resolve_model
 from autotune.outputs import check_output, write_new_file
-from autotune.study.fingerprint import DEFAULT_STORAGE
+from autotune.study.fingerprint import (
+    DEFAULT_STORAGE,
+    PROBE_METHOD,
+    Fingerprint,
+    software_versions,
+)
 from autotune.study.measurement import Measurement, StudyResult, best_point
 from autotune.tuned.script import ScriptJob
 from autotune.urls import masked
 from autotune.values import positive_seconds
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StudyFilter:
+    """What a user knows of the study to read: each None matches every study."""
+
+    model: str | None = None
+    """A preset name, or the path its study was run with."""
+    gpu: str | None = None
+    """The GPU's catalogue key."""
+    gpus: int | None = None
+    """GPUs in all (every node's)."""
+    seq_len: int | None = None
+    global_batch: int | None = None
+
+    def keeps(self, fingerprint: Fingerprint) -> bool:
+        return (
+            (self.gpu is None or fingerprint.gpu == self.gpu.lower())
+            and (self.gpus is None or fingerprint.gpus == self.gpus)
+            and (self.seq_len is None or fingerprint.seq_len == self.seq_len)
+            and (self.global_batch is None or fingerprint.global_batch == self.global_batch)
+        )
+
+
 def _studies(
-    storage: str, model: str | None, gpu: str | None, last: int | None, with_best: bool = True
+    storage: str, where: StudyFilter, last: int | None, with_best: bool = True
 ) -> list[StudyResult]:
     from autotune.study.reader import read_studies
 
     stores = read_studies(storage, last=last, best=with_best)
-    if model:
+    if where.model:
         # A path names its study by the folder that holds the config, as `run` does.
+        model = where.model
         name = model if model in {s.fingerprint.model for s in stores} else None
         if name is None:
             try:
@@ -37,8 +66,7 @@ def _studies(
             except ValueError:
                 name = model
         stores = [s for s in stores if s.fingerprint.model == name]
-    if gpu:
-        stores = [s for s in stores if s.fingerprint.gpu == gpu.lower()]
+    stores = [s for s in stores if where.keeps(s.fingerprint)]
     if not stores:
         raise ConfigError(f"no autotune study in {masked(storage)} matches: run autotune run first")
     return stores
@@ -48,12 +76,18 @@ def best(
     *,
     model: str | None = None,
     gpu: str | None = None,
+    gpus: int | None = None,
+    seq_len: int | None = None,
+    global_batch: int | None = None,
     storage: str = DEFAULT_STORAGE,
     last: int | None = None,
 ) -> list[StudyResult]:
     """The best configuration of each matching study (what a training launcher reads).
 
     Args:
+        model, gpu, gpus, seq_len, global_batch: Only the studies of this model (a preset
+            name, or the path its study was run with), GPU key, GPUs in all, sequence length
+            and global batch (None: any).
         last: Decode only each study's last ``last`` trials into ``measurements`` (0: none,
             the fastest read of the best); None: every trial. ``best`` and ``trial_count``
             are over every trial either way.
@@ -61,13 +95,17 @@ def best(
     Raises:
         ConfigError: When no study matches.
     """
-    return _studies(storage, model, gpu, last)
+    where = StudyFilter(model=model, gpu=gpu, gpus=gpus, seq_len=seq_len, global_batch=global_batch)
+    return _studies(storage, where, last)
 
 
 def trials(
     *,
     model: str | None = None,
     gpu: str | None = None,
+    gpus: int | None = None,
+    seq_len: int | None = None,
+    global_batch: int | None = None,
     storage: str = DEFAULT_STORAGE,
     last: int | None = None,
     best: bool = True,
@@ -75,10 +113,12 @@ def trials(
     """Every trial of each matching study, or its ``last`` trials by number.
 
     Args:
+        model, gpu, gpus, seq_len, global_batch: As :func:`best` selects studies.
         best: Fill in each study's ``best`` too, over every trial (else it is None, and a
             read of the last trials of a large study is faster).
     """
-    return _studies(storage, model, gpu, last, best)
+    where = StudyFilter(model=model, gpu=gpu, gpus=gpus, seq_len=seq_len, global_batch=global_batch)
+    return _studies(storage, where, last, best)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,10 +134,13 @@ class Export:
     text: str
     notes: list[str] = dataclasses.field(default_factory=list)
     """What the format cannot carry of the configuration, and what to do instead."""
+    chosen: str | None = None
+    """Why this study, where several matched (None: it was the only one)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "study": self.study,
+            "chosen": self.chosen,
             "trial": self.measurement.number,
             "format": self.format.value,
             "model": self.launch.model,
@@ -119,6 +162,9 @@ def export(
     *,
     model: str | None = None,
     gpu: str | None = None,
+    gpus: int | None = None,
+    seq_len: int | None = None,
+    global_batch: int | None = None,
     study: str | None = None,
     storage: str = DEFAULT_STORAGE,
     trial: int | None = None,
@@ -132,16 +178,19 @@ def export(
             :class:`~autotune.handoff.launch.Format`).
         model: Only studies of this model (a preset name, or the path its study was run
             with: the model's shape is read from it).
-        gpu: Only studies on this GPU key.
-        study: The study's name, where several match.
+        gpu, gpus, seq_len, global_batch: Only studies on this GPU key, GPUs in all,
+            sequence length and global batch.
+        study: The study's name. Without it, studies of one workload that differ only in
+            their software are read as :func:`choose_study` says: the one measured on this
+            node's software, else the newest.
         trial: Export this trial (by number) instead of the best; it must have fit.
         engine: Export the best configuration of this engine (``deepspeed`` for a DeepSpeed
             JSON where the study's best is FSDP, say).
 
     Raises:
         ConfigError: When the format is unknown or cannot express the configuration, when no
-            study or several match, when the trial is missing or did not fit, or when no
-            configuration of the engine fits.
+            study matches or several of different workloads do, when the trial is missing or
+            did not fit, or when no configuration of the engine fits.
     """
     try:
         chosen = Format(format)
@@ -151,7 +200,8 @@ def export(
     if trial is not None and engine is not None:
         raise ConfigError("--trial and --engine: a trial has its engine; give one of them")
     wanted = parse_choice(Engine, engine, "engine")
-    found = _one_study(storage, model, gpu, study, 0 if trial is None and wanted is None else None)
+    where = StudyFilter(model=model, gpu=gpu, gpus=gpus, seq_len=seq_len, global_batch=global_batch)
+    found, why = _one_study(storage, where, study, 0 if trial is None and wanted is None else None)
     if wanted is not None:
         measurement = best_point([m for m in found.measurements if m.config.engine is wanted])
         if measurement is None:
@@ -178,6 +228,7 @@ def export(
         + value_notes(launch, chosen)
         + (megatron_notes(launch) if chosen is Format.MEGATRON else [])
         + (torchtitan_notes(launch) if chosen is Format.TORCHTITAN else []),
+        chosen=why,
     )
 
 
@@ -193,21 +244,95 @@ def _render(found: StudyResult, launch: Launch, fmt: Format) -> str:
 
 
 def _one_study(
-    storage: str, model: str | None, gpu: str | None, study: str | None, last: int | None
-) -> StudyResult:
-    """The one study that matches (by model, GPU and name), as ``export`` and ``report``
-    select it."""
-    studies = _studies(storage, model, gpu, last)
+    storage: str, where: StudyFilter, study: str | None, last: int | None
+) -> tuple[StudyResult, str | None]:
+    """The study ``export`` and ``report`` read (by name, else as :func:`choose_study`
+    chooses among those ``where`` keeps), and why it, where several matched."""
+    studies = _studies(storage, where, last)
     if study is not None:
         studies = [s for s in studies if s.study_name == study]
         if not studies:
             raise ConfigError(
                 f"no study named {study!r} matches in {masked(storage)}: autotune best lists them"
             )
-    if len(studies) > 1:
-        names = ", ".join(s.study_name for s in studies)
-        raise ConfigError(f"{len(studies)} studies match ({names}): pick one with --study NAME")
-    return studies[0]
+    return choose_study(studies, software_versions())
+
+
+_PICKED_BY = {
+    "model": "--model",
+    "gpu": "--gpu",
+    "gpus": "--gpus",
+    "seq_len": "--seq-len",
+    "global_batch": "--global-batch",
+}
+"""The options that pick a study by a field of its fingerprint."""
+
+_SOFTWARE_FIELDS = frozenset({"software", "method"})
+"""The fields of a fingerprint that tell when (with what) a workload was measured, not what."""
+
+
+def choose_study(
+    studies: list[StudyResult], current: dict[str, str]
+) -> tuple[StudyResult, str | None]:
+    """One of several matching studies, and why it (None: it was the only one).
+
+    Studies of one workload (model, shape, hardware, job) that differ only in the software
+    they were measured with (before and after an upgrade) are one question asked again: the
+    study measured on ``current`` (this node's torch, DeepSpeed and transformers) is read,
+    else the newest, among those in which something fits if any does. Studies of different
+    workloads are different answers: refused, with the options that pick one.
+
+    Raises:
+        ConfigError: When the matching studies differ in more than their software.
+    """
+    if len(studies) == 1:
+        return studies[0], None
+    questions = {_question(s.fingerprint) for s in studies}
+    if len(questions) > 1:
+        raise ConfigError(_pick_one(studies))
+    fitting = [s for s in studies if s.best is not None] or studies
+    oldest = dt.datetime.min
+
+    def on_this_node(s: StudyResult) -> bool:
+        return all(s.fingerprint.software.get(k) == v for k, v in current.items()) and (
+            s.fingerprint.method == PROBE_METHOD
+        )
+
+    found = max(fitting, key=lambda s: (on_this_node(s), s.updated or oldest))
+    n = len(studies)
+    if on_this_node(found):
+        why = f"the one of {n} studies of this workload measured on this node's software"
+    else:
+        why = f"the newest of {n} studies of this workload (none measured on this node's software)"
+    if len(fitting) < n:
+        why += f"; {n - len(fitting)} with nothing fitting left aside"
+    return found, why
+
+
+def _question(fingerprint: Fingerprint) -> tuple[tuple[str, Any], ...]:
+    """A fingerprint without its software: the workload a study measures."""
+    data = fingerprint.to_dict()
+    return tuple(sorted((k, repr(v)) for k, v in data.items() if k not in _SOFTWARE_FIELDS))
+
+
+def _pick_one(studies: list[StudyResult]) -> str:
+    """The line that refuses studies of different workloads, with the options that pick one
+    (``--study NAME`` where those options cannot tell them apart)."""
+    fields = [f.name for f in dataclasses.fields(Fingerprint) if f.name not in _SOFTWARE_FIELDS]
+    values = {f: list(dict.fromkeys(getattr(s.fingerprint, f) for s in studies)) for f in fields}
+    differ = [f for f in fields if len(values[f]) > 1]
+    what = ", ".join(f.replace("_", " ") for f in differ)
+    picked = [f for f in differ if f in _PICKED_BY]
+    told = {tuple(getattr(s.fingerprint, f) for f in picked) for s in studies}
+    if picked and len(told) == len({_question(s.fingerprint) for s in studies}):
+        options = " and ".join(
+            f"{_PICKED_BY[f]} ({' or '.join(str(v) for v in values[f])})" for f in picked
+        )
+        return f"{len(studies)} studies match, of different {what}: pick one with {options}"
+    return (
+        f"{len(studies)} studies match, of different {what}: pick one with --study NAME "
+        "(autotune best --json lists their names)"
+    )
 
 
 def _launch(found: StudyResult, measurement: Measurement, spec: ModelSpec) -> Launch:
@@ -236,9 +361,11 @@ class Report:
     path: Path
     study: str
     """The study's name."""
+    chosen: str | None = None
+    """Why this study, where several matched (None: it was the only one)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "study": self.study}
+        return {"path": str(self.path), "study": self.study, "chosen": self.chosen}
 
 
 def write_report(
@@ -246,6 +373,9 @@ def write_report(
     *,
     model: str | None = None,
     gpu: str | None = None,
+    gpus: int | None = None,
+    seq_len: int | None = None,
+    global_batch: int | None = None,
     study: str | None = None,
     storage: str = DEFAULT_STORAGE,
     budget: str | float | None = None,
@@ -260,21 +390,23 @@ def write_report(
         output: The HTML file to write.
         model: Only studies of this model (a preset name, or the path its study was run
             with).
-        gpu: Only studies on this GPU key.
-        study: The study's name, where several match.
+        gpu, gpus, seq_len, global_batch: Only studies on this GPU key, GPUs in all,
+            sequence length and global batch.
+        study: The study's name; without it, chosen as :func:`export` chooses.
         budget: The search's budget (``"30m"``), drawn on the search's chart.
         force: Overwrite ``output`` if it exists.
 
     Raises:
-        ConfigError: When no study or several match, ``output`` exists without ``force``,
-            or it cannot be written.
+        ConfigError: When no study matches or several of different workloads do, ``output``
+            exists without ``force``, or it cannot be written.
     """
     from autotune.report.html import read_trial_times, render_html
 
     path = Path(output)
     check_output(path, force=force)
     budget_s = None if budget is None else positive_seconds(budget, "the budget")
-    found = _one_study(storage, model, gpu, study, None)
+    where = StudyFilter(model=model, gpu=gpu, gpus=gpus, seq_len=seq_len, global_batch=global_batch)
+    found, why = _one_study(storage, where, study, None)
     spec = _model_of(found.fingerprint.model, model)
     launches: dict[str, str] = {}
     if found.best is not None:
@@ -292,7 +424,7 @@ def write_report(
         budget_s=budget_s,
     )
     write_new_file(path, text, force=force)
-    return Report(path=path, study=found.study_name)
+    return Report(path=path, study=found.study_name, chosen=why)
 
 
 def _trial(found: StudyResult, number: int) -> Measurement:

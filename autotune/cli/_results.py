@@ -10,8 +10,11 @@ import typer
 
 from autotune.cli._app import UsageError, console, errors, print_json, quiet_optuna
 from autotune.cli.options import (
+    FilterGlobalBatch,
     FilterGpu,
+    FilterGpus,
     FilterModel,
+    FilterSeqLen,
     FilterStudy,
     ForceOption,
     JsonOption,
@@ -26,6 +29,9 @@ if TYPE_CHECKING:
 def best(
     model: FilterModel = None,
     gpu: FilterGpu = None,
+    gpus: FilterGpus = None,
+    seq_len: FilterSeqLen = None,
+    global_batch: FilterGlobalBatch = None,
     storage: StorageOption = DEFAULT_STORAGE,
     json_output: JsonOption = False,
 ) -> None:
@@ -33,7 +39,15 @@ def best(
     from autotune import api
     from autotune.report.tables import best_table
 
-    studies = api.best(model=model, gpu=gpu, storage=storage, last=0)
+    studies = api.best(
+        model=model,
+        gpu=gpu,
+        gpus=gpus,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        storage=storage,
+        last=0,
+    )
     if json_output:
         print_json(
             [
@@ -59,6 +73,9 @@ TRIALS_SHOWN = 50
 def trials(
     model: FilterModel = None,
     gpu: FilterGpu = None,
+    gpus: FilterGpus = None,
+    seq_len: FilterSeqLen = None,
+    global_batch: FilterGlobalBatch = None,
     storage: StorageOption = DEFAULT_STORAGE,
     last: Annotated[
         int | None,
@@ -79,7 +96,16 @@ def trials(
         raise UsageError("--all and --last: give one of them")
     if last is None and not every and not json_output:
         last = TRIALS_SHOWN
-    studies = api.trials(model=model, gpu=gpu, storage=storage, last=last, best=False)
+    studies = api.trials(
+        model=model,
+        gpu=gpu,
+        gpus=gpus,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        storage=storage,
+        last=last,
+        best=False,
+    )
     shown = {s.study_name: sorted(s.measurements, key=lambda m: m.number) for s in studies}
     if json_output:
         print_json(
@@ -108,6 +134,9 @@ def export(
     ],
     model: FilterModel = None,
     gpu: FilterGpu = None,
+    gpus: FilterGpus = None,
+    seq_len: FilterSeqLen = None,
+    global_batch: FilterGlobalBatch = None,
     study: FilterStudy = None,
     storage: StorageOption = DEFAULT_STORAGE,
     trial: Annotated[
@@ -139,10 +168,12 @@ def export(
     if output is not None:
         api.check_output(output, force=force)
     if format in set(RLFormat):
-        if trial is not None or engine is not None or gpu is not None:
+        asked = (trial, engine, gpu, gpus, seq_len, global_batch)
+        if any(value is not None for value in asked):
             raise UsageError(
                 f"--format {format} exports an RLHF study's best layout: leave out --trial, "
-                "--engine and --gpu (name the study with --study or its policy with --model)"
+                "--engine, --gpu, --gpus, --seq-len and --global-batch (name the study with "
+                "--study or its policy with --model)"
             )
         quiet_optuna()
         rl = api.export_rlhf(format, model=model, study=study, storage=storage)
@@ -153,8 +184,19 @@ def export(
         _hand_over(rl.to_dict(), rl.text, rl.notes, what, output, force=force, json=json_output)
         return
     found = api.export(
-        format, model=model, gpu=gpu, study=study, storage=storage, trial=trial, engine=engine
+        format,
+        model=model,
+        gpu=gpu,
+        gpus=gpus,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        study=study,
+        storage=storage,
+        trial=trial,
+        engine=engine,
     )
+    if found.chosen is not None and not json_output:
+        errors.print(f"read {found.study}: {found.chosen}", markup=False, highlight=False)
     what = (
         f"{found.format.value} for {found.launch.config.label()} at micro-batch "
         f"{found.launch.micro_batch_size} (trial {found.measurement.number} of {found.study})"
@@ -197,6 +239,9 @@ def report(
     ],
     model: FilterModel = None,
     gpu: FilterGpu = None,
+    gpus: FilterGpus = None,
+    seq_len: FilterSeqLen = None,
+    global_batch: FilterGlobalBatch = None,
     study: FilterStudy = None,
     storage: StorageOption = DEFAULT_STORAGE,
     budget: Annotated[
@@ -212,12 +257,22 @@ def report(
     from autotune import api
 
     done = api.write_report(
-        output, model=model, gpu=gpu, study=study, storage=storage, budget=budget, force=force
+        output,
+        model=model,
+        gpu=gpu,
+        gpus=gpus,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        study=study,
+        storage=storage,
+        budget=budget,
+        force=force,
     )
     if json_output:
         print_json(done.to_dict())
     else:
-        errors.print(f"wrote {done.path}: {done.study}", markup=False, highlight=False)
+        why = f" ({done.chosen})" if done.chosen else ""
+        errors.print(f"wrote {done.path}: {done.study}{why}", markup=False, highlight=False)
 
 
 def models(json_output: JsonOption = False) -> None:

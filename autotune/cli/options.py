@@ -88,8 +88,23 @@ HostsOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 FilterModel = Annotated[str | None, typer.Option(help="Only studies of this model.")]
 FilterGpu = Annotated[str | None, typer.Option(help="Only studies on this GPU key.")]
+FilterGpus = Annotated[
+    int | None, typer.Option("--gpus", min=1, help="Only studies on this many GPUs in all.")
+]
+FilterSeqLen = Annotated[
+    int | None, typer.Option("--seq-len", min=1, help="Only studies of this sequence length.")
+]
+FilterGlobalBatch = Annotated[
+    int | None,
+    typer.Option("--global-batch", min=1, help="Only studies of this global batch (sequences)."),
+]
 FilterStudy = Annotated[
-    str | None, typer.Option(help="The study's name, where several match (see best).")
+    str | None,
+    typer.Option(
+        help="The study's name, where several workloads match (see best --json); of one "
+        "workload measured with several software versions, the one on this node's, else the "
+        "newest, is read unless named."
+    ),
 ]
 ForceOption = Annotated[bool, typer.Option("--force", help="Overwrite the -o file.")]
 RlhfOption = Annotated[

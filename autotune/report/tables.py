@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from rich.console import Group, RenderableType
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from autotune.estimator.plan import PlanRow
@@ -214,7 +214,8 @@ def ranking_table(
 def best_table(studies: Iterable[tuple[str, Measurement | None, int]]) -> Table:
     """The best configuration of each study: (study name, best measurement, trials)."""
     table = Table(
-        "study", "configuration", "mbs", "accum", "tokens/s", "MFU", "peak", "trials",
+        Column("study", overflow="fold"),  # whole: its name is what --study takes
+        "configuration", "mbs", "accum", "tokens/s", "MFU", "peak", "trials",
         header_style="bold",
     )  # fmt: skip
     for name, m, count in studies:
