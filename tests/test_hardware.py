@@ -57,6 +57,11 @@ MIB = 1024**2
         ("Tesla V100S-PCIE-32GB", "V100S-PCIE"),
         ("NVIDIA RTX A6000", "RTX-A6000"),
         ("AMD Instinct MI300X", "MI300X"),
+        ("AMD Instinct MI325X", "MI325X"),
+        ("AMD Instinct MI355X", "MI355X"),
+        ("NVIDIA B200", "B200"),  # as nvidia-smi prints them
+        ("NVIDIA GB200", "GB200"),
+        ("NVIDIA B300 SXM6 AC", "B300"),
         ("nvidia h100 pcie", "H100-PCIE"),  # case does not matter
     ],
 )
@@ -111,16 +116,25 @@ def test_peak_flops_unknown_gpu_or_dtype() -> None:
     assert peak_flops_for("NVIDIA H100 PCIe", "int8") is None
 
 
+BLACKWELL_CLASS = {"b200", "gb200", "b300", "mi355x"}
+"""The parts whose dense fp16 peak is above 1.4 PFLOP/s (NVIDIA Blackwell, AMD CDNA 4)."""
+
+
 def test_catalogue_is_dense_and_consistent() -> None:
     for key in gpu_keys():
         flops = gpu_spec(key).peak_flops
         assert flops["fp32"] < flops["fp16"], key
         if "bf16" in flops:
             assert flops["bf16"] == flops["fp16"], key
+        if "bf16" in flops and "tf32" in flops:
             # Dense TF32 tensor throughput is half of BF16 on every listed generation; a row
             # copied from a sparsity column would break this.
             assert flops["tf32"] == pytest.approx(flops["bf16"] / 2, rel=0.02), key
-        assert flops["fp16"] < 1.4e15, key  # above this is a 2:4-sparsity figure
+        # Above these is a 2:4-sparsity figure: Hopper's and CDNA 3's densest is 1.31 PFLOP/s,
+        # Blackwell's 2.5 (its sparse figures are 4.5 to 5).
+        limit = 2.6e15 if key in BLACKWELL_CLASS else 1.4e15
+        assert flops["fp16"] < limit, key
+    assert "tf32" not in gpu_spec("mi355x").peak_flops  # CDNA 4: no TF32 matrix path
 
 
 def test_detect_gpus_returns_none_here_without_raising() -> None:
@@ -338,6 +352,10 @@ def test_peaks_by_dtype_spelling() -> None:
 def test_catalogue_values_are_sane() -> None:
     specs = [gpu_spec(key) for key in gpu_keys()]
     assert gpu_spec("h200").memory_bytes > gpu_spec("h100").memory_bytes
+    newest = [gpu_spec(k).memory_bytes for k in ("mi355x", "b300", "mi325x", "gb200", "b200")]
+    assert newest == sorted(newest, reverse=True) and newest[-1] > gpu_spec("h200").memory_bytes
+    # NVLink 5 doubles NVLink 4 (1.8 against 0.9 TB/s both directions).
+    assert gpu_spec("b200").intra_node_bandwidth == 2 * gpu_spec("h100").intra_node_bandwidth
     assert gpu_spec("h100").memory_bytes == 81559 * MIB  # nvidia-smi's reading
     assert gpu_spec("a100").memory_bytes == 81920 * MIB
     bandwidths = [gpu_spec(k).hbm_bandwidth for k in ("h200", "h100", "a100", "a100-40gb")]
@@ -348,11 +366,13 @@ def test_catalogue_values_are_sane() -> None:
     for spec in specs:
         flops = spec.peak_flops
         assert max(flops.get("bf16", 0.0), flops["fp16"]) > flops["fp32"], spec.key
-        assert 200e9 <= spec.hbm_bandwidth <= 6e12, spec.key
+        # HBM3E tops out at 8 TB/s (B200/GB200/MI355X), networks at 800 Gb/s a GPU (B300's
+        # ConnectX-8), memory at 288 GiB (MI355X).
+        assert 200e9 <= spec.hbm_bandwidth <= 8e12, spec.key
         assert spec.host_link_bandwidth <= spec.intra_node_bandwidth, spec.key
-        assert 10e9 <= spec.inter_node_bandwidth <= 50e9, spec.key
+        assert 10e9 <= spec.inter_node_bandwidth <= 100e9, spec.key
         assert spec.form_factor in ("sxm", "pcie"), spec.key
-        assert 16 * GIB <= spec.memory_bytes <= 192 * GIB, spec.key
+        assert 16 * GIB <= spec.memory_bytes <= 288 * GIB, spec.key
         # A size in the key ("a100-40gb") is the datasheet's: the driver reading lies between
         # 95 % of it in GB and the same number in GiB.
         for size in re.findall(r"(\d+)gb", spec.key):

@@ -23,20 +23,38 @@ def _flops(bf16: float | None, fp16: float, tf32: float | None, fp32: float) -> 
 _PCIE3 = 12e9
 _PCIE4 = 25e9
 _PCIE5 = 50e9
+#   PCIe Gen6 x16: "PCIe Gen6: 256 GB/s" (Blackwell Ultra datasheet, HGX B300; both directions),
+#   128 GB/s raw a direction; 80 % of it as for the earlier generations.
+_PCIE6 = 100e9
 #   NVLink per GPU, all links together, one direction: V100 SXM2 NVLink 2 "300 GB/s", A100 SXM
 #   NVLink 3 "600 GB/s", H100/H200 SXM NVLink 4 "900 GB/s" (datasheets, both directions).
 _NVLINK2 = 150e9
 _NVLINK3 = 300e9
 _NVLINK4 = 450e9
+#   Blackwell (B200, GB200, B300) NVLink 5: "1.8 TB/s" per GPU (HGX and GB200 NVL72 pages, the
+#   Blackwell datasheets; both directions; nvidia-smi shows 18 links of 53.125 GB/s on a B300).
+_NVLINK5 = 900e9
 #   GH200: NVLink-C2C to the Grace CPU, "900 GB/s" both directions (GH200 datasheet).
 _NVLINK_C2C = 450e9
+#   GB200: one NVLink-C2C of "900 GB/s" both directions joins the Grace CPU to the superchip's
+#   two B200 GPUs (GB200 NVL72 page): a quarter of it per GPU and direction.
+_NVLINK_C2C_SHARED = 225e9
 #   MI300X: 7 Infinity Fabric links, "896 GB/s" peak aggregate bidirectional (MI300X data
 #   sheet); one link (64 GB/s a direction) joins each pair of the 8 GPUs of a platform.
 _INFINITY_FABRIC = 448e9
+#   MI325X: the MI300X's seven links (AMD MI325X platform data: "896 GB/s"). MI355X: "7 x 153.6
+#   GB/s" Infinity Fabric (AMD Instinct MI355X brochure), 1,075 GB/s both directions.
+_INFINITY_FABRIC_4 = 537.6e9
 # Typical network per GPU in clusters built around each GPU, one direction.  Overridable: a
 # property of the cluster, not the GPU.  DGX/HGX H100 and H200 have one 400 Gb/s NDR
 # InfiniBand (or 400G Ethernet) port per GPU (DGX H100 user guide), DGX A100 one 200 Gb/s HDR
 # port per GPU (DGX A100 user guide); PCIe-card and older servers are assumed to have 100 Gb/s.
+# DGX B200 has one ConnectX-7 400 Gb/s port per GPU, DGX B300 one ConnectX-8 800 Gb/s (DGX
+# B200 and B300 pages; HGX page: "Networking Bandwidth 1.6 TB/s" per B300 board, 0.8 per
+# B200); GB200 NVL72 trays one ConnectX-7 400 Gb/s per GPU (MLPerf Training system
+# descriptions, "4x CX-7 NDR 400G" per 4-GPU tray). AMD platforms' networks are the OEM's:
+# 400 Gb/s per GPU is assumed, as for the MI300X.
+_NET_800G = 100e9
 _NET_400G = 50e9
 _NET_200G = 25e9
 _NET_100G = 12.5e9
@@ -58,6 +76,20 @@ DEFAULT_INTER_NODE_BANDWIDTH = _NET_100G
 #   V100:       NVIDIA Tesla V100 datasheet (no bf16, no tf32: Volta predates both); V100S PCIe
 #               datasheet.
 #   MI300X:     AMD Instinct MI300X data sheet (matrix, dense; 5.3 TB/s HBM3).
+#   B200:       NVIDIA HGX page, B200 column, per 8 GPUs with sparsity: "FP16/BF16 36 PFLOPS",
+#               "TF32 18 PFLOPS", "FP32 600 TFLOPS" (dense per GPU: 2,250, 1,125, 75); Blackwell
+#               datasheet, HGX B200: "180 GB HBM3E 7.7 TB/s".
+#   GB200:      NVIDIA GB200 NVL72 page, per 72 GPUs, sparse ("Dense is one-half sparse spec
+#               shown"): "FP16/BF16 360 PFLOPS", "TF32 180 PFLOPS", "FP32 5,760 TFLOPS",
+#               "13.4 TB HBM3e / 576 TB/s" (per GPU: 2,500, 1,250, 80 dense; 8 TB/s).
+#   B300:       NVIDIA Blackwell Ultra datasheet, HGX B300: "FP16/BF16 4.5 PFLOPS" (sparse),
+#               "TF32 2.2 PFLOPS", "FP32 75 TFLOPS", "270 GB HBM3E | 7.7 TB/s"; the HGX page's
+#               36 and 18 PFLOPS per 8 GPUs give the dense 2,250 and 1,125 used here.
+#   MI325X:     the MI300X's compute (AMD: same CDNA 3 die and clocks; ROCm's MI300 table),
+#               256 GB HBM3E at 6 TB/s (AMD MI325X data sheet).
+#   MI355X:     AMD Instinct MI355X brochure: 2.5 PFLOPS dense FP16/BF16 matrix (5 sparse),
+#               157.3 TFLOPS FP32 vector, 288 GB HBM3E at 8 TB/s; CDNA 4 has no TF32 matrix
+#               path.
 # A10G is AWS's variant of the A10 (g5 instances); NVIDIA publishes no separate sheet, AWS lists
 # 24 GB and the A10's figures are used.
 #
@@ -67,7 +99,47 @@ DEFAULT_INTER_NODE_BANDWIDTH = _NET_100G
 # V100 32GB 32510 MiB, RTX 3090 24268 MiB), and enabling ECC on a GDDR card takes 1/16 (RTX
 # A6000 49140 -> 46068 MiB; A10 24564 -> 23028 MiB).  Two are not readings: V100 16GB PCIe is
 # assumed equal to the SXM2 16GB's, and MI300X is rocm-smi's VRAM total (205822885888 bytes).
+# Blackwell readings: B200 183359 MiB (NVIDIA/TensorRT-LLM issue 10278), GB200 189471 MiB
+# (SlinkyProject/slurm-operator docs/installation.md), B300 275040 MiB (a Dell XE9780 test
+# log); MI355X 309220868096 bytes (rocm-smi's VRAM total, published output). MI325X is not a
+# reading: ROCm's GPU table lists "VRAM (GiB) 256", taken as 256 GiB.
 _SPEC_LIST: tuple[GpuSpec, ...] = (
+    GpuSpec(
+        # Blackwell Ultra on an 8-GPU HGX board.
+        key="b300",
+        name="NVIDIA B300 SXM 270GB",
+        memory_bytes=275040 * MIB,
+        peak_flops=_flops(2250, 2250, 1125, 75),
+        hbm_bandwidth=7.7e12,
+        intra_node_bandwidth=_NVLINK5,
+        host_link_bandwidth=_PCIE6,
+        inter_node_bandwidth=_NET_800G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        # The B200 of a GB200 superchip: its NVLink domain is the whole NVL72 rack (plan with
+        # --gpus-per-node 72 there); its host link is the NVLink-C2C it shares with its twin.
+        key="gb200",
+        name="NVIDIA GB200 (B200 of a Grace Blackwell Superchip, 186GB)",
+        memory_bytes=189471 * MIB,
+        peak_flops=_flops(2500, 2500, 1250, 80),
+        hbm_bandwidth=8.0e12,
+        intra_node_bandwidth=_NVLINK5,
+        host_link_bandwidth=_NVLINK_C2C_SHARED,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        key="b200",
+        name="NVIDIA B200 SXM 180GB",
+        memory_bytes=183359 * MIB,
+        peak_flops=_flops(2250, 2250, 1125, 75),
+        hbm_bandwidth=7.7e12,
+        intra_node_bandwidth=_NVLINK5,
+        host_link_bandwidth=_PCIE5,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="sxm",
+    ),
     GpuSpec(
         key="h100-80gb",
         name="NVIDIA H100 SXM5 80GB",
@@ -341,6 +413,28 @@ _SPEC_LIST: tuple[GpuSpec, ...] = (
         peak_flops=_flops(1307.4, 1307.4, 653.7, 163.4),
         hbm_bandwidth=5.3e12,
         intra_node_bandwidth=_INFINITY_FABRIC,
+        host_link_bandwidth=_PCIE5,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        key="mi325x",
+        name="AMD Instinct MI325X",
+        memory_bytes=256 * 1024 * MIB,
+        peak_flops=_flops(1307.4, 1307.4, 653.7, 163.4),
+        hbm_bandwidth=6.0e12,
+        intra_node_bandwidth=_INFINITY_FABRIC,
+        host_link_bandwidth=_PCIE5,
+        inter_node_bandwidth=_NET_400G,
+        form_factor="sxm",
+    ),
+    GpuSpec(
+        key="mi355x",
+        name="AMD Instinct MI355X",
+        memory_bytes=309220868096,
+        peak_flops=_flops(2500, 2500, None, 157.3),
+        hbm_bandwidth=8.0e12,
+        intra_node_bandwidth=_INFINITY_FABRIC_4,
         host_link_bandwidth=_PCIE5,
         inter_node_bandwidth=_NET_400G,
         form_factor="sxm",

@@ -13,6 +13,9 @@ from autotune.units import GIB, MIB
 # lookup_gpu's family keys (kept for GpuInfo.catalogue_key and older callers) onto spec keys.
 # A100 and V100 families are refined by _driver_key, which sees the PCIe marker and memory.
 _FAMILY_KEYS: dict[str, str] = {
+    "B300": "b300",
+    "GB200": "gb200",
+    "B200": "b200",
     "A100-40GB": "a100-40gb",
     "A100-80GB": "a100-80gb",
     "H100-SXM": "h100-80gb",
@@ -33,6 +36,8 @@ _FAMILY_KEYS: dict[str, str] = {
     "V100-PCIE": "v100-32gb-pcie",
     "V100S-PCIE": "v100s",
     "MI300X": "mi300x",
+    "MI325X": "mi325x",
+    "MI355X": "mi355x",
 }
 
 # Names accepted besides the keys, lower case: the family keys and short forms people type.
@@ -58,6 +63,9 @@ _ALIASES: dict[str, str] = {
 _RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern), key)
     for pattern, key in (
+        (r"\bB300\b", "B300"),
+        (r"\bGB200\b", "GB200"),
+        (r"\bB200\b", "B200"),
         (r"\bGH200\b", "GH200"),
         (r"\bH200 NVL\b", "H200-NVL"),
         (r"\bH200\b", "H200"),
@@ -79,6 +87,8 @@ _RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"\bV100\b.*\bPCIE\b", "V100-PCIE"),
         (r"\bV100\b", "V100-SXM"),
         (r"\bMI300X\b", "MI300X"),
+        (r"\bMI325X\b", "MI325X"),
+        (r"\bMI355X\b", "MI355X"),
     )
 )
 
