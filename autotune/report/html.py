@@ -31,6 +31,7 @@ from autotune.study.fingerprint import Fingerprint
 from autotune.study.measurement import (
     Measurement,
     StudyResult,
+    best_point,
     measured_workload,
     parse_time,
     prediction_gap,
@@ -247,6 +248,11 @@ def _search_clock(
     return xs, "seconds since the first probe started"
 
 
+def _best_value(measurements: list[Measurement]) -> float | None:
+    found = best_point(measurements)
+    return None if found is None else found.value
+
+
 def _search_figure(
     study: StudyResult, go: Any, times: Mapping[int, TrialTimes], budget_s: float | None
 ) -> Any:
@@ -291,12 +297,9 @@ def _search_figure(
                 "<br>%{customdata[3]}<extra></extra>",
             )
         )
-    best: list[float | None] = []
-    top: float | None = None
-    for m in trials:
-        if m.feasible and m.value and (top is None or m.value > top):
-            top = m.value
-        best.append(top)
+    # The best as the search read it after each probe: a point's mean over its repeats (a
+    # lucky single measurement that its repeats brought down is not the best).
+    best = [_best_value(trials[: i + 1]) for i in range(len(trials))]
     fig.add_trace(go.Scatter(x=xs, y=best, mode="lines", line={"shape": "hv"}, name="best so far"))
     if budget_s is not None and by_time:
         fig.add_vline(

@@ -22,6 +22,7 @@ from autotune.space import Workload
 from autotune.study.fingerprint import Fingerprint
 
 __all__ = [
+    "MEASURED",
     "POOLED_ATTRS",
     "RETRYABLE",
     "Measurement",
@@ -144,7 +145,12 @@ class Point(NamedTuple):
     mfu: float | None
 
 
-POOLED_ATTRS = ("objective_tokens_per_second", "objective_mfu")
+MEASURED = "measured"
+"""The user attribute of a trial's own measurement of the objective (tokens/s or MFU). Optuna's
+value of the trial is its point's standing (:func:`standings`), rewritten as repeats come in;
+a trial stored without this attribute has its measurement as its value."""
+
+POOLED_ATTRS = ("objective_tokens_per_second", "objective_mfu", MEASURED)
 """The user attributes pooling reads (besides state, params, constraints and value)."""
 
 
@@ -246,6 +252,30 @@ class StoredTrial:
     """The objective as stored (used only when the trial completed)."""
 
 
+def _measured(trial: StoredTrial) -> float | None:
+    """The objective the trial measured (:data:`MEASURED`; before it, its value)."""
+    measured = trial.user_attrs.get(MEASURED)
+    return trial.value if measured is None else float(measured)
+
+
+def standings(measurements: Iterable[Pooled]) -> dict[int, float]:
+    """Optuna's value of each completed trial (by number), so that Optuna's own readers
+    (``study.best_trial``, optuna-dashboard's best trial, a sort by value) name the point
+    :func:`best_point` names, with its value: the mean of its point's measurements, or 0
+    where the point is no answer (a repeat of it did not fit; a LoRA point where a full
+    fine-tuning one fits). The trials' own measurements stay in :data:`MEASURED`."""
+    done = [m for m in measurements if m.state == "COMPLETE"]
+    groups = _points(done)
+    full = any(not group[0].key[0].is_lora for group in groups)
+    values = {m.number: 0.0 for m in done}
+    for group in groups:
+        if full and group[0].key[0].is_lora:
+            continue
+        mean = _mean([m.value for m in group]) or 0.0
+        values.update((m.number, mean) for m in group)
+    return values
+
+
 def point(trial: StoredTrial) -> Point:
     """A trial as pooling reads it, decoded as :func:`decode` does (of the user attributes
     only ``POOLED_ATTRS`` are read)."""
@@ -255,7 +285,7 @@ def point(trial: StoredTrial) -> Point:
         key=_key(trial.params),
         state=trial.state,
         feasible=complete and all(c <= 0 for c in trial.constraints),
-        value=trial.value if complete else None,
+        value=_measured(trial) if complete else None,
         tokens_per_second=trial.user_attrs.get("objective_tokens_per_second"),
         mfu=trial.user_attrs.get("objective_mfu"),
     )
@@ -278,7 +308,7 @@ def decode(trial: StoredTrial) -> Measurement:
         # A trial failed by the storage's heartbeat has no outcome: its tuner went stale.
         outcome=attrs.get("outcome", "stale" if trial.state == "FAIL" else None),
         feasible=complete and all(c <= 0 for c in trial.constraints),
-        value=trial.value if complete else None,
+        value=_measured(trial) if complete else None,
         repeat=int(attrs.get("repeat", 0)),
         tokens_per_second=attrs.get("objective_tokens_per_second"),
         mfu=attrs.get("objective_mfu"),

@@ -6,9 +6,10 @@ micro-batch size; its user attributes hold what was measured (outcome, tokens/s 
 global batch, MFU, step times, peak memory, the probe folder). Its value is the objective.
 
 Out-of-memory trials must steer the search, yet Optuna's samplers ignore failed trials, so an
-OOM is a *complete* trial with value 0 and a violated constraint (``trial.set_constraint``);
-so is each size of a probe the host's OOM killer stopped (``host_oom``). Constraint-aware
-samplers learn the infeasible region, and optuna-dashboard shows the trial as infeasible. A
+OOM is a *complete* trial with value 0 and a violated constraint (the ``constraints`` list
+Optuna and optuna-dashboard both read); so is each size of a probe the host's OOM killer
+stopped (``host_oom``). Constraint-aware samplers learn the infeasible region, and
+optuna-dashboard shows the trial as infeasible. A
 configuration whose peak comes within ``headroom`` of the capacity is infeasible the same way.
 Crashes, hangs and errors are FAIL trials with their message.
 
@@ -22,7 +23,10 @@ search; a second such failure closes the point.
 
 A point may be measured more than once on purpose: the search re-measures near-ties with the
 best to tell them apart from timing noise. Such a trial carries its ``repeat`` number (1, 2,
-...; absent on the first measurement), and :func:`pooled` averages a point's repeats.
+...; absent on the first measurement), and :func:`pooled` averages a point's repeats. A
+trial's own measurement is its ``measured`` attribute; its Optuna value is its point's
+standing (the mean of its repeats, 0 where it is no answer), rewritten as repeats come in, so
+that Optuna's ``best_trial`` and optuna-dashboard name the best autotune reads.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any, TypeVar
 
 import optuna
 import psutil
+import sqlalchemy
 import sqlalchemy.exc
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from optuna.storages import RDBStorage
@@ -64,7 +69,15 @@ from autotune.probe.outcome import Outcome
 from autotune.probe.result import ProbeResult, SizeResult
 from autotune.space import oom_rules_out
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
-from autotune.study.measurement import Measurement, StoredTrial, best_point, decode
+from autotune.study.measurement import (
+    MEASURED,
+    Measurement,
+    StoredTrial,
+    best_point,
+    decode,
+    point,
+    standings,
+)
 from autotune.study.schema import (
     FINGERPRINT_ATTR,
     GENERATION,
@@ -589,9 +602,38 @@ class TrialStore:
         return sorted(failed)
 
     def record(self, trials: Iterable[Trial], result: ProbeResult) -> None:
-        """Record a finished probe: each trial gets what the probe found at its size."""
+        """Record a finished probe: each trial gets what the probe found at its size, and
+        the study's values their points' standings."""
         for trial in trials:
             self._retrying(functools.partial(self._tell_once, trial, result))
+        self._retrying(self._stand)
+
+    def _stand(self) -> None:
+        """Optuna's value of each completed trial of this generation made its point's
+        standing (:func:`~autotune.study.measurement.standings`: the mean of its repeats, 0
+        where it is no answer), and of an earlier generation's 0 once the study's readers read
+        this one, so that Optuna's ``best_trial`` and optuna-dashboard's best trial are the
+        best autotune reads. Optuna keeps a finished trial's value as told: the values are
+        rewritten in its ``trial_values`` table, in one transaction, of the trials that hold
+        their own measurement in :data:`~autotune.study.measurement.MEASURED` (a trial stored
+        before it keeps its value)."""
+        trials = {
+            t.number: t
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if "micro_batch_size" in t.params and not t.user_attrs.get(WITHDRAWN)
+        }
+        mine = [t for t in trials.values() if trial_generation(t.user_attrs) == self.generation]
+        wanted = standings(point(stored(t)) for t in mine)
+        if self._read_generation == self.generation:  # the readers read this generation
+            wanted.update((n, 0.0) for n in trials.keys() - wanted.keys())
+        changes = [
+            {"value": value, "trial_id": trials[number]._trial_id}
+            for number, value in wanted.items()
+            if trials[number].value != value and MEASURED in trials[number].user_attrs
+        ]
+        if changes:
+            with self.storage.engine.begin() as connection:
+                connection.execute(_SET_VALUE, changes)
 
     def _tell_once(self, trial: Trial, result: ProbeResult) -> None:
         """Tell a trial its result; a retry after a lost connection may find it told."""
@@ -670,15 +712,16 @@ class TrialStore:
         violation = peak / capacity - (1.0 - self.headroom) if capacity else 0.0
         if entry.alloc_retries:
             violation = max(violation, 0.01)
-        for key, value in attrs.items():
-            trial.set_user_attr(key, value)
-        trial.set_constraint("memory", violation)
         objective = (
             attrs["objective_tokens_per_second"]
             if self.fingerprint.objective is Objective.TOKENS
             else attrs["objective_mfu"]
         )
-        told = self.study.tell(trial, float(objective or 0.0))
+        attrs[MEASURED] = float(objective or 0.0)
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        self._constrain(trial, violation)
+        told = self.study.tell(trial, attrs[MEASURED])
         if violation <= 0 and self.generation != self._read_generation:
             # The new generation's first fit: from now on the study's readers read it.
             self.study.set_user_attr(GENERATION, self.generation)
@@ -688,8 +731,14 @@ class TrialStore:
     def _infeasible(self, trial: Trial, attrs: dict[str, Any], violation: float) -> FrozenTrial:
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
-        trial.set_constraint("memory", violation)
+        self._constrain(trial, violation)
         return self.study.tell(trial, 0.0)
+
+    def _constrain(self, trial: Trial, violation: float) -> None:
+        """The trial's memory constraint (feasible at 0 or less), stored as the list of values
+        under ``constraints`` that Optuna reads (as constraint ``0``) and optuna-dashboard
+        reads (``Trial.set_constraint``'s ``constraints:memory`` is Optuna's alone)."""
+        self.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS, [violation])
 
     def _fail(self, trial: Trial, attrs: dict[str, Any]) -> FrozenTrial:
         for key, value in attrs.items():
@@ -726,6 +775,17 @@ class TrialStore:
         if measurements is None:
             measurements = self.measurements((TrialState.COMPLETE,))
         return best_point(measurements)
+
+
+_CONSTRAINTS = "constraints"
+"""The trial system attribute of its constraint values, as a list (Optuna's first form, the one
+optuna-dashboard reads)."""
+
+_SET_VALUE = sqlalchemy.text(
+    "UPDATE trial_values SET value = :value WHERE trial_id = :trial_id AND objective = 0"
+)
+"""A finished trial's value rewritten, in Optuna's schema (whose revision Optuna's own storage
+checks when the store opens it)."""
 
 
 def _estimate_attrs(estimate: tuple[float | None, float | None] | None) -> dict[str, Any]:
