@@ -708,6 +708,9 @@ class Knobs:
     block_patterns: bool = True
     """Checkpointing every 4th and every 2nd block as rungs between none and every block
     (False: a user's script whose own switch checkpoints every block or none)."""
+    block_checkpointing: bool = True
+    """Checkpointing blocks at all (False: a user's job that cannot: no configuration that
+    checkpoints is tried)."""
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0:

@@ -221,9 +221,11 @@ def configurations(
         if engine not in allowed or (where is not Offload.NONE and not offload):
             continue
         checkpointing = [
-            (ac, False) for ac in ac_options(num_layers) if knobs.block_patterns or ac in (0, 1)
+            (ac, False)
+            for ac in ac_options(num_layers)
+            if (knobs.block_patterns or ac in (0, 1)) and (knobs.block_checkpointing or ac == 0)
         ]
-        if knobs.op_checkpointing:
+        if knobs.op_checkpointing and knobs.block_checkpointing:
             checkpointing.insert(1, (0, True))
         # Activation offload (on the CPU, to an emulated host pool the probe counts apart).
         moved = (False, True) if knobs.activation_offload else (False,)

@@ -252,7 +252,12 @@ def knobs_for(
                 "activation_offloading=True)"
             )
         # A script's own checkpointing switch: every block or none.
-        return dataclasses.replace(LADDER_ONLY, block_patterns=job.checkpointing_flag is None)
+        # A job that cannot checkpoint (--checkpointing-flag none) trains without it.
+        return dataclasses.replace(
+            LADDER_ONLY,
+            block_patterns=job.checkpointing_flag is None,
+            block_checkpointing=job.checkpoints,
+        )
     losses = losses or SEARCHED_KNOBS.losses
     optimizers = optimizers or SEARCHED_KNOBS.optimizers
     if Loss.FUSED in losses and device == "cpu":

@@ -529,6 +529,7 @@ def _recorded_knobs(asked: Knobs, recorded: Knobs) -> Knobs:
         or (Optimizer.ADAMW,),
         activation_offload=asked.activation_offload and recorded.activation_offload,
         block_patterns=asked.block_patterns,
+        block_checkpointing=asked.block_checkpointing,
     )
 
 

@@ -422,7 +422,13 @@ def _own(job: ScriptJob) -> str:
         (job.checkpointing_flag, "checkpointing"),
     )
     named = [f"{flag} ({knob})" for flag, knob in flags if flag]
-    return f"; its own flags {', '.join(named)}" if named else ""
+    own = f"; its own flags {', '.join(named)}" if named else ""
+    if not job.checkpoints:
+        own += (
+            "; no checkpointing: it has no switch for it (name one with --checkpointing-flag) "
+            "and reads no autotune.job_config(), so configurations that checkpoint are not tried"
+        )
+    return own
 
 
 def _job_ranks(job: ScriptJob, warm: bool) -> str:

@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from autotune.config import ConfigError, Engine
 from autotune.urls import MASK, holds_secret, masked, redact
@@ -29,6 +29,7 @@ __all__ = [
     "BOOL_WORDS",
     "FRAMEWORK_ENGINES",
     "KNOB_FLAGS",
+    "Declared",
     "Framework",
     "ScriptJob",
     "check_engines",
@@ -278,24 +279,33 @@ _COMMON_FLAGS: Mapping[str, frozenset[str]] = {
 (``--grad_accum`` is ``grad-accum``)."""
 
 
-def declared_flags(source: str) -> dict[str, str | None]:
+class Declared(NamedTuple):
+    """One option a script declares: its ``action`` (None: it takes a value) and which
+    ``add_argument`` call declared it (aliases share one: ``"--mbs", "--micro-batch-size"``)."""
+
+    action: str | None
+    call: int
+
+
+def declared_flags(source: str) -> dict[str, Declared]:
     """The options an argparse script declares in its own source (each literal option of an
-    ``add_argument`` call) and their ``action`` (None: it takes a value), read by Python's own
-    grammar without running the script; empty for a file that is not Python."""
+    ``add_argument`` call), read by Python's own grammar without running the script; empty
+    for a file that is not Python."""
     import ast
 
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return {}
-    found: dict[str, str | None] = {}
-    for node in ast.walk(tree):
-        if not (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "add_argument"
-        ):
-            continue
+    found: dict[str, Declared] = {}
+    calls = (
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "add_argument"
+    )
+    for call, node in enumerate(calls):
         action = next(
             (
                 kw.value.value
@@ -310,7 +320,7 @@ def declared_flags(source: str) -> dict[str, str | None]:
                 and isinstance(arg.value, str)
                 and arg.value.startswith("-")
             ):
-                found[arg.value] = action if isinstance(action, str) else None
+                found[arg.value] = Declared(action if isinstance(action, str) else None, call)
     return found
 
 
@@ -333,21 +343,22 @@ def reads_job_config(source: str) -> bool:
     )
 
 
-def recognised_flags(declared: Mapping[str, str | None]) -> dict[str, str]:
+def recognised_flags(declared: Mapping[str, Declared]) -> dict[str, str]:
     """The knob each of ``declared``'s options carries by its common name
     (:data:`_COMMON_FLAGS`): a value-taking option for the micro-batch and the accumulation,
-    a ``store_true`` switch for checkpointing. A knob two options could carry has none."""
+    a ``store_true`` switch for checkpointing. Aliases of one option (one ``add_argument``)
+    are one candidate, set by its first spelling; a knob two options could carry has none."""
     found: dict[str, str] = {}
     for knob, names in _COMMON_FLAGS.items():
         switch = knob == "checkpointing"
-        matches = [
-            option
-            for option, action in declared.items()
+        matches = {
+            option: seen.call
+            for option, seen in declared.items()
             if option.lstrip("-").lower().replace("_", "-") in names
-            and (action == "store_true" if switch else action in (None, "store"))
-        ]
-        if len(matches) == 1:
-            found[knob] = matches[0]
+            and (seen.action == "store_true" if switch else seen.action in (None, "store"))
+        }
+        if len(set(matches.values())) == 1:
+            found[knob] = next(iter(matches))
     return found
 
 
@@ -375,6 +386,11 @@ class ScriptJob:
     ``store_true``, ``--activation-checkpointing``): given where a configuration checkpoints,
     left out (with any ``--no-`` form) where it does not. A switch has no every-k-th-block
     setting, so those configurations are not tried."""
+    checkpoints: bool = True
+    """Whether the job can checkpoint its blocks; False: a script with no checkpointing switch
+    (none declared under a name autotune recognises, or ``--checkpointing-flag none``) that
+    does not read ``autotune.job_config()`` either: its search leaves every configuration that
+    checkpoints out."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "framework", Framework(self.framework))
@@ -425,16 +441,25 @@ class ScriptJob:
             "accum": accum_flag,
             "checkpointing": checkpointing_flag,
         }
-        if recognise and kind is not Framework.HF and None in given.values():
+        source: str | None = None
+        if kind is not Framework.HF and (
+            checkpointing_flag == NO_FLAG or (recognise and None in given.values())
+        ):
             try:
                 source = script.read_text(errors="replace")
             except OSError:
                 source = ""
+        if recognise and source is not None and None in given.values():
             found = {} if reads_job_config(source) else recognised_flags(declared_flags(source))
             for knob, option in found.items():
                 if given[knob] is None and option not in given.values():
                     given[knob] = option
         given = {k: None if v == NO_FLAG else v for k, v in given.items()}
+        # No switch of its own (none declared, or disowned with `none`) and no
+        # autotune.job_config() to read ac_every from: the job cannot checkpoint.
+        checkpoints = not (
+            given["checkpointing"] is None and source is not None and not reads_job_config(source)
+        )
         for knob, flag in given.items():
             if flag is None:
                 continue
@@ -463,6 +488,7 @@ class ScriptJob:
             batch_flag=given["batch"],
             accum_flag=given["accum"],
             checkpointing_flag=given["checkpointing"],
+            checkpoints=checkpoints,
         )
 
     @property
@@ -478,6 +504,8 @@ class ScriptJob:
         parts: tuple[str, ...] = (self.sha256, self.batch_flag or "", *masked_args(self.args))
         if self.accum_flag or self.checkpointing_flag:  # a job without them keeps its key
             parts += ("", self.accum_flag or "", self.checkpointing_flag or "")
+        if not self.checkpoints:  # another search space: another study
+            parts += ("", "no-checkpointing")
         identity = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         return f"{self.name}@{self.framework.value}:{identity[:8]}"
 
@@ -493,6 +521,8 @@ class ScriptJob:
             "batch_flag": self.batch_flag,
             "accum_flag": self.accum_flag,
             "checkpointing_flag": self.checkpointing_flag,
+            # Said only where it is not the default: a job's stored fingerprint stays as it was.
+            **({} if self.checkpoints else {"checkpoints": False}),
         }
 
     def for_shell(self) -> ScriptJob:
@@ -516,6 +546,7 @@ class ScriptJob:
             batch_flag=data.get("batch_flag"),
             accum_flag=data.get("accum_flag"),
             checkpointing_flag=data.get("checkpointing_flag"),
+            checkpoints=bool(data.get("checkpoints", True)),
         )
 
 

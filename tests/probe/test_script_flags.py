@@ -96,6 +96,12 @@ def test_the_scripts_own_flags_carry_the_configuration() -> None:
             {},
         ),
         ('p.add_argument("--mbs", action="store_true")', {}),
+        # One option under two names (aliases) is one candidate; two options are two.
+        (
+            'p.add_argument("--micro-batch-size", "--per-device-batch-size", type=int)\n'
+            'p.add_argument("--grad-ckpt", "--activation-checkpointing", action="store_true")',
+            {"batch": "--micro-batch-size", "checkpointing": "--grad-ckpt"},
+        ),
         ("this is not Python (", {}),
     ],
 )  # fmt: skip
@@ -121,6 +127,38 @@ def test_recognised_flags_tune_an_unedited_script_unless_it_reads_autotune(
     assert "--batch-size" in declared_flags(reader.read_text())
     kept = ScriptJob.read(reader, "torchrun", recognise=True)
     assert (kept.batch_flag, kept.accum_flag, kept.checkpointing_flag) == (None, None, None)
+
+
+def test_a_job_without_a_checkpointing_switch_leaves_checkpointing_out_of_the_space(
+    tmp_path: Path,
+) -> None:
+    """A script with no switch for checkpointing and no ``autotune.job_config()`` cannot
+    checkpoint (``--checkpointing-flag none`` says so of one whose switch is not for this);
+    its space holds no configuration that checkpoints. A script that reads the job's
+    configuration checkpoints as it says."""
+    from autotune.values import knobs_for
+
+    bare = tmp_path / "bare.py"
+    bare.write_text(
+        "import argparse\np = argparse.ArgumentParser()\np.add_argument('--batch-size')\n"
+    )
+    for job in (
+        ScriptJob.read(bare, "torchrun", recognise=True),
+        ScriptJob.read(PLAIN, "torchrun", recognise=True, checkpointing_flag="none"),
+    ):
+        assert not job.checkpoints
+        assert ScriptJob.from_dict(json.loads(json.dumps(job.to_dict()))) == job
+        knobs = knobs_for(job, None, False, None, device="cpu")
+        tried = {(c.ac_every, c.ac_ops) for c in configurations(world_size=2, num_layers=8,
+                                                                 knobs=knobs)}  # fmt: skip
+        assert tried == {(0, False)}
+    assert ScriptJob.read(PLAIN, "torchrun", recognise=True).checkpoints
+    reader = ScriptJob.read(PLAIN.with_name("train_torchrun.py"), "torchrun", recognise=True)
+    assert reader.checkpoints and reader.checkpointing_flag is None
+    # Another search space, another study; a job that can checkpoint keeps its key.
+    able = ScriptJob.read(PLAIN, "torchrun")
+    assert ScriptJob.from_dict({**able.to_dict(), "checkpoints": False}).key != able.key
+    assert "checkpoints" not in able.to_dict()
 
 
 def test_a_checkpointing_switch_leaves_every_kth_block_out_of_the_space() -> None:
@@ -224,6 +262,22 @@ def test_a_job_that_ignores_what_autotune_asks_stops_the_run_at_its_first_probe(
     assert "where autotune asked for" in line and "--batch-flag" in line, line
     assert "nothing was recorded against" in line
     assert all(trial["state"] != "COMPLETE" for trial in _recorded(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_job_that_cannot_checkpoint_is_tuned_without_checkpointing(tmp_path: Path) -> None:
+    """The plain script with its checkpointing switch disowned (``none``) trains without
+    checkpointing whatever autotune asks: the run says so in its first line, tries no
+    configuration that checkpoints, and ends with a best (exit 0)."""
+    done = _run(tmp_path, PLAIN, "--engine", "single", "--checkpointing-flag", "none", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    first = done.stderr.splitlines()[0]
+    assert "no checkpointing: it has no switch for it" in first, first
+    summary = json.loads(done.stdout)
+    assert summary["best"] is not None and summary["mistake"] is None
+    assert summary["best"]["label"] == "single ac:off"
+    recorded = _recorded(tmp_path)
+    assert recorded and all(trial["config"]["ac_every"] == 0 for trial in recorded)
 
 
 @pytest.mark.slow
