@@ -206,6 +206,12 @@ def test_every_format_writes_one_set_of_optimizer_values_and_says_so(tmp_path: P
     [note] = value_notes(ds, Format.DEEPSPEED)
     assert "lr 5e-05, betas 0.9/0.999, eps 1e-08, weight decay 0.0" in note
     assert "scheduler" in note and "gradient_clipping" in note
+    # What DeepSpeed itself does without the key: the note says its own default, and the JSON
+    # leaves the key to the user.
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    assert f"clips gradients at norm {GRADIENT_CLIPPING_DEFAULT}" in note
+    assert "gradient_clipping" not in json.loads(render(ds, Format.DEEPSPEED))
     path = tmp_path / "fsdp_settings.py"
     fsdp = launch(FSDP_CONFIGS[0])
     path.write_text(render(fsdp, Format.FSDP))
@@ -758,6 +764,37 @@ def test_the_advice_for_the_chunked_loss_computes_the_models_loss() -> None:
     )
     got = model(input_ids=input_ids, labels=labels, num_items_in_batch=5000).loss
     assert got.item() == pytest.approx(share.item(), rel=1e-5)
+
+
+def test_the_trainer_feeds_the_chunked_loss_the_datas_attention_mask(tmp_path: Path) -> None:
+    """The Trainer keeps only the dataset's columns the model's forward names: with the
+    chunked loss's forward in place, a padded batch still reaches the model with its
+    ``attention_mask`` (and the loss masks what the mask says)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import autotune.probe.loss
+    from autotune.probe.modeling import hf_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(TINY))
+    exec(CHUNKED_ADVICE, {"model": model, "autotune": autotune})
+    data = Dataset.from_dict(
+        {
+            "input_ids": [[5, 6, 7, 0], [8, 9, 10, 11]],
+            "attention_mask": [[1, 1, 1, 0], [1, 1, 1, 1]],
+            "labels": [[5, 6, 7, -100], [8, 9, 10, 11]],
+            "text": ["a", "b"],  # a column the model does not take: dropped
+        }
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=2
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert trainer.compute_loss(model, batch).isfinite()
 
 
 _TWO_RANKS = """

@@ -27,7 +27,7 @@ import torch
 
 from autotune.config import ConfigError, Engine, Loss, Offload, Precision, Schedule, TrainConfig
 from autotune.handoff.launch import Format, Launch, render
-from autotune.handoff.megatron import megatron_arguments
+from autotune.handoff.megatron import megatron_arguments, megatron_environment
 from autotune.layouts import check_layout, data_parallel, pipeline_microbatches_ok
 from autotune.models import resolve_model
 
@@ -70,7 +70,8 @@ def megatron_config(argv: list[str]) -> tuple[Any, dict[str, object]]:
     training: dict[str, object] = {}
     for name, value in options.items():
         if name in ("swiglu", "group_query_attention", "untie_embeddings_and_output_weights",
-                    "num_layers_per_virtual_pipeline_stage", "disable_bias_linear"):  # fmt: skip
+                    "num_layers_per_virtual_pipeline_stage", "disable_bias_linear",
+                    "no_gradient_accumulation_fusion"):  # fmt: skip
             continue
         if name in TRAINING:
             training[name] = value
@@ -82,6 +83,8 @@ def megatron_config(argv: list[str]) -> tuple[Any, dict[str, object]]:
         fields |= {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
     if options.get("disable_bias_linear"):
         fields["add_bias_linear"] = False
+    # Megatron-LM's store_false option for the field (its default is True there).
+    fields["gradient_accumulation_fusion"] = not options.get("no_gradient_accumulation_fusion")
     if not options.get("group_query_attention"):
         fields.pop("num_query_groups", None)
     if "num_layers_per_virtual_pipeline_stage" in options:
@@ -133,6 +136,44 @@ LAYOUTS = {
 }
 
 
+def megatron_lm_refusals(argv: list[str], environment: dict[str, str | None]) -> list[str]:
+    """What Megatron-LM's ``validate_args`` (core_v0.16.1, ``megatron/training/arguments.py``)
+    refuses of these arguments on a Hopper GPU, for the options the export writes: its FSDP2
+    checks (no pipeline, no distributed optimizer, no fused gradient accumulation, untied
+    embeddings, no fp16, ``CUDA_DEVICE_MAX_CONNECTIONS`` not 1), and tensor or context
+    parallelism without FSDP asking ``CUDA_DEVICE_MAX_CONNECTIONS=1``. Written from its text
+    here because Megatron-LM's ``megatron.training`` is not on PyPI (megatron-core is)."""
+    words = set(argv)
+
+    def value(option: str, default: str) -> str:
+        return argv[argv.index(option) + 1] if option in words else default
+
+    connections = environment.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    refused = []
+    if "--use-torch-fsdp2" in words:
+        if value("--pipeline-model-parallel-size", "1") != "1":
+            refused.append("--use-torch-fsdp2 is not supported with pipeline parallelism")
+        if "--use-distributed-optimizer" in words:
+            refused.append("--use-torch-fsdp2 is not supported with MCore's distributed optimizer")
+        if "--no-gradient-accumulation-fusion" not in words:
+            refused.append("--use-torch-fsdp2 is not supported with gradient accumulation fusion")
+        if "--untie-embeddings-and-output-weights" not in words:
+            refused.append("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
+        if "--fp16" in words:
+            refused.append("--use-torch-fsdp2 not supported with fp16 yet")
+        if connections == "1":
+            refused.append("FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than one")
+    elif (
+        value("--tensor-model-parallel-size", "1") != "1"
+        or value("--context-parallel-size", "1") != "1"
+    ) and connections != "1":
+        refused.append(
+            "Using tensor model parallelism or context parallelism require setting the "
+            "environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1"
+        )
+    return refused
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_megatron_core_reads_every_layout_as_autotune_measured_it(name: str) -> None:
     exported = LAYOUTS[name]
@@ -142,6 +183,11 @@ def test_megatron_core_reads_every_layout_as_autotune_measured_it(name: str) -> 
     check_layout(config, spec, world_size=exported.world_size, gpus_per_node=exported.per_node,
                  seq_len=exported.seq_len)  # fmt: skip
     read, training = megatron_config(megatron_arguments(exported))
+    environment = megatron_environment(exported)
+    assert megatron_lm_refusals(megatron_arguments(exported), environment) == []
+    script = render(exported, Format.MEGATRON).splitlines()
+    for variable, value in environment.items():
+        assert (f"unset {variable}" if value is None else f"export {variable}={value}") in script
     # The layout, as megatron-core holds it.
     assert read.tensor_model_parallel_size == config.tp
     assert read.sequence_parallel is (config.tp > 1)
@@ -186,11 +232,14 @@ def test_the_script_starts_every_rank_of_a_node_with_the_arguments(tmp_path: Pat
     stand_in.write_text(
         "import json, os, sys\n"
         "path = os.path.join(os.environ['RECORD'], os.environ['RANK'] + '.json')\n"
-        "open(path, 'w').write(json.dumps(sys.argv[1:]))\n"
+        "seen = os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')\n"
+        "open(path, 'w').write(json.dumps([seen, *sys.argv[1:]]))\n"
     )
     (tmp_path / "ranks").mkdir()
     env = {
         **os.environ,
+        # As a Megatron-LM launcher of TP jobs often leaves it: FSDP2 refuses it.
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "PRETRAIN_GPT": str(stand_in),
         "RECORD": str(tmp_path / "ranks"),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -201,10 +250,12 @@ def test_the_script_starts_every_rank_of_a_node_with_the_arguments(tmp_path: Pat
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     given = [json.loads((tmp_path / "ranks" / f"{r}.json").read_text()) for r in range(2)]
-    expected = [*megatron_arguments(exported), "--data-path", "my data"]
+    expected = [None, *megatron_arguments(exported), "--data-path", "my data"]
     assert given == [expected] * 2
-    read, training = megatron_config(given[0][:-2])
+    read, training = megatron_config(given[0][1:-2])
     assert read.tensor_model_parallel_size == 2 and training["use_torch_fsdp2"] is True
+    assert megatron_lm_refusals(given[0][1:-2], {"CUDA_DEVICE_MAX_CONNECTIONS": given[0][0]}) == []
+    assert not read.gradient_accumulation_fusion
 
 
 def test_megatron_core_refuses_no_tensor_degree_autotune_accepts() -> None:

@@ -233,8 +233,18 @@ def export(
 
 
 def _render(found: StudyResult, launch: Launch, fmt: Format) -> str:
-    """A study's configuration in ``fmt``; ``command``: the study's own script, run with it."""
+    """A study's configuration in ``fmt``; ``command``: the study's own script, run with it.
+    ``torchrun`` launches autotune's stand-in: refused for a study of the user's script (its
+    own arguments, engine, precision and optimizer are the script's, which that line would
+    not hold)."""
     script = found.fingerprint.script
+    if fmt is Format.TORCHRUN and script is not None:
+        framework = ScriptJob.from_dict(script).framework.value
+        raise ConfigError(
+            f"--format torchrun launches autotune's stand-in, and {found.study_name} probed "
+            f"your {framework} script: use --format command (your script's command line, "
+            "tuned)"
+        )
     if fmt is not Format.COMMAND or script is None:
         return render(launch, fmt)
     command = job_command(  # its secrets read from variables the user sets

@@ -40,11 +40,7 @@ def best(
     from autotune.report.tables import best_table
 
     studies = api.best(
-        model=model,
-        gpu=gpu,
-        gpus=gpus,
-        seq_len=seq_len,
-        global_batch=global_batch,
+        **_filters(model, gpu, gpus, seq_len, global_batch),
         storage=storage,
         last=0,
     )
@@ -63,6 +59,23 @@ def best(
     else:
         console.print(best_table((s.study_name, s.best, s.trial_count) for s in studies))
     raise typer.Exit(0 if any(s.best for s in studies) else 1)
+
+
+def _filters(
+    model: str | None,
+    gpu: str | None,
+    gpus: int | None,
+    seq_len: int | None,
+    global_batch: int | None,
+) -> dict[str, Any]:
+    """The options that select studies, as the library's functions take them."""
+    return {
+        "model": model,
+        "gpu": gpu,
+        "gpus": gpus,
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+    }
 
 
 TRIALS_SHOWN = 50
@@ -97,11 +110,7 @@ def trials(
     if last is None and not every and not json_output:
         last = TRIALS_SHOWN
     studies = api.trials(
-        model=model,
-        gpu=gpu,
-        gpus=gpus,
-        seq_len=seq_len,
-        global_batch=global_batch,
+        **_filters(model, gpu, gpus, seq_len, global_batch),
         storage=storage,
         last=last,
         best=False,
@@ -185,11 +194,7 @@ def export(
         return
     found = api.export(
         format,
-        model=model,
-        gpu=gpu,
-        gpus=gpus,
-        seq_len=seq_len,
-        global_batch=global_batch,
+        **_filters(model, gpu, gpus, seq_len, global_batch),
         study=study,
         storage=storage,
         trial=trial,
@@ -258,11 +263,7 @@ def report(
 
     done = api.write_report(
         output,
-        model=model,
-        gpu=gpu,
-        gpus=gpus,
-        seq_len=seq_len,
-        global_batch=global_batch,
+        **_filters(model, gpu, gpus, seq_len, global_batch),
         study=study,
         storage=storage,
         budget=budget,

@@ -36,7 +36,12 @@ from autotune.config import (
     TrainConfig,
     lora_alpha,
 )
-from autotune.handoff.megatron import SCRIPT_VARIABLE, megatron_arguments, megatron_notes
+from autotune.handoff.megatron import (
+    SCRIPT_VARIABLE,
+    megatron_arguments,
+    megatron_environment,
+    megatron_notes,
+)
 from autotune.handoff.torchtitan import CONFIG_FUNCTION, torchtitan_notes, torchtitan_settings
 from autotune.layouts import data_parallel
 from autotune.models import ModelSpec
@@ -111,7 +116,8 @@ def deepspeed_config(
     On the CPU, ``torch_adam`` keeps DeepSpeed from JIT-building its fused and CPU Adam ops
     (about a minute each); on GPUs DeepSpeed's own optimizers are used, as in training. The
     optimizer's hyperparameters are :data:`~autotune.config.ADAMW_DEFAULTS` (``lr``: a probe's
-    own); no scheduler and no gradient clipping, which change neither memory nor speed.
+    own); no scheduler, and no ``gradient_clipping``, so DeepSpeed clips at its own default
+    (norm 1.0, as the probes ran), which changes neither memory nor speed.
     """
     zero: dict[str, Any] = {"stage": config.zero_stage}
     if config.zero_stage >= 1:
@@ -376,8 +382,9 @@ def value_notes(launch: Launch, fmt: Format | str) -> list[str]:
         return [
             "the optimizer block holds the Hugging Face Trainer's AdamW defaults "
             f"({_adamw_defaults()}), which change neither memory nor speed: set your own there, "
-            "and add a scheduler and gradient_clipping if you train with them (none were "
-            "measured; the Trainer, given this file, fills them from its own arguments)"
+            "add a scheduler if you train with one, and gradient_clipping: without it "
+            "DeepSpeed clips gradients at norm 1.0, its default (as the probes ran; 0: no "
+            "clipping); the Trainer, given this file, fills them from its own arguments"
         ]
     if chosen is Format.FSDP and launch.config.engine is Engine.FSDP:
         return [
@@ -921,11 +928,16 @@ def _megatron(launch: Launch) -> str:
     notes = [f"autotune: {launch.summary()}", *megatron_notes(launch)]
     if launch.nodes > 1:
         notes.append("run on every node, with MASTER_ADDR the first node's address")
+    environment = [
+        f"unset {name}" if value is None else f"export {name}={shlex.quote(value)}"
+        for name, value in megatron_environment(launch).items()
+    ]
     lines = [
         *comment_lines(notes),
         f"export NNODES={launch.nodes}",
         f"export NPROC_PER_NODE={launch.per_node}",
         *thread_lines(launch.per_node),
+        *environment,
         f'{runner} "${{{SCRIPT_VARIABLE}:-pretrain_gpt.py}}" \\',
         *(f"    {option} \\" for option in options),
         '    "$@"',

@@ -42,7 +42,14 @@ from autotune.config import (
 if TYPE_CHECKING:
     from autotune.handoff.launch import Launch
 
-__all__ = ["FAMILIES", "SCRIPT_VARIABLE", "megatron_arguments", "megatron_notes"]
+__all__ = [
+    "CONNECTIONS",
+    "FAMILIES",
+    "SCRIPT_VARIABLE",
+    "megatron_arguments",
+    "megatron_environment",
+    "megatron_notes",
+]
 
 FAMILIES = ("llama", "mistral", "qwen2")
 """The ``model_type`` values whose architecture Megatron-LM's GPT model builds with rotary
@@ -174,7 +181,10 @@ def megatron_arguments(launch: Launch) -> list[str]:
         args += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]
     args += ["--context-parallel-size", str(config.cp)]
     if config.engine is Engine.FSDP:
-        args.append("--use-torch-fsdp2")
+        # Megatron-LM's validate_args refuses FSDP2 with its default fused gradient
+        # accumulation (core_v0.16.1: "--use-torch-fsdp2 is not supported with gradient
+        # accumulation fusion").
+        args += ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
     args += [
         "--micro-batch-size", str(launch.micro_batch_size),
         "--global-batch-size", str(launch.global_batch),
@@ -182,6 +192,24 @@ def megatron_arguments(launch: Launch) -> list[str]:
     if config.precision is Precision.BF16_MIXED:
         args.append("--bf16")
     return args + _recompute(launch)
+
+
+CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+"""The variable Megatron-LM's ``validate_args`` (core_v0.16.1) asks of a layout: ``1`` under
+tensor or context parallelism before Blackwell (so a collective's kernel runs in order with the
+GEMM it feeds), never ``1`` under FSDP2."""
+
+
+def megatron_environment(launch: Launch) -> dict[str, str | None]:
+    """The environment Megatron-LM's argument checks ask of ``launch``'s layout (None: the
+    variable unset): :data:`CONNECTIONS` ``1`` for tensor or context parallelism over DDP,
+    unset for FSDP2 (which refuses ``1``); empty for plain data parallelism."""
+    config = launch.config
+    if config.engine is Engine.FSDP:
+        return {CONNECTIONS: None}
+    if config.tp > 1 or config.cp > 1:
+        return {CONNECTIONS: "1"}
+    return {}
 
 
 def _max_positions(launch: Launch) -> int:

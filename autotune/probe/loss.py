@@ -19,6 +19,7 @@ the fp32 logits, position t predicting the label at t + 1 (transformers' ``ForCa
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -110,6 +111,7 @@ def apply_loss(model: nn.Module, loss: Loss | str) -> None:
     base: nn.Module = model.base_model  # type: ignore[assignment]
     head: nn.Module = model.get_output_embeddings()  # type: ignore[operator]
     fused = chosen is Loss.FUSED
+    own = inspect.signature(model.forward)
 
     def forward(input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
         items = kwargs.pop("num_items_in_batch", None)
@@ -123,4 +125,7 @@ def apply_loss(model: nn.Module, loss: Loss | str) -> None:
             value = value * counted / torch.as_tensor(items, device=value.device)
         return CausalLMOutputWithPast(loss=value)
 
+    # The model's own parameters, as callers that read the signature see them: the Trainer
+    # keeps only the dataset's columns that the forward names (attention_mask among them).
+    forward.__signature__ = own  # type: ignore[attr-defined]
     model.forward = forward
