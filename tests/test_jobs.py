@@ -349,6 +349,18 @@ def test_a_result_older_than_the_max_age_is_measured_again_beside_the_old_trials
     [skipped] = json.loads(kept.stdout)["workloads"]
     assert skipped["status"] == "skipped" and skipped["best"]["number"] == after.best.number
 
+    # A re-tune cut before its first fit (its one probe interrupted): the study is as old
+    # as its last answer, so the night after measures it again rather than taking the cut
+    # re-tune's trial for a fresh result.
+    store.measure_again()
+    measured = after.best
+    cut = store.ask(measured.config, measured.micro_batch_size)
+    store.interrupt([cut], tmp_path, "the budget's end")
+    [read] = read_studies(url)
+    assert read.updated == after.updated and read.best is not None
+    assert read.best.number == after.best.number
+    assert TrialStore.existing(url)[0].updated() == after.updated
+
 
 def test_a_bad_job_file_runs_nothing_and_writes_nothing(tmp_path: Path) -> None:
     (tmp_path / "nightly.yaml").write_text("workloads:\n  - model: llama-7b\n    seq_len: x\n")

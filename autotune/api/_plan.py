@@ -101,17 +101,29 @@ class HostAssumed:
         }
 
 
+LARGEST_NODE_HOST_BYTES = 4 << 40
+"""The most host memory an 8-GPU server of the DGX class holds: DGX B200, "2 TB using 32 x
+DIMMs (upgradable to 4 TB)"; DGX H100 and H200, 2 TB (NVIDIA's DGX B200 user guide and DGX
+BasePOD reference architecture). A plan for another node, without ``--host-memory``, takes it
+as the node's: a row that needs more fits no such node."""
+
+
 def _host_assumed(memory: int | None, cores: int | None, *, here: bool) -> HostAssumed:
     """The host a plan assumes: what was given, else this node's when the plan is for this
-    node, else none checked and 16 cores per GPU (a plan for another node must not take this
-    machine's figures: give ``--host-memory`` and ``--host-cores`` for it)."""
+    node, else the most a DGX-class node holds (:data:`LARGEST_NODE_HOST_BYTES`) and 16
+    cores per GPU (a plan for another node must not take this machine's figures: give
+    ``--host-memory`` and ``--host-cores`` for it)."""
     elsewhere = "a plan for another node"
     if memory is not None:
         memory_from = "--host-memory"
     elif here:
         memory, memory_from = host_memory_bytes(), "this node's"
     else:
-        memory_from = f"{elsewhere}: give --host-memory to check it"
+        memory = LARGEST_NODE_HOST_BYTES
+        memory_from = (
+            f"{elsewhere}: at most the {format_bytes(memory)} of the largest DGX-class node; "
+            "give --host-memory to check yours"
+        )
     if cores is not None:
         cores_from = "--host-cores"
     elif here:

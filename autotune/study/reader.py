@@ -22,6 +22,7 @@ Optuna's schema does not hold) is refused.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import math
 import sqlite3
@@ -199,17 +200,11 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
             f"WHERE key = '{GENERATION}' AND study_id IN ({studies})"
         )
     }
-    updated = {
-        study_id: parse_time(value)
-        for study_id, value in query(
-            "SELECT study_id, MAX(datetime_complete) FROM trials "
-            f"WHERE study_id IN ({studies}) GROUP BY study_id"
-        )
-    }
     trials = query(
-        "SELECT trial_id, number, study_id, state FROM trials "
+        "SELECT trial_id, number, study_id, state, datetime_complete FROM trials "
         f"WHERE study_id IN ({studies}) ORDER BY study_id, number"
     )
+    ended = {row[0]: parse_time(row[4]) for row in trials}
     of_studies = f"trial_id IN (SELECT trial_id FROM trials WHERE study_id IN ({studies}))"
     rows = _TrialRows()
     running = [row[0] for row in trials if str(getattr(row[3], "name", row[3])) == "RUNNING"]
@@ -217,6 +212,7 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
     if last is None:  # every row of every trial
         rows.read(query, of_studies)
         counted = _counted(fingerprints, trials, rows.sized(), generations, rows)
+        updated = _updated(counted, ended)
         results = []
         for study_id, fingerprint in fingerprints.items():
             measurements = [rows.decode(t) for t in counted[study_id]]
@@ -259,6 +255,7 @@ def _read(query: Query, last: int | None, with_best: bool) -> list[StudyResult] 
         ):
             rows.add_user_attr(trial_id, key, value)
         counted = _counted(fingerprints, trials, sized, generations, rows)
+    updated = _updated(counted, ended)
     shown = {study_id: kept[max(len(kept) - last, 0) :] for study_id, kept in counted.items()}
     full = {t.trial_id for kept in shown.values() for t in kept}
     full.update(trial.trial_id for _, trial in best.values())
@@ -293,13 +290,24 @@ def _counted(
     claims withdrawn in a race with another worker (``rows`` say which)."""
     withdrawn = rows.withdrawn()
     counted: dict[int, list[_Trial]] = {study_id: [] for study_id in fingerprints}
-    for trial_id, number, study_id, state in trials:
+    for trial_id, number, study_id, state, _ in trials:
         if trial_id not in sized or trial_id in withdrawn:
             continue
         if rows.generation(trial_id) != generations.get(study_id, 0):
             continue  # an earlier generation's (or a re-tune's, before its first fit)
         counted[study_id].append(_Trial(trial_id, number, str(getattr(state, "name", state))))
     return counted
+
+
+def _updated(
+    counted: dict[int, list[_Trial]], ended: dict[int, dt.datetime | None]
+) -> dict[int, dt.datetime | None]:
+    """When each study's newest counted trial ended: the generation its readers read (a
+    re-tune cut before its first fit leaves the study as old as its last answer)."""
+    return {
+        study_id: max((e for t in kept if (e := ended.get(t.trial_id)) is not None), default=None)
+        for study_id, kept in counted.items()
+    }
 
 
 def _silent_for(query: Query, trial_ids: list[int]) -> dict[int, float]:

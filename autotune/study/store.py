@@ -746,8 +746,13 @@ class TrialStore:
         return self.study.tell(trial, state=TrialState.FAIL)
 
     def updated(self) -> dt.datetime | None:
-        """When the study's newest trial ended (None when none has)."""
-        ends = [t.datetime_complete for t in self.study.get_trials(deepcopy=False)]
+        """When the newest trial of the generation the study's readers read ended (None when
+        none has): a re-tune cut before its first fit leaves the study as old as its answer."""
+        ends = [
+            t.datetime_complete
+            for t in self.study.get_trials(deepcopy=False)
+            if trial_generation(t.user_attrs) == self._read_generation
+        ]
         return max((end for end in ends if end is not None), default=None)
 
     def measurements(self, states: Iterable[TrialState] | None = None) -> list[Measurement]:

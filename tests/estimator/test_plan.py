@@ -105,16 +105,18 @@ def test_plan_covers_every_preset_and_a_70b_model_on_64_gpus_quickly() -> None:
 
 
 def test_a_plan_for_another_node_takes_no_host_figure_of_this_one() -> None:
-    """``plan --gpu h100-80gb`` on a machine without that GPU: no host memory is checked and
-    host Adam gets 16 cores per GPU, each said with where it comes from; ``--host-memory``
-    and ``--host-cores`` set them, and more cores make host Adam (offload) faster."""
+    """``plan --gpu h100-80gb`` on a machine without that GPU: the host is taken to hold at
+    most what the largest DGX-class node holds (4 TiB), and host Adam gets 16 cores per GPU,
+    each said with where it comes from; ``--host-memory`` and ``--host-cores`` set them, and
+    more cores make host Adam (offload) faster."""
     from autotune import api
+    from autotune.api._plan import LARGEST_NODE_HOST_BYTES
     from autotune.config import Offload
 
     other = api.plan("llama-7b", gpu="h100-80gb", gpus=8)
-    assert other.host.memory_bytes is None and other.host.cores is None
+    assert other.host.memory_bytes == LARGEST_NODE_HOST_BYTES and other.host.cores is None
     assert "give --host-memory" in other.host.text() and "16 cores per GPU" in other.host.text()
-    assert all(row.host_capacity_bytes is None for row in other.rows)
+    assert all(row.host_fits for row in other.rows)  # a 7B model's offload fits such a node
     given = api.plan("llama-7b", gpu="h100-80gb", gpus=8, host_memory="1TiB", host_cores=224)
     assert given.host.memory_bytes == 1 << 40 and given.host.cores == 224
     assert given.to_dict()["host"]["cores_from"] == "--host-cores"
@@ -351,3 +353,17 @@ def test_a_plan_for_a_loss_in_the_logits_dtype_counts_no_fp32_copy() -> None:
         assert 4 * model.vocab_size * tokens <= saved <= 1.13 * 4 * model.vocab_size * tokens
     with pytest.raises(ConfigError, match="unknown loss dtype 'bf16': use one of fp32, logits"):
         api.plan(model, gpu="h100-80gb", gpus=8, loss_dtype="bf16")
+
+
+def test_a_plan_for_another_node_fits_no_row_that_needs_more_host_than_any_node_holds() -> None:
+    """llama3.1-405b offloaded on 128 H100s needs terabytes of host memory a node: without
+    ``--host-memory`` a row that needs more than the largest DGX-class node holds does not
+    fit, and says why."""
+    from autotune import api
+    from autotune.api._plan import LARGEST_NODE_HOST_BYTES
+
+    found = api.plan("llama3.1-405b", gpu="h100-80gb", gpus=128)
+    hungry = [r for r in found.rows if r.host and r.host.node_bytes > LARGEST_NODE_HOST_BYTES]
+    assert hungry, "no row needs more host memory than a node holds: the check checks nothing"
+    assert not any(r.fits for r in hungry)
+    assert all((r.miss or "").startswith("host: needs") for r in hungry)
