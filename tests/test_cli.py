@@ -271,7 +271,13 @@ def test_the_storage_url_can_come_from_the_environment(tmp_path: Path) -> None:
     assert (tmp_path / "env.db").is_file() and not (tmp_path / "trials" / "autotune.db").exists()
     line = next(x for x in done.stdout.splitlines() if x.startswith("stopped:"))
     count = int(line.rsplit("; ", 1)[1].split()[0])
-    assert line.endswith(f"{count} probe this run" if count == 1 else f"{count} probes this run")
+    probes = f"{count} probe this run" if count == 1 else f"{count} probes this run"
+    # The budget used, on the simulated GPU's clock, beside the budget given.
+    spent = re.search(rf"; {probes}, (\S+) of its 5m00s budget$", line)
+    assert spent, line
+    from autotune.units import parse_duration
+
+    assert 0 < parse_duration(spent[1]) <= 300
     named = re.search(r"; study\s+(\S+)\s+in\s", done.stdout)
     assert named, done.stdout
     best = autotune("best", "--json", cwd=tmp_path, env=env)

@@ -25,7 +25,8 @@ LABEL = re.compile(
 
 
 STOPPED_DONE = (
-    "stopped: search done: no remaining configuration can beat the best measured; # probes this run"
+    "stopped: search done: no remaining configuration can beat the best measured; # probes this "
+    "run, TIME of its TIME budget"
 )
 """How the README's run ended, as :func:`_shape` writes it."""
 
@@ -47,8 +48,13 @@ def _make_run_cpu() -> tuple[str, list[str]]:
     return echo.group(1), shlex.split(command.group(1))
 
 
+DURATION = re.compile(r"\b\d+(?:\.\d+)?(?:ms|s)\b|\b\d+m\d+s\b|\b\d+h\d+m\b")
+"""A duration as autotune prints it (``250ms``, ``45.2s``, ``2m05s``, ``1h30m``)."""
+
+
 def _shape(line: str) -> str:
-    line = NUMBER.sub("#", line.rstrip())
+    line = DURATION.sub("TIME", line.rstrip())
+    line = NUMBER.sub("#", line)
     line = LABEL.sub("CONFIG", line)
     return re.sub(r"([━─ ])\1+", r"\1", line)
 
@@ -81,7 +87,7 @@ def test_the_readme_transcript_is_what_make_run_prints(tmp_path: Path) -> None:
     assert _shape(readme[-2]) == STOPPED_DONE
     assert _shape(ran[-2]) == STOPPED_DONE or (
         _shape(ran[-2]).startswith("stopped: budget spent: next would be CONFIG")
-        and _shape(ran[-2]).endswith("; # probes this run")
+        and _shape(ran[-2]).endswith("; # probes this run, TIME of its TIME budget")
     ), ran[-2]
     assert _shape(readme[-1]) == _shape(ran[-1])
     shapes = {_shape(line) for line in ran}

@@ -39,7 +39,7 @@ from autotune.probe.spec import ProbeTemplate, layout_refusal
 from autotune.space import Workload
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective, software_versions
 from autotune.study.measurement import measured_workload
-from autotune.tuned.script import FRAMEWORK_ENGINES, ScriptJob, check_engines
+from autotune.tuned.script import FRAMEWORK_ENGINES, Framework, ScriptJob, check_engines
 from autotune.units import format_bytes
 from autotune.values import (
     api_arguments,
@@ -260,7 +260,8 @@ def _prepare(
     knobs_for(job, *asked, "simulated", lora_rank=lora_rank, activation_offload=activation_offload)
     if job is not None:
         model = model or user_script_model(job)
-        engines = _job_engines(job, engines)
+        named_engines = None if engines is None else list(engines)
+        engines = _job_engines(job, named_engines)
         if (nodes or 1) > 1 or hosts:
             raise ConfigError("--script runs on one node: leave out --nodes and --hosts")
     if model is None:
@@ -308,6 +309,8 @@ def _prepare(
             "--objective mfu needs a GPU's peak FLOP/s: use --objective tokens on the CPU"
         )
     _check_ranks(chosen, per_node, here)
+    if job is not None and on_cpu and job.framework is Framework.ACCELERATE:
+        engines = _accelerate_on_cpu(named_engines, list(engines or ()))
     knobs = knobs_for(
         job,
         *asked,
@@ -550,6 +553,19 @@ def _job_engines(job: ScriptJob, engines: Iterable[Engine] | None) -> list[Engin
     chosen = list(engines)
     check_engines(job, chosen)
     return chosen
+
+
+def _accelerate_on_cpu(named: list[Engine] | None, engines: list[Engine]) -> list[Engine]:
+    """The engines an accelerate job trains on the CPU: accelerate runs its ranks as DDP there
+    (``ACCELERATE_USE_CPU``: its DeepSpeed path is for accelerators only), so DeepSpeed is
+    left out of the space, or refused where it was named."""
+    if named is not None and Engine.DEEPSPEED in [Engine(e) for e in named]:
+        raise ConfigError(
+            "--engine deepspeed with --framework accelerate on the CPU: accelerate trains no "
+            "DeepSpeed on the CPU (its ranks run as DDP there): use --engine single or ddp, "
+            "or probe on GPUs"
+        )
+    return [e for e in engines if e is not Engine.DEEPSPEED]
 
 
 def _check_ranks(device: Device, ranks: int, here: int) -> None:

@@ -56,6 +56,7 @@ from autotune.cli.options import (
 from autotune.config import LORA_RANK, Attention, ConfigError, Precision
 from autotune.study.fingerprint import DEFAULT_STORAGE
 from autotune.tuned.script import Framework, ScriptJob
+from autotune.units import format_duration
 from autotune.urls import masked
 from autotune.values import api_arguments, engines_value
 
@@ -347,7 +348,8 @@ def _search(model: str | None, options: dict[str, Any], *, json_output: bool) ->
     # With --json, stdout is the summary alone: the progress goes to stderr.
     shown = errors if json_output else console
     job = tuning.template.script
-    ranks = "" if job is None else f"{_job_ranks(job, options['warm'])}{_own(job)}"
+    cpu = tuning.template.device == "cpu"
+    ranks = "" if job is None else f"{_job_ranks(job, options['warm'], cpu)}{_own(job)}"
     how = "" if job is None else f"; probes run {job.name} ({ranks})"
     shown.print(
         f"tuning {tuning.model.name} on {ranks_text(tuning.template)} x {tuning.gpu.name}"
@@ -397,7 +399,8 @@ def _said(
         if summary.best is not None:  # an empty table says nothing
             console.print(ranking_table(summary.measurements, tuning.capacity_bytes))
         count = f"{summary.probes} probe{'' if summary.probes == 1 else 's'}"
-        console.print(f"stopped: {summary.stop_reason}; {count} this run")
+        used = f"{format_duration(summary.elapsed_s)} of its {format_duration(tuning.budget_s)}"
+        console.print(f"stopped: {summary.stop_reason}; {count} this run, {used} budget")
         best = summary.best
         if best is None:
             console.print(f"[red]{summary.why_no_best}[/]")
@@ -431,10 +434,12 @@ def _own(job: ScriptJob) -> str:
     return own
 
 
-def _job_ranks(job: ScriptJob, warm: bool) -> str:
+def _job_ranks(job: ScriptJob, warm: bool, cpu: bool) -> str:
     """How a job's ranks start, for the run's first line."""
     if job.framework is Framework.ACCELERATE:
-        return "accelerate launch starts its ranks, each a fresh interpreter"
+        started = "accelerate launch starts its ranks, each a fresh interpreter"
+        # accelerate's DeepSpeed path is for accelerators: on the CPU its ranks run as DDP.
+        return started + ("; no DeepSpeed: accelerate runs none on the CPU" if cpu else "")
     if warm:
         return f"{job.framework.value} adapter, its ranks forked from warm workers"
     return f"{job.framework.value} adapter, each rank a fresh interpreter"

@@ -24,6 +24,7 @@ neither the probe's timeout nor the measured probe durations that scale the pred
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -136,6 +137,16 @@ class RunSummary:
         ended = ("interrupted", "stale", None)
         if all(m.outcome in ended for m in self.measurements):
             return "no best: no configuration was measured"
+        if not any(m.state == "COMPLETE" and not m.feasible for m in self.measurements):
+            # Probes that failed (timed out, crashed): nothing was found not to fit either.
+            failed = collections.Counter(
+                m.outcome for m in self.measurements if m.outcome not in ended
+            )
+            counts = ", ".join(f"{n} {outcome}" for outcome, n in failed.most_common())
+            return (
+                f"no best: no configuration was measured to fit or not ({counts}): autotune "
+                "trials lists each with its message"
+            )
         return "no configuration fits"
 
     def to_dict(self) -> dict[str, Any]:
@@ -631,7 +642,8 @@ def _within(filename: object, folder: Path) -> bool:
 def _job_mistake(result: ProbeResult, smoke: bool) -> str | None:
     """What a probe of the user's job says the job did wrong, in one line (the job's own last
     lines included), or None: the layer's checks at any probe; with ``smoke`` (the run's
-    first probe, nothing fitted yet) any error too, a crash or rejected arguments."""
+    first probe, nothing fitted yet) any error too, a crash or rejected arguments, and a
+    hang before the job's first training step."""
     if result.spec.script is None:
         return None
     if result.job_mistake is not None:
@@ -641,6 +653,9 @@ def _job_mistake(result: ProbeResult, smoke: bool) -> str | None:
             f"the job failed at the first probe: {result.message}: check that it runs with the "
             "arguments after -- and the --framework given"
         )
+    if smoke and result.outcome is Outcome.TIMEOUT and result.stage is Stage.STARTUP:
+        # It hung before its first training step: every probe after would wait as long.
+        return f"the job hung at the first probe: {result.message}"
     return None
 
 

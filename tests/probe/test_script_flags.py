@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -225,6 +226,11 @@ def _run(
         *options,
         *("--", "--model", str(model), "--seq-len", "64", *script_args),
     ]
+    return _autotune(*args)
+
+
+def _autotune(*args: str) -> subprocess.CompletedProcess[str]:
+    """The installed ``autotune`` command, run to its end."""
     return subprocess.run(
         [str(Path(sys.executable).with_name("autotune")), *args],
         capture_output=True,
@@ -278,6 +284,15 @@ def test_a_job_that_cannot_checkpoint_is_tuned_without_checkpointing(tmp_path: P
     assert summary["best"]["label"] == "single ac:off"
     recorded = _recorded(tmp_path)
     assert recorded and all(trial["config"]["ac_every"] == 0 for trial in recorded)
+    # The study's launch is the script's own command line; a torchrun line of autotune's
+    # stand-in (its engine, precision and optimizer, none of the script's arguments) is not.
+    storage = ("--storage", f"sqlite:///{tmp_path}/study.db", "--model", str(tmp_path / "model"))
+    stand_in = _autotune("export", "--format", "torchrun", *storage)
+    assert stand_in.returncode == 2 and "use --format command" in stand_in.stderr, stand_in.stderr
+    command = _autotune("export", "--format", "command", *storage)
+    assert command.returncode == 0, command.stderr
+    assert str(PLAIN) in command.stdout and "--seq-len 64" in command.stdout
+    assert "--activation-checkpointing" not in command.stdout
 
 
 @pytest.mark.slow
@@ -290,6 +305,24 @@ def test_a_job_that_crashes_at_its_first_probe_stops_the_run_quoting_its_error(
     assert done.returncode == 2, done.stdout + done.stderr
     [line] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert "cannot find the dataset /data/x" in line, line
+    assert all(trial["state"] != "COMPLETE" for trial in _recorded(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_job_that_hangs_before_its_first_step_stops_the_run_at_its_first_probe(
+    tmp_path: Path,
+) -> None:
+    """A job that waits forever before it trains (a lock, a peer that never comes): the first
+    probe's bound ends it, and the run stops there with one line (exit 2) instead of waiting
+    out the same bound at every configuration and ending "no configuration fits"."""
+    script = tmp_path / "hang.py"
+    script.write_text("import time\nprint('waiting for the data server', flush=True)\n"
+                      "time.sleep(3600)\n")  # fmt: skip
+    done = _run(tmp_path, script)
+    assert done.returncode == 2, done.stdout + done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert "the job hung at the first probe" in line, line
+    assert "did not reach its first training step" in line and "waiting for the data" in line
     assert all(trial["state"] != "COMPLETE" for trial in _recorded(tmp_path))
 
 
@@ -348,3 +381,27 @@ def test_an_unedited_script_is_tuned_through_the_flags_found_in_it(tmp_path: Pat
         )
     finally:
         again.device.close()
+
+
+def test_an_accelerate_job_on_the_cpu_is_searched_without_deepspeed(tmp_path: Path) -> None:
+    """accelerate's DeepSpeed path is for accelerators: on the CPU (``ACCELERATE_USE_CPU``) its
+    ranks train as DDP whatever the config says, so the space holds no DeepSpeed row, and
+    ``--engine deepspeed`` is refused in one line rather than blamed on the script."""
+    script = PLAIN.with_name("train_accelerate_plain.py")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(resolve_model("tiny").config)))
+    common: dict[str, Any] = dict(
+        script=str(script), framework="accelerate", script_args=("--model", str(model)),
+        gpus=2, device="cpu", device_memory="64MiB", seq_len=64, global_batch=8,
+        budget="3m", storage=f"sqlite:///{tmp_path}/study.db", trials_dir=str(tmp_path / "t"),
+        warm=False,
+    )  # fmt: skip
+    tuning = prepare(str(model), **common)
+    try:
+        engines = {row.config.engine for row in tuning.rows}
+        assert engines and Engine.DEEPSPEED not in engines and Engine.DDP in engines
+    finally:
+        tuning.device.close()
+    with pytest.raises(ConfigError, match="accelerate trains no DeepSpeed on the CPU"):
+        prepare(str(model), engines=[Engine.DEEPSPEED], **common)

@@ -381,3 +381,11 @@ def test_a_run_without_a_best_says_why_and_no_configuration_fits_only_when_none_
     stale = summary(measurements=[measured("stale", "FAIL")])
     assert stale.why_no_best == "no best: no configuration was measured"
     assert summary(measurements=oom).why_no_best == "no configuration fits"
+    # Probes that timed out or failed measured nothing of memory: not "no configuration fits".
+    hung = summary(measurements=[measured("timeout", "FAIL"), measured("timeout", "FAIL")])
+    assert hung.why_no_best == (
+        "no best: no configuration was measured to fit or not (2 timeout): autotune trials "
+        "lists each with its message"
+    )
+    mixed = summary(measurements=[measured("error", "FAIL"), *oom])
+    assert mixed.why_no_best == "no configuration fits"
