@@ -62,6 +62,20 @@ class LayoutOptions:
         return any(d is not None and set(d) != {1} for d in (self.tp, self.pp, self.cp))
 
 
+def layout_flags(config: TrainConfig) -> list[str]:
+    """A layout's degrees as ``run`` and ``probe`` take them, each option then its value
+    (``--tp 2 --pp 2 --pp-schedule 1f1b``); empty for data parallelism."""
+    named = {"tp": config.tp, "pp": config.pp, "cp": config.cp}
+    words = [
+        word for name, degree in named.items() if degree > 1 for word in (f"--{name}", str(degree))
+    ]
+    if config.pp > 1:
+        words += ["--pp-schedule", config.pp_schedule.value]
+        if config.pp_virtual > 1:
+            words += ["--pp-virtual", str(config.pp_virtual)]
+    return words
+
+
 def data_parallel(config: TrainConfig, world_size: int) -> int:
     """Ranks that each hold a whole replica's share of the work: the world over ``tp * pp * cp``
     (:func:`check_layout` has made sure it divides)."""

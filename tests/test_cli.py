@@ -370,3 +370,32 @@ def test_run_takes_precision_and_attention_as_plan_and_probe_do(tmp_path: Path) 
         ("fp16-mixed", "eager")
     }
     assert {r["config"]["precision"] for r in studies[1]["trials"]} == {"fp32"}
+
+
+def test_plan_says_what_to_run_next_and_run_takes_it(tmp_path: Path) -> None:
+    """``plan``'s last line is the ``run`` that measures it; that command, on the simulated
+    GPU the plan was for, tunes (exit 0). A layout's degrees are written as run takes them."""
+    import shlex
+
+    from autotune.config import Engine, Schedule, TrainConfig
+    from autotune.layouts import layout_flags
+
+    done = autotune(
+        "plan", "--model", "llama-7b", "--gpu", "h100-80gb", "--gpus", "8", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stdout.split("next: ", 1)[1].split())  # as any terminal wraps it
+    command = shlex.split(said.split(" on NVIDIA H100", 1)[0])
+    assert command[:2] == ["autotune", "run"] and "--gpus" in command
+    storage = f"sqlite:///{tmp_path}/t.db"
+    ran = autotune(*command[1:], "--simulate", "h100-80gb", "--budget", "2m", "--storage",
+                   storage, cwd=tmp_path)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    layout = TrainConfig(
+        engine=Engine.FSDP, zero_stage=3, tp=4, pp=2, pp_schedule=Schedule.INTERLEAVED_1F1B,
+        pp_virtual=2,
+    )  # fmt: skip
+    assert layout_flags(layout) == [
+        "--tp", "4", "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-virtual", "2",
+    ]  # fmt: skip
+    assert layout_flags(TrainConfig()) == []

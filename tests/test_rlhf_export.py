@@ -117,6 +117,13 @@ def test_openrlhf_and_verl_carry_the_layout(tmp_path: Path) -> None:
     ):
         assert item in out, item
     assert "FSDP" in err  # verl's workers are FSDP's: a note says what changed
+    # Each model is named by autotune's preset (the study's shape), not a checkpoint: a note
+    # for each role says so, in both formats.
+    for fmt in ("openrlhf", "verl"):
+        code, out, err = export("--format", fmt, "--model", "tiny", "--storage", storage)
+        said = " ".join(err.split())  # the lines as a terminal of any width wraps them
+        for role in ("policy", "critic", "reward model"):
+            assert f"the {role}'s path is written as 'tiny'" in said, (fmt, role, err)
     # TRL has no PPO trainer (the command line's one line and exit 2: tests/test_bad_input.py).
     with pytest.raises(ConfigError, match="TRL has no PPO trainer"):
         api.export_rlhf("trl", model="tiny", storage=storage)

@@ -32,7 +32,7 @@ from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, point_estimat
 from autotune.estimator.plan import plan as plan_rows
 from autotune.hardware import GpuSpec, cpu_device_spec, detect_gpus, host_memory_bytes
 from autotune.jobs import JobResult
-from autotune.layouts import LayoutOptions, check_layout
+from autotune.layouts import LayoutOptions, check_layout, layout_flags
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.nodes import Nodes
 from autotune.probe.spec import ProbeTemplate, layout_refusal
@@ -500,13 +500,7 @@ def _unfit(what: str) -> str:
 
 def _degrees(config: TrainConfig) -> str:
     """A layout's degrees as ``run`` names them (``--tp 2 --pp 2``)."""
-    named = {"tp": config.tp, "pp": config.pp, "cp": config.cp}
-    words = [f"--{name} {degree}" for name, degree in named.items() if degree > 1]
-    if config.pp > 1:
-        words.append(f"--pp-schedule {config.pp_schedule.value}")
-        if config.pp_virtual > 1:
-            words.append(f"--pp-virtual {config.pp_virtual}")
-    return " ".join(words)
+    return " ".join(layout_flags(config))
 
 
 def _kept_layout_rows(fixed: TrainConfig, rows: list[PlanRow], world: int) -> list[PlanRow]:

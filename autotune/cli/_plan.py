@@ -47,7 +47,7 @@ from autotune.config import LORA_RANK, Attention, LossDtype, Precision
 from autotune.values import api_arguments, engines_value
 
 if TYPE_CHECKING:
-    pass
+    from autotune.api._plan import Plan
 
 
 def plan(
@@ -149,6 +149,37 @@ def plan(
     )
     console.print(found.host.text(), style="dim", markup=False, highlight=False)
     console.print(plan_table(found.rows, title=title, top=top, seconds=found.seconds))
+    following = _next_run(model, found, given)
+    if following is not None:
+        console.print(following, markup=False, highlight=False)
+
+
+def _next_run(model: str, found: Plan, given: dict[str, Any]) -> str | None:
+    """What to run next: the ``autotune run`` that measures the plan's first row that fits
+    and a run can tune (its layout's degrees named; context parallelism is not probed yet),
+    on the nodes the plan is for. None where no row fits."""
+    import shlex
+
+    from autotune.layouts import layout_flags
+
+    row = next((r for r in found.rows if r.fits and r.config.cp == 1), None)
+    if row is None:
+        return None
+    w = found.workload
+    words = ["autotune", "run", "--model", model, "--gpus", str(w.world_size)]
+    nodes = -(-w.world_size // given["gpus_per_node"])
+    if nodes > 1:
+        words += ["--nodes", str(nodes)]
+    for option, value in (("--seq-len", w.seq_len), ("--global-batch", w.global_batch)):
+        words += [option, str(value)]
+    if given["precision"] is not None:
+        words += ["--precision", given["precision"].value]
+    words += layout_flags(row.config)
+    where = "" if given["gpu"] is None else f" on {found.gpu.name} nodes"
+    return (
+        f"next: {shlex.join(words)}{where} (real probes of the plan's rows, from its best "
+        f"that fits, {row.config.label()}; --budget sets how long)"
+    )
 
 
 _NOT_RLHF = ("global_batch", "loss", "optimizer", "allow", "loss_dtype", "tp", "pp", "cp")

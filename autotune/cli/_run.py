@@ -99,7 +99,7 @@ def _run_rlhf(algorithm: str, model: str, *, json_output: bool, **options: Any) 
     console.print(f"stopped: {summary.stop_reason}; {count} this run; study {summary.study}")
     best = summary.best
     if best is None:
-        console.print("[red]no layout fitted: lower --rollout-share, or let --sleep[/]")
+        console.print(summary.why_no_best, style="red", markup=False, highlight=False)
         raise typer.Exit(1)
     console.print(
         f"best: {best.config.label()}, rollout share {best.share:.0%}"

@@ -96,9 +96,24 @@ def render_rlhf(launch: RLHFLaunch, fmt: RLFormat | str) -> tuple[str, list[str]
         raise ConfigError(f"unknown RLHF export format {fmt!r}: use one of {choices}") from None
     if chosen is RLFormat.TRL:
         return _trl(launch)
-    if chosen is RLFormat.OPENRLHF:
-        return _openrlhf(launch)
-    return _verl(launch)
+    text, notes = _openrlhf(launch) if chosen is RLFormat.OPENRLHF else _verl(launch)
+    return text, notes + _preset_notes(launch)
+
+
+def _preset_notes(launch: RLHFLaunch) -> list[str]:
+    """A note for each model the file names by autotune's preset (the shape the study was
+    planned with, ``qwen2.5-1.5b``) where the framework loads a checkpoint: its path or Hugging
+    Face id is the user's to write."""
+    from autotune.models import preset_names
+
+    presets = set(preset_names())
+    roles = {"policy": launch.policy, "critic": launch.critic, "reward model": launch.reward}
+    return [
+        f"the {role}'s path is written as {name!r}, autotune's name of its shape, not a "
+        "checkpoint: replace it with your checkpoint's folder or Hugging Face id"
+        for role, name in roles.items()
+        if name in presets
+    ]
 
 
 def trl_fields(launch: RLHFLaunch) -> dict[str, Any]:

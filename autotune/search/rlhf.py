@@ -17,6 +17,7 @@ measured scoring and training and the predicted rollout and switch.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -107,6 +108,21 @@ class RLHFSummary:
     """Probes this run made."""
     stop_reason: str
     best: RLHFTrial | None
+
+    @property
+    def why_no_best(self) -> str | None:
+        """Why no layout is the best (None when one is): memory's advice only where a probe
+        ran out of it; where every probe failed otherwise (timed out, crashed), how many."""
+        if self.best is not None:
+            return None
+        if any(t.outcome == "oom" for t in self.trials) or not self.trials:
+            return "no layout fitted: lower --rollout-share, or let --sleep"
+        failed = collections.Counter(t.outcome for t in self.trials)
+        counts = ", ".join(f"{n} {outcome}" for outcome, n in failed.most_common())
+        return (
+            f"no layout was measured to fit or not ({counts}): each probe's log, in its "
+            "folder under --trials-dir, says why"
+        )
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -167,3 +167,27 @@ def test_a_layout_predicted_as_fast_as_the_best_never_extends_the_search() -> No
     for step in range(1, 400):
         speed = 0.5 + step / 137
         assert propose(planned, [measured(fastest, speed)]) is None, speed
+
+
+def test_a_run_without_a_fitting_layout_gives_memory_advice_only_after_an_oom() -> None:
+    """The last line of ``run --rlhf`` without a best: lower the share where a probe ran out
+    of memory; where every probe timed out or failed, how many, and where their logs are."""
+    from autotune.search.rlhf import RLHFSummary
+
+    def trial(outcome: str) -> RLHFTrial:
+        return RLHFTrial(
+            config=TrainConfig(), share=0.5, sleep=False, micro_batch_size=1, outcome=outcome,
+            samples_per_second=0.0,
+        )  # fmt: skip
+
+    def said(*outcomes: str) -> str | None:
+        trials = [trial(o) for o in outcomes]
+        return RLHFSummary(
+            study="s", trials=trials, probes=len(trials), stop_reason="x", best=None
+        ).why_no_best
+
+    assert said("oom", "timeout") == "no layout fitted: lower --rollout-share, or let --sleep"
+    assert said("timeout", "timeout", "error") == (
+        "no layout was measured to fit or not (2 timeout, 1 error): each probe's log, in its "
+        "folder under --trials-dir, says why"
+    )
