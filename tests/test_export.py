@@ -953,6 +953,34 @@ def test_the_best_of_an_engine_is_exported_where_the_study_best_is_another(study
         library.export("hf", storage=study, engine="fsdp", trial=0)
 
 
+def test_a_format_that_cannot_write_the_best_names_the_best_it_can(study: str) -> None:
+    """Where the study's best cannot be written in a format (Megatron-LM runs no DeepSpeed,
+    the DeepSpeed JSON no FSDP), the refusal names the fastest point it can write, by the
+    trial to export: that trial exports, and every faster point is one the format refuses."""
+    import re
+
+    from autotune.study.measurement import pooled
+
+    refused = None
+    for fmt in ("megatron", "deepspeed", "fsdp"):
+        try:
+            library.export(fmt, storage=study)
+        except ConfigError as error:
+            refused = fmt, str(error)
+            break
+    assert refused is not None, "every format wrote the best: the check checks nothing"
+    fmt, message = refused
+    named = re.search(rf"; the best {fmt} can write: trial (\d+), .*: --trial (\d+)$", message)
+    assert named and named[1] == named[2], message
+    chosen = library.export(fmt, storage=study, trial=int(named[1]))
+    [everything] = library.trials(storage=study)
+    points = sorted(pooled(everything.measurements), key=lambda m: m.value or 0, reverse=True)
+    at = next(i for i, m in enumerate(points) if m.key == chosen.measurement.key)
+    for faster in points[:at]:
+        with pytest.raises(ConfigError):
+            library.export(fmt, storage=study, trial=faster.number)
+
+
 def test_cli_prints_writes_and_refuses_to_overwrite(study: str, tmp_path: Path) -> None:
     printed = autotune("export", "--storage", study, "--format", "accelerate", cwd=tmp_path)
     assert printed.returncode == 0, printed.stderr

@@ -22,7 +22,7 @@ from autotune.study.fingerprint import (
     Fingerprint,
     software_versions,
 )
-from autotune.study.measurement import Measurement, StudyResult, best_point
+from autotune.study.measurement import Measurement, StudyResult, best_point, pooled
 from autotune.tuned.script import ScriptJob
 from autotune.urls import masked
 from autotune.values import positive_seconds
@@ -216,8 +216,18 @@ def export(
             f"no configuration of {found.study_name} fits yet: run autotune run, or pick a "
             "trial with --trial N"
         )
-    launch = _launch(found, measurement, _model_of(found.fingerprint.model, model))
-    text = _render(found, launch, chosen)
+    spec = _model_of(found.fingerprint.model, model)
+    launch = _launch(found, measurement, spec)
+    try:
+        text = _render(found, launch, chosen)
+    except ConfigError as refused:
+        if trial is not None or wanted is not None:
+            raise
+        # The best cannot be written in this format: name the best that can, by its trial.
+        everything = next(
+            s for s in _studies(storage, where, None, False) if s.study_name == found.study_name
+        )
+        raise ConfigError(f"{refused}{_writable(everything, spec, chosen)}") from None
     return Export(
         study=found.study_name,
         measurement=measurement,
@@ -230,6 +240,23 @@ def export(
         + (torchtitan_notes(launch) if chosen is Format.TORCHTITAN else []),
         chosen=why,
     )
+
+
+def _writable(found: StudyResult, spec: ModelSpec, fmt: Format) -> str:
+    """The fastest point ``fmt`` can write, as the way out of a refusal of the best:
+    ``; the best megatron can write: trial 12, fsdp z3 ac:every at micro-batch 2 (...):
+    --trial 12`` (its latest trial), or that none measured can be written."""
+    for point in sorted(pooled(found.measurements), key=lambda m: m.value or 0.0, reverse=True):
+        try:
+            _render(found, _launch(found, point, spec), fmt)
+        except ConfigError:
+            continue
+        speed = found.fingerprint.objective.text(point.value)
+        return (
+            f"; the best {fmt.value} can write: trial {point.number}, {point.config.label()} "
+            f"at micro-batch {point.micro_batch_size} ({speed}): --trial {point.number}"
+        )
+    return f"; no configuration measured in {found.study_name} can be written as {fmt.value}"
 
 
 def _render(found: StudyResult, launch: Launch, fmt: Format) -> str:
