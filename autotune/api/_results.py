@@ -326,7 +326,7 @@ def choose_study(
         return studies[0], None
     questions = {_question(s.fingerprint) for s in studies}
     if len(questions) > 1:
-        raise ConfigError(_pick_one(studies))
+        raise ConfigError(_pick_one(studies, len(questions)))
     fitting = [s for s in studies if s.best is not None] or studies
     oldest = dt.datetime.min
 
@@ -346,22 +346,28 @@ def choose_study(
     return found, why
 
 
-def _question(fingerprint: Fingerprint) -> tuple[tuple[str, Any], ...]:
+_WORKLOAD_FIELDS = tuple(
+    f.name for f in dataclasses.fields(Fingerprint) if f.name not in _SOFTWARE_FIELDS
+)
+"""The fields of a fingerprint that say what workload a study measures."""
+
+
+def _question(fingerprint: Fingerprint) -> tuple[str, ...]:
     """A fingerprint without its software: the workload a study measures."""
-    data = fingerprint.to_dict()
-    return tuple(sorted((k, repr(v)) for k, v in data.items() if k not in _SOFTWARE_FIELDS))
+    return tuple(repr(getattr(fingerprint, f)) for f in _WORKLOAD_FIELDS)
 
 
-def _pick_one(studies: list[StudyResult]) -> str:
-    """The line that refuses studies of different workloads, with the options that pick one
-    (``--study NAME`` where those options cannot tell them apart)."""
-    fields = [f.name for f in dataclasses.fields(Fingerprint) if f.name not in _SOFTWARE_FIELDS]
-    values = {f: list(dict.fromkeys(getattr(s.fingerprint, f) for s in studies)) for f in fields}
-    differ = [f for f in fields if len(values[f]) > 1]
+def _pick_one(studies: list[StudyResult], workloads: int) -> str:
+    """The line that refuses studies of ``workloads`` different workloads, with the options
+    that pick one (``--study NAME`` where those options cannot tell them apart)."""
+    values = {
+        f: list(dict.fromkeys(getattr(s.fingerprint, f) for s in studies)) for f in _WORKLOAD_FIELDS
+    }
+    differ = [f for f in _WORKLOAD_FIELDS if len(values[f]) > 1]
     what = ", ".join(f.replace("_", " ") for f in differ)
     picked = [f for f in differ if f in _PICKED_BY]
     told = {tuple(getattr(s.fingerprint, f) for f in picked) for s in studies}
-    if picked and len(told) == len({_question(s.fingerprint) for s in studies}):
+    if picked and len(told) == workloads:
         options = " and ".join(
             f"{_PICKED_BY[f]} ({' or '.join(str(v) for v in values[f])})" for f in picked
         )

@@ -8,10 +8,11 @@ OOM, a rank the kernel killed is a host OOM, and so on (see :func:`classify_prob
 
 from __future__ import annotations
 
+import collections
 import enum
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,12 @@ PEER_FAILURE_MESSAGES: tuple[str, ...] = (
     "socket timeout",
     "timed out in call to",
 )
+
+
+def tally(outcomes: Iterable[str | None]) -> str:
+    """How many probes ended each way, most first: ``2 timeout, 1 error``."""
+    counts = collections.Counter(outcomes)
+    return ", ".join(f"{n} {outcome}" for outcome, n in counts.most_common())
 
 
 def is_peer_failure(text: str) -> bool:

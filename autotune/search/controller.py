@@ -24,7 +24,6 @@ neither the probe's timeout nor the measured probe durations that scale the pred
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import functools
@@ -46,7 +45,7 @@ from autotune.estimator.cost import build_seconds, probe_seconds
 from autotune.estimator.plan import PlanRow, point_estimates
 from autotune.models import resolve_model
 from autotune.probe.launcher import folder_fault, folder_hint, new_probe_dir
-from autotune.probe.outcome import Outcome, Stage
+from autotune.probe.outcome import Outcome, Stage, tally
 from autotune.probe.result import ProbeResult
 from autotune.probe.spec import ProbeSpec, ProbeTemplate
 from autotune.search.ladder import Proposal, propose
@@ -139,10 +138,7 @@ class RunSummary:
             return "no best: no configuration was measured"
         if not any(m.state == "COMPLETE" and not m.feasible for m in self.measurements):
             # Probes that failed (timed out, crashed): nothing was found not to fit either.
-            failed = collections.Counter(
-                m.outcome for m in self.measurements if m.outcome not in ended
-            )
-            counts = ", ".join(f"{n} {outcome}" for outcome, n in failed.most_common())
+            counts = tally(m.outcome for m in self.measurements if m.outcome not in ended)
             return (
                 f"no best: no configuration was measured to fit or not ({counts}): autotune "
                 "trials lists each with its message"

@@ -17,11 +17,11 @@ measured scoring and training and the predicted rollout and switch.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from autotune.estimator.rlhf import RLHFRow
+from autotune.probe.outcome import tally
 from autotune.search.ladder import PRIOR_ERROR
 from autotune.study.rlhf import RLHFTrial, layout_key
 
@@ -117,8 +117,7 @@ class RLHFSummary:
             return None
         if any(t.outcome == "oom" for t in self.trials) or not self.trials:
             return "no layout fitted: lower --rollout-share, or let --sleep"
-        failed = collections.Counter(t.outcome for t in self.trials)
-        counts = ", ".join(f"{n} {outcome}" for outcome, n in failed.most_common())
+        counts = tally(t.outcome for t in self.trials)
         return (
             f"no layout was measured to fit or not ({counts}): each probe's log, in its "
             "folder under --trials-dir, says why"

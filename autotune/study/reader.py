@@ -47,6 +47,7 @@ from autotune.study.measurement import (
     pool,
 )
 from autotune.study.schema import (
+    CONSTRAINTS,
     FINGERPRINT_ATTR,
     GENERATION,
     GRACE_S,
@@ -64,10 +65,6 @@ __all__ = ["read_studies"]
 
 MICRO_BATCH_SIZE = "micro_batch_size"
 """The param every trial of a probed size has (other trials are not counted)."""
-
-_CONSTRAINTS = "constraints"
-"""Optuna keeps a trial's constraint values in system attributes named ``constraints:<name>``
-(Optuna 5) or in one list named ``constraints`` (before)."""
 
 
 def read_studies(
@@ -400,11 +397,11 @@ class _TrialRows:
         self.user_attrs[trial_id][key] = self._loads(value)
 
     def add_constraint(self, trial_id: int, key: str, value: str) -> None:
-        if key.startswith(_CONSTRAINTS + ":"):
+        if key.startswith(CONSTRAINTS + ":"):
             self.constraints[trial_id].append(_number(value))
             return
         decoded = json.loads(value)
-        if key == _CONSTRAINTS and isinstance(decoded, list):
+        if key == CONSTRAINTS and isinstance(decoded, list):
             self.constraints[trial_id].extend(float(v) for v in decoded)
 
     def read(self, query: Query, where: str, keys: Iterable[str] | None = None) -> None:
@@ -418,7 +415,7 @@ class _TrialRows:
             (f"SELECT trial_id, key, value_json FROM trial_user_attributes WHERE {where}{attrs}",
              self.add_user_attr),
             ("SELECT trial_id, key, value_json FROM trial_system_attributes "
-             f"WHERE {where} AND key LIKE '{_CONSTRAINTS}%'",
+             f"WHERE {where} AND key LIKE '{CONSTRAINTS}%'",
              self.add_constraint),
             (f"SELECT trial_id, objective, value, value_type FROM trial_values WHERE {where}",
              self.add_value),

@@ -17,6 +17,7 @@ from autotune.config import ConfigError
 from autotune.urls import check_storage_url, masked, redact
 
 __all__ = [
+    "CONSTRAINTS",
     "FINGERPRINT_ATTR",
     "GENERATION",
     "GRACE_S",
@@ -44,6 +45,11 @@ KNOWN_SCHEMAS = frozenset({"v3.2.0.a"})
 
 FINGERPRINT_ATTR = "autotune_fingerprint"
 """The study user attribute that makes an Optuna study an autotune study."""
+
+CONSTRAINTS = "constraints"
+"""The trial system attribute of a trial's constraint values: one list under this name (what
+the store writes, and the one form optuna-dashboard reads), or, from Optuna 5's
+``Trial.set_constraint``, one value each under ``constraints:<name>``."""
 
 WITHDRAWN = "withdrawn"
 """The user attribute of a claim withdrawn in a race with another worker (not counted)."""

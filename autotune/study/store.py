@@ -79,6 +79,7 @@ from autotune.study.measurement import (
     standings,
 )
 from autotune.study.schema import (
+    CONSTRAINTS,
     FINGERPRINT_ATTR,
     GENERATION,
     GRACE_S,
@@ -738,7 +739,7 @@ class TrialStore:
         """The trial's memory constraint (feasible at 0 or less), stored as the list of values
         under ``constraints`` that Optuna reads (as constraint ``0``) and optuna-dashboard
         reads (``Trial.set_constraint``'s ``constraints:memory`` is Optuna's alone)."""
-        self.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS, [violation])
+        self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS, [violation])
 
     def _fail(self, trial: Trial, attrs: dict[str, Any]) -> FrozenTrial:
         for key, value in attrs.items():
@@ -781,10 +782,6 @@ class TrialStore:
             measurements = self.measurements((TrialState.COMPLETE,))
         return best_point(measurements)
 
-
-_CONSTRAINTS = "constraints"
-"""The trial system attribute of its constraint values, as a list (Optuna's first form, the one
-optuna-dashboard reads)."""
 
 _SET_VALUE = sqlalchemy.text(
     "UPDATE trial_values SET value = :value WHERE trial_id = :trial_id AND objective = 0"
