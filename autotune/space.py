@@ -33,6 +33,7 @@ from autotune.config import (
 )
 
 __all__ = [
+    "JobEngine",
     "Workload",
     "ac_options",
     "configurations",
@@ -46,6 +47,42 @@ __all__ = [
 MAX_GLOBAL_BATCH = 1 << 24
 """The largest global batch taken (16,777,216 sequences: far above any published run's, whose
 global batches are thousands of sequences, and still quick to factor)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobEngine:
+    """An engine a user's job trains under when autotune asks for it, as its probes measured:
+    DeepSpeed at one ZeRO stage, FSDP at either reshard mode (the measurement layer cannot
+    tell them apart), at one rank no wrapper and DDP alike (a lone rank's DDP exchanges
+    nothing, and frameworks differ on wrapping it)."""
+
+    engine: Engine
+    zero_stage: int | None = None
+    """DeepSpeed's ZeRO stage; None for the other engines."""
+
+    def covers(self, config: TrainConfig, world_size: int) -> bool:
+        """Whether ``config`` asks for this engine (on ``world_size`` ranks)."""
+        return self.alike(JobEngine.of(config.engine, config.zero_stage), world_size)
+
+    def alike(self, other: JobEngine, world_size: int) -> bool:
+        """Whether the two are one engine on ``world_size`` ranks."""
+        return self._key(world_size) == other._key(world_size)
+
+    def _key(self, world_size: int) -> tuple[str, int | None]:
+        if world_size == 1 and self.engine in (Engine.SINGLE, Engine.DDP):
+            return "single or ddp", None
+        return self.engine.value, self.zero_stage
+
+    def text(self, world_size: int) -> str:
+        """How a run's line names it: ``deepspeed z2``, ``fsdp``, ``single or ddp``."""
+        name, stage = self._key(world_size)
+        return name if stage is None else f"{name} z{stage}"
+
+    @classmethod
+    def of(cls, engine: Engine | str, zero_stage: int | None) -> JobEngine:
+        """The engine as trained: the stage kept for DeepSpeed alone."""
+        engine = Engine(engine)
+        return cls(engine, int(zero_stage or 0) if engine is Engine.DEEPSPEED else None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +106,10 @@ class Workload:
     """Ranks of one replica's tensor, pipeline and context parallel groups, where a run keeps
     one layout (``run --tp 2``): the global batch is shared by the data-parallel ranks, the
     GPUs over it. 1: data parallelism alone."""
+    job_engines: tuple[JobEngine, ...] | None = None
+    """The engines a user's job trains under when asked, where a probe found it training
+    under another engine than the one asked (its own wrapper): the configurations of the
+    others are not tried (:func:`configurations`). None: every engine, as asked."""
 
     def __post_init__(self) -> None:
         chosen = parse_choice(LossDtype, self.loss_dtype, "loss dtype")
@@ -77,6 +118,8 @@ class Workload:
         if engine not in (None, Engine.SINGLE, Engine.DDP):
             raise ConfigError(f"a lone rank trains with no wrapper or DDP, not {engine}")
         object.__setattr__(self, "one_rank_engine", engine)
+        if self.job_engines is not None:
+            object.__setattr__(self, "job_engines", tuple(self.job_engines))
         for name in ("seq_len", "global_batch", "world_size", "model_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1")
@@ -90,6 +133,16 @@ class Workload:
                 f"global batch {self.global_batch:,} is more sequences per step than any "
                 f"training run takes: use {MAX_GLOBAL_BATCH:,} or fewer"
             )
+
+    def job_engines_text(self) -> str:
+        """:attr:`job_engines` as a run's line names them (``fsdp, deepspeed z2``)."""
+        engines = self.job_engines or ()
+        return ", ".join(dict.fromkeys(e.text(self.world_size) for e in engines)) or "none"
+
+    def job_engine_flags(self) -> str:
+        """:attr:`job_engines` as ``--engine`` takes them (``fsdp or deepspeed``)."""
+        engines = self.job_engines or ()
+        return " or ".join(dict.fromkeys(e.engine.value for e in engines)) or "none"
 
     def as_trained(self, config: TrainConfig) -> TrainConfig:
         """``config`` as the job trains it: at one rank, one process or DDP as the job wraps
@@ -196,6 +249,7 @@ def configurations(
     attention: Attention = Attention.SDPA,
     offload: bool = True,
     knobs: Knobs = PLANNED_KNOBS,
+    job_engines: Iterable[JobEngine] | None = None,
 ) -> list[TrainConfig]:
     """Every valid configuration for ``world_size`` GPUs, sorted in ladder order.
 
@@ -211,14 +265,30 @@ def configurations(
         knobs: The knobs beyond the ladder to try (:data:`autotune.config.LADDER_ONLY` for a
             user's script, which computes its loss, checkpoints and builds its optimizer
             itself).
+        job_engines: The engines a user's job trains under when asked
+            (:attr:`Workload.job_engines`): the others' configurations are left out, and on
+            one GPU a sharding engine's are tried without offload too (a job that always
+            shards its model does so on one GPU as well); None: every engine.
 
     Returns:
         Configurations, cheapest rung first.
     """
     allowed = set(engines) if engines is not None else set(Engine)
+    trained = None if job_engines is None else list(job_engines)
+    sharding = list(_sharding(world_size))
+    if trained is not None and world_size == 1:
+        sharding[1:1] = [
+            (e.engine, 3 if e.zero_stage is None else e.zero_stage, Offload.NONE)
+            for e in trained
+            if e.engine in (Engine.FSDP, Engine.DEEPSPEED)
+        ]
     found: list[TrainConfig] = []
-    for engine, stage, where in _sharding(world_size):
+    for engine, stage, where in dict.fromkeys(sharding):
         if engine not in allowed or (where is not Offload.NONE and not offload):
+            continue
+        if trained is not None and not any(
+            e.alike(JobEngine.of(engine, stage), world_size) for e in trained
+        ):
             continue
         checkpointing = [
             (ac, False)
@@ -251,7 +321,7 @@ def configurations(
                 continue  # e.g. fp16 with FSDP2, pure bf16 with DeepSpeed
         if knobs.lora_rank and engine in (Engine.SINGLE, Engine.DDP) and where is Offload.NONE:
             found += _lora(engine, num_layers, precision, attention, knobs)
-    if not found and engines is not None:
+    if not found and engines is not None and trained is None:
         usable = {
             e.value for e, _, where in _sharding(world_size) if offload or where is Offload.NONE
         }

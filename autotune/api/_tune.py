@@ -420,6 +420,12 @@ def _prepare(
         if seen != workload:
             store.workload = workload = seen
             rows = planned(workload)
+        if not rows and workload.job_engines is not None:
+            raise ConfigError(
+                f"the job trains under {workload.job_engines_text()} alone (its probes in "
+                f"study {fingerprint.study_name} found), which this run does not search: use "
+                f"--engine {workload.job_engine_flags()}"
+            )
     store.estimates = point_estimates(rows, workload)
     template = ProbeTemplate(
         model=model,

@@ -350,6 +350,9 @@ def _search(model: str | None, options: dict[str, Any], *, json_output: bool) ->
     job = tuning.template.script
     cpu = tuning.template.device == "cpu"
     ranks = "" if job is None else f"{_job_ranks(job, options['warm'], cpu)}{_own(job)}"
+    if job is not None and w.job_engines is not None:
+        found = w.job_engines_text()
+        ranks += f"; the engines it trains under when asked, as its probes found: {found}"
     how = "" if job is None else f"; probes run {job.name} ({ranks})"
     shown.print(
         f"tuning {tuning.model.name} on {ranks_text(tuning.template)} x {tuning.gpu.name}"

@@ -319,6 +319,7 @@ def plan(
             attention=attention,
             offload=offload,
             knobs=knobs,
+            job_engines=workload.job_engines,  # a user's job: the engines it trains under
         )
         if sizes
     ]

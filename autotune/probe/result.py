@@ -97,6 +97,9 @@ class SizeResult:
     """The engine a user's job trained under, as the measurement layer saw its wrapper
     (:class:`~autotune.config.Engine`; at one rank DDP and none are both taken for either);
     None: autotune's stand-in, which trains as asked."""
+    trained_zero_stage: int | None = None
+    """The ZeRO stage of the DeepSpeed engine a user's job trained under (its engine's own
+    ``zero_optimization_stage()``); None under the other engines, and for the stand-in."""
     simulated: bool = False
     """Answered by the simulated device (the estimator), not measured."""
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -187,6 +190,12 @@ class ProbeResult:
         engine, an end before its first step), as the measurement layer said it; None when
         it did as asked. Such a probe says nothing of its configuration."""
         return next((s.message for s in self.sizes if s.extra.get(JOB_MISTAKE)), None)
+
+    @property
+    def other_engine(self) -> SizeResult | None:
+        """The size whose job trained under another engine than the one asked (its
+        :attr:`SizeResult.trained_engine` says which), or None."""
+        return next((s for s in self.sizes if s.extra.get(JOB_MISTAKE) and s.trained_engine), None)
 
     def ok_sizes(self) -> list[SizeResult]:
         """Sizes that ran to completion with a finite loss."""

@@ -616,13 +616,14 @@ class Layer:
 
     # ---- the report -------------------------------------------------------------------------
 
-    def _engine_problem(self) -> str | None:
-        """Which engine trained where it is not the one the probe asked for, or None."""
+    def _engine_problem(self) -> tuple[Wrapper, str] | None:
+        """The engine that trained where it is not the one the probe asked for, and the line
+        that says so; None where every micro-step trained under the engine asked."""
         config = self.spec.config
         for step in self.steps:
             for seen in step.wrappers:
                 if not seen.matches(config, self.world_size):
-                    return (
+                    return seen, (
                         f"the job trained under {seen.name} where autotune asked for "
                         f"{_asked_engine(config, self.world_size)}: "
                         f"{_engine_hint(self.job, config.engine)}"
@@ -681,8 +682,16 @@ class Layer:
         memory = self.meter.read()
         engine = self._engine_problem() if self.joined in (None, self.world_size) else None
         if engine is not None:
+            seen, said = engine
+            # What trained is kept: the search learns the engines the job trains under.
+            memory = {
+                **memory,
+                "trained_engine": seen.engine.value,
+                "trained_zero_stage": seen.zero_stage,
+                "wrapper": seen.name,
+            }
             self._fail_size(
-                Outcome.ERROR, Stage.FORWARD, engine, "EngineMismatch", memory, mistake=True
+                Outcome.ERROR, Stage.FORWARD, said, "EngineMismatch", memory, mistake=True
             )
             return
         problem = self._mismatch()
@@ -722,6 +731,7 @@ class Layer:
             "optimizers": sorted(self.optimizers),
             "wrapper": self.steps[-1].wrappers[-1].name,
             "trained_engine": self.steps[-1].wrappers[-1].engine.value,
+            "trained_zero_stage": self.steps[-1].wrappers[-1].zero_stage,
             "checkpointed_blocks": self.steps[-1].checkpoints / self.steps[-1].micro_steps,
             "host_data_bytes": self.host_data_bytes,
             "loss_dtype": None if self.loss_dtype is None else self.loss_dtype.value,

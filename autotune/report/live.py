@@ -149,6 +149,8 @@ class RunView:
             self.console.print(line, style="dim", markup=False, highlight=False)
         elif event.kind == "setup_done" and event.setup:
             print_setup_done(self.console, event.setup)
+        elif event.kind == "learn":
+            self.console.print(f"  {event.message}", markup=False, highlight=False)
         elif event.kind == "wait":
             self.console.print(event.message, style="dim", markup=False, highlight=False)
 

@@ -76,7 +76,8 @@ class Event:
     kind: str
     """``resume`` (stale trials failed), ``setup`` (the device's set-up step about to run;
     ``message`` says what), ``setup_done`` (it ended: ``setup``), ``probe`` (about to start),
-    ``result`` (one probe done), ``wait`` (nothing to propose until other workers' probes in
+    ``result`` (one probe done), ``learn`` (a probe of the user's job changed the search:
+    ``message`` says how), ``wait`` (nothing to propose until other workers' probes in
     flight end), ``stop``."""
     proposal: Proposal | None = None
     result: ProbeResult | None = None
@@ -116,6 +117,9 @@ class RunSummary:
     """How long that probe is expected to take."""
     setups: list[SetupResult] = field(default_factory=list)
     """The device's set-up steps this run (building DeepSpeed ops), in order."""
+    learnt: list[str] = field(default_factory=list)
+    """What probes of the user's job taught this run that changed its search (the engines
+    the job trains under), a line each, in order."""
 
     @property
     def why_no_best(self) -> str | None:
@@ -157,6 +161,7 @@ class RunSummary:
             "probes": self.probes,
             "elapsed_s": self.elapsed_s,
             "setup": [step.to_dict() for step in self.setups],
+            "learnt": list(self.learnt),
             "next": None
             if following is None
             else {
@@ -235,6 +240,8 @@ class Controller:
         """The set-up step running now, if one is."""
         self._probing = False
         """A probe is running (an interruption stops it and records it interrupted)."""
+        self._learnt: list[str] = []
+        """What probes of the user's job changed in the search (:attr:`RunSummary.learnt`)."""
 
     def elapsed(self) -> float:
         """Budget used so far, by the clock."""
@@ -443,6 +450,7 @@ class Controller:
             next_proposal=following[0] if following else None,
             next_s=following[1] if following else None,
             setups=list(self._setups),
+            learnt=list(self._learnt),
         )
 
     def _set_up(self, proposal: Proposal, probes: int) -> None:
@@ -548,7 +556,9 @@ class Controller:
                 failure=result.tuner_fault,
             )
         mistake = _job_mistake(result, smoke)
-        if mistake is not None:
+        # Another engine than asked: the job's own choice, learnt (unless nothing re-plans).
+        learns = mistake is not None and result.other_engine is not None and bool(self.replan)
+        if mistake is not None and not learns:
             self.store.withdraw(trials, mistake)  # the probe folder stays: its logs
             raise _Stop(
                 f"{mistake} (the probe's logs: {probe_dir}); nothing was recorded against "
@@ -571,7 +581,38 @@ class Controller:
                 self.store.interrupt(trials, probe_dir, "its result could not be recorded")
             raise
         self._learn_job()
+        if learns:
+            self._learnt_engines(result, str(mistake), probes=len(self._durations))
         return result
+
+    def _learnt_engines(self, result: ProbeResult, mistake: str, *, probes: int) -> None:
+        """Say what a probe that trained under another engine than asked taught the search:
+        the engines the job trains under (the rows are re-planned to them); stop the run
+        where the space it searches holds none of them."""
+        workload = self.store.workload
+        names = workload.job_engines_text()
+        seen = result.other_engine
+        wrapper = seen.extra.get("wrapper") if seen is not None else None
+        asked = result.spec.config.label()
+        if not self.rows:
+            raise _Stop(
+                f"{mistake}; the job trains under {names} alone, which this run does not "
+                f"search: use --engine {workload.job_engine_flags()}",
+                mistake=mistake,
+            )
+        line = (
+            f"your job trained under {wrapper or 'another engine'} where autotune asked for "
+            f"{asked}: the search keeps to {names}, the engines it trains under when asked"
+        )
+        self._learnt.append(line)
+        self.on_event(
+            Event(
+                kind="learn",
+                message=line,
+                probes=probes,
+                budget_left_s=self.budget_s - self.elapsed(),
+            )
+        )
 
     def _learn_job(self) -> None:
         """Re-plan once probes of the user's job measured it otherwise than the rows assume

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from autotune.config import Engine, LossDtype, TrainConfig
-from autotune.space import Workload
+from autotune.space import JobEngine, Workload
 from autotune.study.fingerprint import Fingerprint
 
 __all__ = [
     "MEASURED",
+    "OTHER_ENGINE",
     "POOLED_ATTRS",
     "RETRYABLE",
     "Measurement",
@@ -43,6 +44,12 @@ RETRYABLE = ("interrupted", "stale", "not_run")
 that died, a size its probe stopped before: the ranks of a probe end at an OOM, and an OOM
 of a size that accumulates does not rule out the whole per-rank batch): the search retries
 such a point once."""
+
+OTHER_ENGINE = "other_engine"
+"""The outcome of a probe of a user's job that trained under another engine than the one
+asked (its ``trained_engine`` and ``trained_zero_stage`` say which): no measurement of the
+configuration, but what the search learns the engines the job trains under from
+(:func:`measured_engines`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -433,11 +440,77 @@ def measured_loss_dtype(measurements: Iterable[Measurement]) -> LossDtype | None
         return None  # a dtype a newer layer knows and this version does not
 
 
+_ENGINE_CHOICES = (
+    JobEngine(Engine.SINGLE),
+    JobEngine(Engine.DDP),
+    JobEngine(Engine.FSDP),
+    *(JobEngine(Engine.DEEPSPEED, stage) for stage in (1, 2, 3)),
+)
+"""Every engine the space asks a job for, DeepSpeed once per ZeRO stage it searches."""
+
+
+def measured_engines(
+    measurements: Iterable[Measurement], world_size: int
+) -> tuple[JobEngine, ...] | None:
+    """The engines a user's job trains under when asked, from its probes on ``world_size``
+    ranks: None until one trained under another engine than it asked for
+    (:data:`OTHER_ENGINE`).
+
+    A job not seen training as asked under an engine other than those it trained when asked
+    otherwise takes its engine from itself (a script that always wraps its model in FSDP2,
+    a Trainer whose arguments name no DeepSpeed config): it trains under the engines it was
+    seen under, whatever is asked. A job seen training as asked under another engine too
+    (its ``ok`` probes) follows the ask for some engines:
+    an asked engine it trained another under is left out (DeepSpeed at that stage alone
+    where it trained DeepSpeed as asked at another), and where it trained DeepSpeed at a
+    ZeRO stage of its own, DeepSpeed is kept to the stages it was seen at."""
+    measurements = list(measurements)
+
+    def trained(m: Measurement) -> JobEngine | None:
+        try:
+            return JobEngine.of(m.attrs["trained_engine"], m.attrs.get("trained_zero_stage"))
+        except (KeyError, ValueError, TypeError):
+            return None  # none recorded, or an engine a newer layer knows and this one not
+
+    def asked(m: Measurement) -> JobEngine:
+        return JobEngine.of(m.config.engine, m.config.zero_stage)
+
+    other = [
+        (asked(m), got)
+        for m in measurements
+        if m.outcome == OTHER_ENGINE and (got := trained(m)) is not None
+    ]
+    if not other:
+        return None
+    seen = [got for _, got in other]
+    # Engines trained as asked, other than those the job trains when asked otherwise.
+    followed = [
+        engine
+        for engine in (asked(m) for m in measurements if m.outcome == "ok" and trained(m))
+        if not any(engine.alike(got, world_size) for got in seen)
+    ]
+    if not followed:
+        return tuple(dict.fromkeys(seen))
+    # Several ranks: one process is no choice (each would train alone).
+    kept = [e for e in _ENGINE_CHOICES if world_size == 1 or e.engine is not Engine.SINGLE]
+    for ask, got in other:
+        if got.engine is ask.engine:
+            # DeepSpeed at a stage of the job's own: the stages it was seen at.
+            stages = [got, *(e for e in followed if e.engine is got.engine)]
+            kept = [e for e in kept if e.engine is not got.engine or e in stages]
+        elif any(e.engine is ask.engine for e in followed):
+            kept = [e for e in kept if not ask.alike(e, world_size)]  # that stage alone
+        else:  # the engine itself is not the job's
+            kept = [e for e in kept if e.engine is not ask.engine and not ask.alike(e, world_size)]
+    return tuple(kept)
+
+
 def measured_workload(workload: Workload, measurements: Iterable[Measurement]) -> Workload:
     """``workload`` with what probes of a user's job measured of it: the dtype its loss
-    takes the logits in (:func:`measured_loss_dtype`) and, at one rank, the engine it wraps a
+    takes the logits in (:func:`measured_loss_dtype`), at one rank the engine it wraps a
     lone rank in (the newest probe's ``trained_engine`` of a one-process or DDP
-    configuration). Unchanged for autotune's stand-in, whose probes record neither."""
+    configuration), and the engines it trains under when asked (:func:`measured_engines`).
+    Equal to ``workload`` for autotune's stand-in, whose probes record none of them."""
     measurements = list(measurements)
     loss_dtype = measured_loss_dtype(measurements) or workload.loss_dtype
     engine = workload.one_rank_engine
@@ -450,9 +523,12 @@ def measured_workload(workload: Workload, measurements: Iterable[Measurement]) -
         ]
         if seen:
             engine = Engine(max(seen, key=lambda m: m.number).attrs["trained_engine"])
-    if (loss_dtype, engine) == (workload.loss_dtype, workload.one_rank_engine):
-        return workload
-    return dataclasses.replace(workload, loss_dtype=loss_dtype, one_rank_engine=engine)
+    engines = measured_engines(measurements, workload.world_size)
+    if engines is None:
+        engines = workload.job_engines
+    return dataclasses.replace(
+        workload, loss_dtype=loss_dtype, one_rank_engine=engine, job_engines=engines
+    )
 
 
 def prediction_gap(measurements: Iterable[Measurement]) -> PredictionGap | None:

@@ -71,6 +71,7 @@ from autotune.space import oom_rules_out
 from autotune.study.fingerprint import DEFAULT_STORAGE, Fingerprint, Objective
 from autotune.study.measurement import (
     MEASURED,
+    OTHER_ENGINE,
     Measurement,
     StoredTrial,
     best_point,
@@ -686,6 +687,10 @@ class TrialStore:
             return self._fail(trial, attrs)
         attrs.update(_measured(entry))
         attrs["outcome"] = entry.outcome.value
+        if entry is result.other_engine:
+            # The job trained another engine: what the search learns its engines from.
+            attrs["outcome"] = OTHER_ENGINE
+            return self._fail(trial, attrs)
         if entry.outcome is Outcome.OOM:
             return self._infeasible(trial, attrs, 1.0)
         if not entry.ok or entry.micro_step_s is None or entry.optimizer_step_s is None:
@@ -836,6 +841,7 @@ _MEASURED = (
     "alloc_retries",
     "loss_dtype",
     "trained_engine",
+    "trained_zero_stage",
 )
 """What a trial keeps of its size's probe result (at the probe's accumulation count)."""
 

@@ -15,6 +15,7 @@ under the engine asked for is measured, and says which wrapper it saw.
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from autotune.config import Engine, TrainConfig
 from autotune.models import resolve_model
 from autotune.probe.forkserver import ForkServer
 from autotune.probe.outcome import Outcome
+from autotune.study.measurement import OTHER_ENGINE
+from tests.probe.test_script_flags import _autotune, _recorded
 from tests.probe.test_userjob import one_probe
 
 DDP_SEEN = "DDP (torch's DistributedDataParallel)"
@@ -49,6 +52,8 @@ dist.init_process_group("gloo")
 config = AutoConfig.from_pretrained(args.model)
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(config)
+if job.ac_every:  # the tiny model's two blocks: every block (its only pattern)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 if engine == "ddp":
     model = torch.nn.parallel.DistributedDataParallel(model)
 elif engine == "fsdp":
@@ -157,3 +162,50 @@ def test_a_script_that_follows_the_engine_is_measured_and_its_own_zero_stage_ref
         "the job trained under DeepSpeed's engine at ZeRO stage 2 where autotune asked for "
         "engine deepspeed at ZeRO stage 1: "
     ), result.message
+
+
+@pytest.mark.slow
+def test_a_run_learns_that_the_job_always_shards_with_fsdp2_and_tunes_it_so(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """A script that always wraps its model in FSDP2 (``--engine fsdp``, its own), tuned on one
+    CPU rank: the first probe (one process asked) trains FSDP2, and the run learns it there,
+    says so in one line, and searches FSDP2 alone (on one GPU too, as the job shards) to a best,
+    exit 0; the probe is recorded as ``other_engine``. The next run of the study starts from
+    it (its first line names the engine), and one whose ``--engine`` leaves FSDP out is
+    refused with the ``--engine`` to give (exit 2)."""
+    script = tmp_path / "engines.py"
+    script.write_text(ENGINE_SCRIPT)
+
+    def run(*options: str) -> subprocess.CompletedProcess[str]:
+        return _autotune(
+            *("run", "--script", str(script), "--framework", "torchrun"),
+            *("--model", str(model_dir), "--gpus", "1", "--device", "cpu"),
+            *("--device-memory", "64MiB", "--seq-len", "64", "--global-batch", "8"),
+            *("--storage", f"sqlite:///{tmp_path}/study.db", "--trials-dir", str(tmp_path / "t")),
+            *options,
+            *("--", "--model", str(model_dir), "--engine", "fsdp"),
+        )
+
+    done = run("--budget", "3m", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["mistake"] is None and summary["best"]["config"]["engine"] == "fsdp"
+    [learnt] = summary["learnt"]
+    assert learnt.startswith(
+        "your job trained under FSDP2 (fully_shard) where autotune asked for single ac:off: "
+        "the search keeps to fsdp"
+    ), learnt
+    assert learnt in done.stderr
+    recorded = _recorded(tmp_path)
+    other = [t for t in recorded if t["outcome"] == OTHER_ENGINE]
+    assert [t["config"]["engine"] for t in other] == ["single"]
+    assert all(t["config"]["engine"] == "fsdp" for t in recorded if t not in other)
+    again = run("--budget", "1m")
+    assert again.returncode == 0, again.stdout + again.stderr[-3000:]
+    first = " ".join(again.stdout.split())  # the terminal's wrapping undone
+    assert "the engines it trains under when asked, as its probes found: fsdp)" in first
+    refused = run("--budget", "1m", "--engine", "single")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "the job trains under fsdp alone" in refused.stderr
+    assert refused.stderr.rstrip().endswith("use --engine fsdp"), refused.stderr
