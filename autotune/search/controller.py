@@ -240,6 +240,9 @@ class Controller:
         """The set-up step running now, if one is."""
         self._probing = False
         """A probe is running (an interruption stops it and records it interrupted)."""
+        self._landed = False
+        """A probe ran and the run has not counted it yet: its result is being recorded or
+        read (an interruption there still counts it)."""
         self._learnt: list[str] = []
         """What probes of the user's job changed in the search (:attr:`RunSummary.learnt`)."""
 
@@ -381,6 +384,7 @@ class Controller:
                     time.sleep(random.uniform(0.05, 0.5))
                     continue
                 probes += 1
+                self._landed = False
                 recorded = self.store.measurements()
                 self.on_event(
                     Event(
@@ -395,13 +399,14 @@ class Controller:
                 )
         except _Stop as stop:
             reason, failure, mistake = str(stop), stop.failure, stop.mistake
+            probes += self._landed  # a probe whose job did not run as asked ran all the same
         except STORAGE_ERRORS as error:
             cut = _interruption(error)
             if cut is not None:
                 # Its record failed: the probe's trials stay RUNNING, and the next run fails
                 # them as stale and probes their points again.
                 interrupted = str(cut) or "Ctrl-C"
-                probes += self._probing
+                probes += self._probing or self._landed
                 reason = (
                     f"interrupted ({interrupted}); recording it failed: "
                     f"{storage_problem(error)}; a probe that was running is probed again by "
@@ -419,7 +424,8 @@ class Controller:
                 )
         except KeyboardInterrupt as stop:
             interrupted = str(stop) or "Ctrl-C"
-            probes += self._probing  # the probe it stopped ran, and is recorded interrupted
+            # The probe it stopped ran, and is recorded interrupted; one that had ended ran too.
+            probes += self._probing or self._landed
             reason = (
                 f"interrupted ({interrupted}) during the set-up step ({self._setting_up}): "
                 "it was stopped; no probe was running"
@@ -429,6 +435,9 @@ class Controller:
                 if waiting
                 else f"interrupted ({interrupted}): the running probe was stopped and recorded"
                 if self._probing
+                else f"interrupted ({interrupted}) while the probe that ended was recorded: what "
+                "it recorded stands, and the next run probes the rest again"
+                if self._landed
                 else f"interrupted ({interrupted}) between probes: no probe was running"
             )
         try:
@@ -543,7 +552,7 @@ class Controller:
             announce()
             self._probing = True  # until the probe returns: an interruption leaves it set
             result = self._launch(spec, probe_dir, trials)
-            self._probing = False
+            self._probing, self._landed = False, not result.tuner_fault
         except KeyboardInterrupt:
             self.store.interrupt(trials, probe_dir, "interrupted")
             raise

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import sqlalchemy
 
 from autotune.api import prepare
 from autotune.devices import Clock, Device, ErrorTerm, SimulatedDevice
@@ -252,6 +253,30 @@ def test_a_ctrl_c_in_a_set_up_step_says_no_probe_was_running(tmp_path: Path) -> 
         "stopped; no probe was running"
     )
     assert not [m for m in summary.measurements if m.state == "FAIL"]
+
+
+def test_a_ctrl_c_while_a_probe_is_recorded_counts_the_probe_and_says_so(tmp_path: Path) -> None:
+    """Ctrl-C lands while the first probe's result is written (at the database's first write
+    of a trial's end, where a user's Ctrl-C lands in a run whose probes are short): the run
+    counts the probe it ran and says it was being recorded, not "0 probes" and "between
+    probes: no probe was running" beside the result it measured."""
+    controller, _, _ = _controller(tmp_path, SCENARIOS[0])
+    cut: list[str] = []
+
+    def ctrl_c(*args: object) -> None:
+        statement = str(args[2])
+        if not cut and statement.startswith("UPDATE trials SET state"):
+            cut.append(statement)
+            raise KeyboardInterrupt
+
+    sqlalchemy.event.listen(controller.store.storage.engine, "before_cursor_execute", ctrl_c)
+    summary = controller.run()
+    assert cut, "no trial's end was written"
+    assert summary.interrupted == "Ctrl-C" and summary.probes == 1
+    assert summary.stop_reason == (
+        "interrupted (Ctrl-C) while the probe that ended was recorded: what it recorded "
+        "stands, and the next run probes the rest again"
+    )
 
 
 class _LongSetUp(_Hooked):
