@@ -242,6 +242,56 @@ def test_an_autotune_study_is_taken(optuna_db: Path) -> None:
     assert study.best is not None
 
 
+REVISIONS: dict[str, tuple[str, ...]] = {
+    "a revision no Optuna has": ("v9.9.9",),
+    "an older Optuna's revision": ("v3.0.0.d",),
+    "two revision rows": ("v3.2.0.a", "v9.9.9"),
+}
+"""Optuna's revision table with other revisions than the one autotune writes, over a user's
+file that holds Optuna's version row and a ``studies`` table of its own (Optuna's columns):
+Optuna would add its nine other tables to it before refusing the revision."""
+
+
+@pytest.mark.parametrize("kind", REVISIONS)
+def test_a_database_at_another_revision_is_changed_by_no_command(
+    tmp_path: Path,
+    kind: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    db = tmp_path / "mine.db"
+    rows = [f"INSERT INTO alembic_version VALUES ('{r}')" for r in REVISIONS[kind]]
+    _sql(
+        "CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)",
+        *rows,
+        "CREATE TABLE version_info (version_info_id INTEGER NOT NULL PRIMARY KEY, "
+        "schema_version INTEGER, library_version VARCHAR(256))",
+        "INSERT INTO version_info VALUES (1, 12, '3.0.6')",
+        STUDIES.format(""),
+        "INSERT INTO studies VALUES (1, 'my own data')",
+    )(db, db)
+    os.utime(db, ns=(1_000_000_000, 1_000_000_000))  # a time any write would change
+    before = snapshot(tmp_path)
+    url = ("--storage", f"sqlite:///{db}")
+    for command in (
+        ("run", "--model", "llama-7b", *SIM, "--budget", "5m", *url),
+        ("best", *url),
+        ("trials", *url),
+        ("export", "--format", "deepspeed", *url),
+        ("report", "-o", "r.html", *url),
+    ):
+        code, stderr = run_main(command, tmp_path, monkeypatch, capsys)
+        line = one_line(stderr)
+        assert code == 2, (command, line)
+        if command[0] == "run":
+            assert f"{db} holds Optuna's schema " in line and "changes nothing" in line, line
+        else:
+            # Read through Optuna (read-only), which cannot read it either.
+            assert line.startswith(("error: cannot read trial storage", "error: cannot open")), line
+        assert snapshot(tmp_path) == before, command  # no byte changed, no file made
+        assert db.stat().st_mtime_ns == 1_000_000_000, command
+
+
 # ------------------------------------------------------------------ job files: aliases, hosts
 
 ANCHORS = "anchors and aliases (&x, *x) are not read in job files: write the values out"

@@ -60,6 +60,7 @@ from autotune.study.schema import (
     trial_generation,
 )
 from autotune.units import format_duration
+from autotune.urls import masked
 
 __all__ = ["read_studies"]
 
@@ -85,7 +86,7 @@ def read_studies(
     """
     if last is not None and last < 0:
         raise ConfigError(f"cannot show the last {last} trials: use 0 or more")
-    check_storage(url)
+    check_storage(url, writing=False)
     path = sqlite_path(url)
     if path is not None and holds_no_database(path):
         return []
@@ -149,19 +150,28 @@ def _read_through_sqlalchemy(
 
 
 def _through_optuna(url: str, last: int | None, with_best: bool) -> list[StudyResult]:
-    """Another schema revision, or none yet: Optuna checks, upgrades or says why."""
-    from autotune.study.store import TrialStore
+    """Another schema revision, or none yet: read through Optuna, read-only (it creates and
+    checks nothing); a schema Optuna cannot read either (tables it misses, other columns) is
+    one line that says so."""
+    from autotune.study.store import STORAGE_ERRORS, TrialStore, storage_problem
 
-    return [
-        StudyResult.of(
-            store.fingerprint,
-            store.measurements(),
-            last=last,
-            best=with_best,
-            updated=store.updated(),
-        )
-        for store in TrialStore.existing(url)
-    ]
+    try:
+        return [
+            StudyResult.of(
+                store.fingerprint,
+                store.measurements(),
+                last=last,
+                best=with_best,
+                updated=store.updated(),
+            )
+            for store in TrialStore.existing(url)
+        ]
+    except STORAGE_ERRORS as error:
+        raise ConfigError(
+            f"cannot read trial storage {masked(url)!r}: its schema is not the Optuna schema "
+            f"autotune reads ({', '.join(sorted(KNOWN_SCHEMAS))}), and Optuna could not read "
+            f"it either ({storage_problem(error)}): read it with the Optuna that wrote it"
+        ) from None
 
 
 Query = Callable[[str], Sequence[Sequence[Any]]]

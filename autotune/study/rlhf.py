@@ -148,7 +148,7 @@ class RLHFStudy:
         if path is not None and holds_no_database(path):
             return []
         if path is not None:
-            refuse_foreign_sqlite(path)
+            refuse_foreign_sqlite(path, writing=False)
         url = open_storage(storage, read_only=True)
         found = []
         for summary in optuna.get_all_study_summaries(url, include_best_trial=False):

@@ -221,11 +221,14 @@ def holds_no_database(path: Path) -> bool:
     return not path.is_file() or path.stat().st_size == 0
 
 
-def refuse_foreign_sqlite(path: Path) -> None:
+def refuse_foreign_sqlite(path: Path, *, writing: bool = True) -> None:
     """Refuse a SQLite file that is not Optuna's (:func:`_not_optunas`), before anything
     reads or writes it: it is someone else's database, even where its tables are named as
     Optuna's (``studies``, ``trials``) and have Optuna's columns among their own, or it holds
-    only a view.
+    only a view. With ``writing``, refuse one whose schema revision is not one autotune
+    writes (:func:`_other_revision`) too: Optuna creates the tables it misses before it
+    checks the revision, so no Optuna opens it to write here (a reader's Optuna opens it
+    read-only, creating and checking nothing).
 
     Raises:
         ConfigError: One line naming the file and what in it is not Optuna's, and what to do.
@@ -239,12 +242,50 @@ def refuse_foreign_sqlite(path: Path) -> None:
             f"{path} is a SQLite database of something else ({shown}): autotune keeps its "
             "trials in a database of its own; give --storage another file"
         )
+    other = _other_revision(path) if writing else None
+    if other is not None:
+        raise ConfigError(
+            f"{path} holds Optuna's schema {other}, which autotune writes at "
+            f"{', '.join(sorted(KNOWN_SCHEMAS))} only, and changes nothing in: upgrade a copy "
+            "of an older Optuna's with `optuna storage upgrade --storage sqlite:///COPY`, read "
+            "a newer Optuna's with that Optuna, or give --storage another file"
+        )
 
 
-def check_storage(url: str) -> None:
+def _other_revision(path: Path) -> str | None:
+    """The schema revision of Optuna's database ``path`` in words, where it is not one of
+    :data:`KNOWN_SCHEMAS` (``at revision v3.0.0.d, written by Optuna 3.0.6``; several
+    revision rows are no revision), or None: a known one, or none yet. Read-only."""
+    try:
+        connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return None
+    try:
+        if _columns(connection, REVISION_TABLE) != OPTUNA_TABLES[REVISION_TABLE]:
+            return None
+        rows = [row[0] for row in connection.execute(f"SELECT version_num FROM {REVISION_TABLE}")]
+        if len(rows) == 1 and rows[0] in KNOWN_SCHEMAS:
+            return None
+        if not rows:
+            return None  # Optuna's schema being made
+        library = None
+        if _columns(connection, VERSION_TABLE) == OPTUNA_TABLES[VERSION_TABLE]:
+            found = connection.execute(f"SELECT library_version FROM {VERSION_TABLE}").fetchone()
+            library = None if found is None else str(found[0])
+    except sqlite3.Error:
+        return None
+    finally:
+        connection.close()
+    shown = ", ".join(repr(str(row)) for row in rows)
+    what = f"at revision {shown}" if len(rows) == 1 else f"with {len(rows)} revisions ({shown})"
+    return what + (f", written by Optuna {library!r}" if library else "")
+
+
+def check_storage(url: str, *, writing: bool = True) -> None:
     """Refuse a storage a run could not use, opening and creating nothing: a URL that is no
     storage (:func:`~autotune.urls.check_storage_url`) or a SQLite file of another
-    program (:func:`refuse_foreign_sqlite`). A server's database is not reached.
+    program, or with ``writing`` at a schema revision autotune does not write
+    (:func:`refuse_foreign_sqlite`). A server's database is not reached.
 
     Raises:
         ConfigError: One line that says what to use.
@@ -252,7 +293,7 @@ def check_storage(url: str) -> None:
     check_storage_url(url)
     path = sqlite_path(url)
     if path is not None:
-        refuse_foreign_sqlite(path)
+        refuse_foreign_sqlite(path, writing=writing)
 
 
 def cannot_open(url: str, error: Exception) -> ConfigError:

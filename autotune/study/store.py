@@ -223,7 +223,7 @@ def open_storage(url: str = DEFAULT_STORAGE, *, read_only: bool = False) -> RDBS
     check_storage_url(url)
     path = sqlite_path(url)
     if path is not None:
-        refuse_foreign_sqlite(path)
+        refuse_foreign_sqlite(path, writing=not read_only)
     new_file = path is not None and not read_only and not path.exists()
     if path is not None and not read_only:
         try:
