@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from typing import TYPE_CHECKING
-from urllib.parse import quote, quote_plus, unquote, unquote_plus
+from urllib.parse import parse_qsl, quote, quote_plus, unquote, unquote_plus
 
 from autotune.config import ConfigError
 
@@ -244,3 +244,22 @@ def check_storage_url(url: str) -> None:
             f"{masked(url)!r} is an in-memory database: every trial would be lost when the run "
             "ends; use sqlite:///path/to.db"
         )
+    if scheme.startswith("sqlite") and _sqlite_uri(rest.partition("?")[2]):
+        raise ConfigError(
+            f"{masked(url)!r} names its file in SQLite's URI form (uri=true), which autotune "
+            "does not read: give the file's path, sqlite:///path/to.db"
+        )
+
+
+_FALSE = frozenset({"false", "no", "off", "n", "f", "0"})
+"""The words SQLAlchemy's ``asbool`` reads as false (any other value of an option is true)."""
+
+
+def _sqlite_uri(query: str) -> bool:
+    """Whether a SQLite URL's query turns on SQLite's URI form (``uri=true``: SQLAlchemy's
+    SQLite driver then opens the path as a ``file:`` URI, naming another file than the path
+    reads as, and with options of its own)."""
+    return any(
+        key == "uri" and value.strip().lower() not in _FALSE
+        for key, value in parse_qsl(query, keep_blank_values=True)
+    )

@@ -292,6 +292,33 @@ def test_a_database_at_another_revision_is_changed_by_no_command(
         assert db.stat().st_mtime_ns == 1_000_000_000, command
 
 
+@pytest.mark.parametrize("query", ["mode=rwc&uri=true", "uri=1", "uri=TRUE&timeout=5"])
+def test_sqlites_uri_form_is_refused_by_every_command_and_its_file_kept(
+    tmp_path: Path,
+    query: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``sqlite:///file:u.db?uri=true`` names the user's ``u.db`` (SQLAlchemy's SQLite driver
+    opens the path as a ``file:`` URI), not a file called ``file:u.db``: refused in one line,
+    ``u.db`` kept, no ``file:u.db`` made."""
+    db = tmp_path / "u.db"
+    _sql("CREATE TABLE notes (text TEXT)", "INSERT INTO notes VALUES ('mine')")(db, db)
+    before = snapshot(tmp_path)
+    url = ("--storage", f"sqlite:///file:u.db?{query}")
+    for command in (
+        ("run", "--model", "llama-7b", *SIM, "--budget", "5m", *url),
+        ("best", *url),
+        ("trials", *url),
+        ("export", "--format", "deepspeed", *url),
+    ):
+        code, stderr = run_main(command, tmp_path, monkeypatch, capsys)
+        line = one_line(stderr)
+        assert code == 2 and "in SQLite's URI form (uri=true)" in line, (command, line)
+        assert "give the file's path, sqlite:///path/to.db" in line
+        assert snapshot(tmp_path) == before, command
+
+
 # ------------------------------------------------------------------ job files: aliases, hosts
 
 ANCHORS = "anchors and aliases (&x, *x) are not read in job files: write the values out"
