@@ -61,6 +61,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,19 @@ from autotune.probe.report import RankReport
 from autotune.probe.result import JOB_MISTAKE, SIGNATURE, TOKEN_FILE, report_signature
 from autotune.probe.spec import ProbeSpec
 from autotune.tuned.script import Framework, ScriptJob
+
+
+def _held_clock() -> Callable[[], float]:
+    """The monotonic clock as the layer loads it, before any of the job's code runs, held in a
+    closure: a job that replaces ``time.perf_counter`` (a prelude's slow clock), or a library
+    that freezes time in tests (freezegun, which also swaps every module attribute that is one
+    of time's functions for its fake), changes what ``time.perf_counter`` names, not this."""
+    clock = time.perf_counter
+    return lambda: clock()
+
+
+_CLOCK = _held_clock()
+"""The clock every step of the job is timed with."""
 
 PROBE_DIR_ENV = "AUTOTUNE_PROBE_DIR"
 """The probe folder of the run the layer measures (its ``config.json`` is the spec)."""
@@ -495,7 +509,7 @@ class Layer:
     def _sync(self) -> float:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return _CLOCK()
 
     def _pre_forward(self, module: Any, args: Any) -> None:
         torch = self.torch

@@ -213,6 +213,40 @@ def test_a_report_the_script_writes_is_never_a_measurement(tmp_path: Path, forge
     ), result.message
 
 
+SLOW_CLOCK = """
+import sys
+import time
+
+
+
+def _slowed(real):  # a clock 1000x slow: every step would read as 1000x fast
+    start = real()
+    return lambda: start + (real() - start) / 1000
+
+
+# What freezegun does too: time's function replaced, and every module attribute that is it.
+slow = _slowed(time.perf_counter)
+for module in list(sys.modules.values()):
+    for name, value in list(vars(module).items() if hasattr(module, "__dict__") else ()):
+        if value is time.perf_counter and module is not time:
+            setattr(module, name, slow)
+time.perf_counter = slow
+"""
+
+
+def test_a_job_that_replaces_the_clock_is_timed_by_the_layers_own(tmp_path: Path) -> None:
+    """A prelude that makes ``time.perf_counter`` run 1000x slow (as a hostile job might, and
+    as freezegun does by accident, module attributes included): the job's steps are timed by
+    the clock the layer held before the job ran, so its speed is the honest job's, within
+    the CPU's noise (it was 1000x before: 71,151 tokens/s recorded against 78)."""
+    honest = probe(tmp_path, TRAIN, [], name="honest")
+    faked = probe(tmp_path, SLOW_CLOCK + TRAIN, [], name="faked")
+    assert honest.outcome is Outcome.OK and faked.outcome is Outcome.OK, faked.message
+    [fair], [slow] = honest.ok_sizes(), faked.ok_sizes()
+    assert fair.tokens_per_second and slow.tokens_per_second
+    assert slow.tokens_per_second / fair.tokens_per_second < 5, (slow, fair)
+
+
 def test_a_job_that_leaves_without_the_layers_verdict_is_no_measurement(tmp_path: Path) -> None:
     result = probe(tmp_path, "import os\nos._exit(0)\n", [])
     assert result.outcome is Outcome.ERROR
