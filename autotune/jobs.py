@@ -151,6 +151,22 @@ def _shown(key: str, value: Any) -> Any:
     return value
 
 
+MAX_JOB_FILE_BYTES = 256 << 10
+"""The largest job file read (256 KiB): a workload is a few lines, so a job file of
+:data:`MAX_WORKLOADS` fits in tens of KB; a larger one is not a job file someone wrote (and
+YAML's parser takes seconds a megabyte)."""
+
+MAX_JOB_DEPTH = 16
+"""The deepest nesting of lists and mappings read in a job file: a workload's values nest
+four deep (``workloads:``, the workload, its ``hosts:`` or ``args:``). YAML's parser takes time
+quadratic in the depth, and composing deeper nesting overflows Python's recursion."""
+
+
+MAX_WORKLOADS = 256
+"""The most workloads a job file holds: each is a tuning run of its own (minutes to hours of
+budget), so a night holds tens, and every one is checked before the first runs."""
+
+
 def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
     """The workloads of a job file, each merged with ``defaults`` (the command line's).
 
@@ -163,7 +179,15 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
     import yaml
 
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as handle:
+            data = handle.read(MAX_JOB_FILE_BYTES + 1)
+        if len(data) > MAX_JOB_FILE_BYTES:
+            raise ConfigError(
+                f"{path} is larger than a job file ({format_bytes(path.stat().st_size)}, where "
+                f"job files are at most {format_bytes(MAX_JOB_FILE_BYTES)}): split its "
+                "workloads over several files"
+            )
+        text = data.decode("utf-8")
     except OSError as error:
         raise ConfigError(f"cannot read the job file {path}: {error.strerror or error}") from None
     except UnicodeDecodeError as error:
@@ -171,11 +195,15 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
             f"{path}: not a text file in UTF-8 (byte {error.start}): a job file is YAML text"
         ) from None
     try:
-        _refuse_anchors(yaml.parse(text, Loader=yaml.SafeLoader), path)
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        # The events one by one (PyYAML's own parser: libyaml's reads ahead, past any depth
+        # bound), then the nodes by libyaml's where PyYAML has it (ten times as fast).
+        _refuse_anchors_and_depth(yaml.parse(text, Loader=yaml.SafeLoader), path)
+        root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        # An end of file met early is said at the file's last line (libyaml's mark is past it).
+        last = max(1, len(text.splitlines()))
+        where = f"{path}:{min(mark.line + 1, last)}" if mark is not None else str(path)
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ConfigError(f"{where}: not valid YAML ({problem})") from None
     if not isinstance(root, yaml.MappingNode):
@@ -203,6 +231,12 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
         raise ConfigError(
             f"{path}:{node.start_mark.line + 1}: workloads: must be a list of at least one "
             "mapping (- model: llama-7b)"
+        )
+    if len(node.value) > MAX_WORKLOADS:
+        raise ConfigError(
+            f"{path}:{node.start_mark.line + 1}: {len(node.value):,} workloads, where a job file "
+            f"holds at most {MAX_WORKLOADS} (each is a tuning run of its own): split them over "
+            "several files"
         )
     loader = yaml.SafeLoader("")
     jobs = []
@@ -257,23 +291,35 @@ def read_jobs(path: Path, defaults: Mapping[str, Any]) -> list[Job]:
     return jobs
 
 
-def _refuse_anchors(events: Iterable[Any], path: Path) -> None:
-    """Refuse the first anchor (``&x``) or alias (``*x``) of a job file's YAML events, as
-    the parser reads them, before any node is composed or value constructed: a few hundred
-    bytes of aliases nested a few levels deep stand for gigabytes of values, and a job file's
-    values are short enough to write out.
+def _refuse_anchors_and_depth(events: Iterable[Any], path: Path) -> None:
+    """Refuse the first anchor (``&x``) or alias (``*x``) of a job file's YAML events, and
+    the first list or mapping nested deeper than :data:`MAX_JOB_DEPTH`, as the parser reads
+    them, before any node is composed or value constructed: a few hundred bytes of aliases
+    nested a few levels deep stand for gigabytes of values, and a job file's values are short
+    enough to write out.
 
     Raises:
         ConfigError: One line with the file, the line and what to do.
     """
     import yaml
 
+    depth = 0
     for event in events:
         if isinstance(event, yaml.NodeEvent) and event.anchor is not None:
             raise ConfigError(
                 f"{path}:{event.start_mark.line + 1}: anchors and aliases (&x, *x) are not read "
                 "in job files: write the values out"
             )
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_JOB_DEPTH:
+                raise ConfigError(
+                    f"{path}:{event.start_mark.line + 1}: lists and mappings nested more than "
+                    f"{MAX_JOB_DEPTH} deep: a job file's values nest four deep (workloads:, "
+                    "a workload, its hosts: or args:)"
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def _checked(key: str, value: Any, at: str) -> Any:

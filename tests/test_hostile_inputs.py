@@ -366,6 +366,46 @@ def test_a_job_file_of_nested_aliases_is_one_line_and_writes_nothing(
     assert snapshot(tmp_path) == before
 
 
+HEAD = "workloads:\n  - model: llama-7b\n    simulate: h100-80gb\n    hosts:"
+BOUND_FILES: dict[str, tuple[str, str]] = {
+    "a list nested 100,000 deep (200 KB)": (
+        f"{HEAD} " + "[" * 100_000 + "]" * 100_000 + "\n",
+        "nightly.yaml:4: lists and mappings nested more than 16 deep",
+    ),
+    "a list nested 40 deep in block style": (
+        HEAD + "\n" + "".join(f"      {'  ' * d}-\n" for d in range(40)),
+        "nightly.yaml:18: lists and mappings nested more than 16 deep",
+    ),
+    "8 MiB of workloads": (
+        "workloads:\n" + "  - {model: llama-7b, simulate: h100-80gb}\n" * 200_000,
+        "nightly.yaml is larger than a job file (8.20 MiB, where job files are at most "
+        "256.0 KiB): split its workloads over several files",
+    ),
+    "3,000 workloads": (
+        "workloads:\n" + "  - {model: llama-7b, simulate: h100-80gb}\n" * 3_000,
+        "nightly.yaml:2: 3,000 workloads, where a job file holds at most 256",
+    ),
+}
+"""Job files past the bounds of one (its size, its nesting, its workloads), each refused in
+one line before it is parsed further: they took 42 s to minutes, or ended in a traceback of
+Python's recursion."""
+
+
+@pytest.mark.parametrize("kind", BOUND_FILES)
+def test_a_job_file_past_a_job_files_bounds_is_one_line(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text, says = BOUND_FILES[kind]
+    (tmp_path / "nightly.yaml").write_text(text)
+    before = snapshot(tmp_path)
+    code, stderr = run_main(
+        ("run", "--jobs", "nightly.yaml", "--storage", "sqlite:///t.db"), tmp_path, monkeypatch,
+        capsys,
+    )  # fmt: skip
+    assert code == 2 and one_line(stderr).startswith(f"error: {says}"), one_line(stderr)
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize(
     ("hosts", "says"),
     [
