@@ -163,6 +163,32 @@ def _masked_words(text: str) -> str:
     return re.sub(r"\S+", one, text)
 
 
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+"""A URL's scheme and its ``://`` (RFC 3986's grammar of a scheme)."""
+
+
+def _masked_unread(text: str) -> str:
+    """``text`` SQLAlchemy reads as no URL, masked: where it is a URL as a whole (it begins
+    with a scheme; a port that is no number), by the URL grammar SQLAlchemy reads with: the
+    password is what follows the user's ``:`` up to the last ``@`` before the query, spaces
+    and all, and a query field that holds a secret has its value masked; any other text word
+    by word (:func:`_masked_words`)."""
+    scheme = _SCHEME.match(text)
+    if scheme is None:
+        return _masked_words(text)
+    rest = text[scheme.end() :]
+    before, question, query = rest.partition("?")
+    userinfo, at, host = before.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if at and colon:
+        before = f"{user}:{MASK}@{host}"
+    fields = []
+    for piece in query.split("&") if question else ():
+        key, equals, value = piece.partition("=")
+        fields.append(f"{key}={MASK}" if equals and value and _SECRET_FIELD.search(key) else piece)
+    return scheme[0] + before + question + "&".join(fields)
+
+
 def masked(url: str) -> str:
     """``url`` with every secret in it replaced by ``***``: the password of its user part and
     the value of each secret query field (the rest kept as given). A text SQLAlchemy reads as
@@ -171,7 +197,7 @@ def masked(url: str) -> str:
         return url
     parsed = _parse(url)
     if parsed is None:
-        return _masked_words(url)
+        return _masked_unread(url)
     spans = _secret_spans(url, parsed)
     if spans is None:
         return _rendered(parsed)
