@@ -179,3 +179,38 @@ def test_an_rlhf_miss_names_the_real_gap() -> None:
     assert row.miss is not None
     assert f"is {format_bytes(gap)} short" in row.miss
     assert format_bytes(engine.weight_bytes) in row.miss
+
+
+ESCAPES = "m\x1b[2J\x1b]0;pwned\x07\rx"
+"""A model folder's name that clears the screen, sets the window's title and rings the bell."""
+
+
+def test_outside_text_reaches_the_terminal_printable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model folder named with escape sequences: every command that shows it (the run's
+    lines, ``best``, ``trials``, ``plan``, ``export`` and ``report``'s lines) writes each
+    control character out (``\\x1b``), on stdout and stderr alike; none reaches the terminal."""
+    from autotune.models import resolve_model
+    from tests.test_bad_input import run_main
+
+    folder = tmp_path / ESCAPES
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(resolve_model("tiny").config)))
+    storage = ("--storage", f"sqlite:///{tmp_path / 'study.db'}")
+    commands = (
+        ("run", "--model", str(folder), "--simulate", "h100-80gb", "--budget", "1m", *storage),
+        ("best", *storage),
+        ("trials", *storage),
+        ("plan", "--model", str(folder), "--gpu", "h100"),
+        ("export", "--format", "torchrun", *storage),
+        ("report", "-o", str(tmp_path / "r.html"), *storage),
+    )
+    for command in commands:
+        code, _ = run_main(command, tmp_path, monkeypatch, capsys, take=False)
+        out, err = capsys.readouterr()
+        shown = out + err
+        assert code == 0, (command, shown[-2000:])
+        assert not [c for c in shown if c in "\x1b\x07\r"], (command, shown[-2000:])
+        if command[0] in ("run", "best", "plan"):
+            assert "m\\x1b[2J\\x1b]0;pwned\\x07\\rx" in shown, (command, shown[-2000:])

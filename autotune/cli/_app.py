@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 import typer.core
 from rich.console import Console
+from rich.text import Text
 
 from autotune.config import ConfigError, NothingFits
 
@@ -79,9 +80,20 @@ def _options(
     fits your GPUs."""
 
 
+class _Console(Console):
+    """A rich console that shows every text it is given printable
+    (:func:`~autotune.report.tables.printable`): a model folder's name with an escape
+    sequence in it does not clear the screen or set the window's title."""
+
+    def render_str(self, text: str, **options: Any) -> Text:
+        from autotune.report.tables import printable
+
+        return super().render_str(printable(text), **options)
+
+
 # Piped output is read by people too: do not squeeze tables into 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 160)
-errors = Console(stderr=True, soft_wrap=True)
+console = _Console(width=None if sys.stdout.isatty() else 160)
+errors = _Console(stderr=True, soft_wrap=True)
 
 
 class UsageError(Exception):

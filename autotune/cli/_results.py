@@ -233,7 +233,10 @@ def _hand_over(
     for note in notes:
         errors.print(f"note: {note}", markup=False, highlight=False)
     if output is None:
-        sys.stdout.write(text)
+        from autotune.report.tables import printable
+
+        # To a terminal, shown printable; to a pipe or a file, the export's own bytes.
+        sys.stdout.write(printable(text) if sys.stdout.isatty() else text)
     else:
         errors.print(f"wrote {output}: {what}", markup=False, highlight=False)
 

@@ -7,6 +7,7 @@ command line only prints it. ``--json`` output comes from the results' own ``to_
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 from rich.console import Group, RenderableType
@@ -27,6 +28,7 @@ __all__ = [
     "models_table",
     "plan_table",
     "pooled_note",
+    "printable",
     "probe_report",
     "ranking_table",
     "ranks_text",
@@ -252,13 +254,29 @@ def jobs_table(results: Iterable[JobResult]) -> Table:
             str(r.job.index),
             r.job.label(),
             f"[{colour}]{status}[/]" if colour else status,
-            Text(r.why),
+            Text(printable(r.why)),
             "-" if best is None else f"{best.config.label()} mbs {best.micro_batch_size}",
             _fmt(None if best is None else best.tokens_per_second, ",.0f"),
             "-" if run is None else str(run.probes),
             "-" if run is None else format_duration(run.elapsed_s),
         )
     return table
+
+
+def printable(text: str) -> str:
+    """``text`` as a terminal may show it: each control character but a line break and a tab
+    (an escape sequence that clears the screen or sets the window's title, a carriage
+    return, a bell) written out as Python writes it in a string (``\\x1b``), the rest as is.
+    Names from outside (a model's folder, a study's, a probe's message) reach the terminal
+    only through this (the files autotune writes escape them by their own formats)."""
+    if text.isprintable():
+        return text
+    return "".join(
+        ch
+        if ch in "\n\t" or unicodedata.category(ch) != "Cc"
+        else ch.encode("unicode_escape").decode("ascii")
+        for ch in text
+    )
 
 
 def trials_table(
@@ -287,7 +305,7 @@ def trials_table(
             _fmt(m.tokens_per_second, ",.0f"),
             _fmt(m.mfu, ".1%"),
             _bytes(m.peak_bytes),
-            Text(m.probe_dir or "-"),
+            Text(printable(m.probe_dir or "-")),
         )
     return table
 
