@@ -29,6 +29,7 @@ __all__ = [
     "data_parallel",
     "in_flight",
     "layout_configs",
+    "layout_engine_refusal",
     "pipeline_microbatches_ok",
     "shard_model",
     "stage_layers",
@@ -335,11 +336,37 @@ def layout_configs(
                 continue  # e.g. FSDP2 in fp16, a degree that does not split the layers
             found.append(config)
     if named and not found:
+        for t, p, c in itertools.product(tps, pps, cps):
+            refusal = layout_engine_refusal(t, p, c, world_size, engines)
+            if refusal is not None and t * p * c > 1 and world_size % (t * p * c) == 0:
+                raise ConfigError(refusal)  # the degrees fit: the engines named do not
         raise ConfigError(
             f"no layout of the degrees named (--tp, --pp, --cp) runs on {world_size} GPUs: "
             "use degrees whose product divides the GPUs"
         )
     return found
+
+
+def layout_engine_refusal(
+    tp: int, pp: int, cp: int, world_size: int, engines: Iterable[Engine] | None
+) -> str | None:
+    """Why ``engines`` (``--engine``) leave no layout of these degrees on ``world_size``
+    GPUs, in one line, or None: a layout's data-parallel rest (and its context ranks) shard
+    under FSDP2 (where the degrees take every GPU, no engine is over them: any will do)."""
+    if engines is None or world_size % (tp * pp * cp):
+        return None
+    allowed = set(map(Engine, engines))
+    dp = world_size // (tp * pp * cp)
+    degrees = " ".join(
+        f"--{name} {value}" for name, value in (("tp", tp), ("pp", pp), ("cp", cp)) if value > 1
+    )
+    named = ",".join(sorted(e.value for e in allowed))
+    if dp * cp > 1 and Engine.FSDP not in allowed:
+        return (
+            f"{degrees} on {world_size} GPUs shards the rest of each replica's ranks under "
+            f"FSDP2, which --engine {named} leaves out: use --engine fsdp"
+        )
+    return None
 
 
 def without_layout(config: TrainConfig) -> TrainConfig:

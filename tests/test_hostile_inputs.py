@@ -18,6 +18,7 @@ Everything is real: SQLite files, Optuna's own schema and upgrades, the console 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sqlite3
 from collections.abc import Callable
@@ -317,6 +318,43 @@ def test_sqlites_uri_form_is_refused_by_every_command_and_its_file_kept(
         assert code == 2 and "in SQLite's URI form (uri=true)" in line, (command, line)
         assert "give the file's path, sqlite:///path/to.db" in line
         assert snapshot(tmp_path) == before, command
+
+
+@pytest.mark.parametrize(("field", "value"), [("gpus", "8"), ("nodes", "2"),
+                                             ("model_parallel", "2"), ("seq_len", 0.5)])  # fmt: skip
+def test_a_study_planted_with_a_field_of_another_type_is_one_line(
+    tmp_path: Path,
+    optuna_db: Path,
+    field: str,
+    value: object,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A real study whose fingerprint says ``"gpus": "8"`` (a database written into by
+    something else): every reader says which field in one line, exit 2 (every export was a
+    ``TypeError`` traceback)."""
+    db = tmp_path / "t.db"
+    db.write_bytes(optuna_db.read_bytes())
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        [(text,)] = connection.execute(
+            "SELECT value_json FROM study_user_attributes WHERE key = 'autotune_fingerprint'"
+        ).fetchall()
+        planted = {**json.loads(text), field: value}
+        connection.execute(
+            "UPDATE study_user_attributes SET value_json = ? WHERE key = 'autotune_fingerprint'",
+            (json.dumps(planted),),
+        )
+        connection.commit()
+    url = ("--storage", f"sqlite:///{db}")
+    for command in (
+        ("best", *url),
+        ("trials", *url),
+        ("export", "--format", "deepspeed", *url),
+        ("report", "-o", "r.html", *url),
+    ):
+        code, stderr = run_main(command, tmp_path, monkeypatch, capsys)
+        line = one_line(stderr)
+        assert code == 2 and f"a study's {field} is {value!r}, not a whole number" in line, line
 
 
 # ------------------------------------------------------------------ job files: aliases, hosts

@@ -32,7 +32,7 @@ from autotune.estimator.plan import DEVICE_RESERVE_BYTES, PlanRow, point_estimat
 from autotune.estimator.plan import plan as plan_rows
 from autotune.hardware import GpuSpec, cpu_device_spec, detect_gpus, host_memory_bytes
 from autotune.jobs import JobResult
-from autotune.layouts import LayoutOptions, check_layout, layout_flags
+from autotune.layouts import LayoutOptions, check_layout, layout_engine_refusal, layout_flags
 from autotune.models import ModelSpec, resolve_model
 from autotune.probe.nodes import Nodes
 from autotune.probe.spec import ProbeTemplate, layout_refusal
@@ -291,6 +291,9 @@ def _prepare(
             return workload
         check_layout(fixed, spec, world_size=world, gpus_per_node=per_node,
                      seq_len=workload.seq_len)  # fmt: skip
+        engine_refusal = layout_engine_refusal(fixed.tp, fixed.pp, fixed.cp, world, engines)
+        if engine_refusal is not None:
+            raise ConfigError(engine_refusal)
         refusal = layout_refusal(fixed, world)
         if refusal is not None:  # before a study is made for probes that cannot run
             raise ConfigError(refusal)

@@ -9,12 +9,14 @@ import json
 import os
 import signal
 import sys
+import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Annotated, Any
 
 import typer
 import typer.core
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from autotune.config import ConfigError, NothingFits
@@ -222,11 +224,38 @@ for the group (probe folders, logs, the trial database, exports and reports; the
 inherit it). A stricter umask of the user's stays."""
 
 
+def _number_not_ascii(args: list[str]) -> str | None:
+    """The first of autotune's own arguments (those before a lone ``--``: the script's are
+    its own) that Python reads as a number although it is not written in ASCII (``２``, ``٣``:
+    ``int`` and ``float`` take any script's digits, so ``--tp ２`` would read as 2 where
+    ``--budget ５m`` is refused), or None."""
+    for arg in args[: args.index("--") if "--" in args else len(args)]:
+        value = arg.partition("=")[2] if arg.startswith("--") else arg
+        if value.isascii():
+            continue
+        try:
+            float(value)
+        except ValueError:
+            continue
+        return value
+    return None
+
+
 def main() -> None:
     """Console entry point: one-line errors for bad input, never a traceback."""
     os.umask(os.umask(0) | PRIVATE_UMASK)
     if len(sys.argv) == 1:
         sys.argv.append("--help")  # bare ``autotune``: the help, exit 0
+    number = _number_not_ascii(sys.argv[1:])
+    if number is not None:
+        ascii_form = "".join(str(unicodedata.digit(c, c)) for c in number)
+        errors.print(
+            f"error: {number!r} is a number written in other digits than ASCII's: write it "
+            f"{ascii_form}",
+            markup=False,
+            highlight=False,
+        )
+        sys.exit(2)
     try:
         # Without standalone mode click returns a command's exit code instead of exiting.
         code = app(standalone_mode=False)
@@ -236,13 +265,13 @@ def main() -> None:
     except (typer.BadParameter, typer.Abort) as error:
         # "Invalid value for '--last': ...": the message names the option.
         message = error.format_message() if isinstance(error, typer.BadParameter) else error
-        errors.print(f"[red]error:[/] {message}")
+        errors.print(f"[red]error:[/] {escape(str(message))}")
         sys.exit(2)
     except NothingFits as error:
-        errors.print(f"[red]error:[/] {error}")
+        errors.print(f"[red]error:[/] {escape(str(error))}")
         sys.exit(1)
     except (UsageError, ConfigError, ValueError) as error:
-        errors.print(f"[red]error:[/] {error}")
+        errors.print(f"[red]error:[/] {escape(str(error))}")
         sys.exit(2)
     except KeyboardInterrupt:
         errors.print("[yellow]interrupted[/]")

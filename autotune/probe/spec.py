@@ -48,6 +48,12 @@ def layout_refusal(config: TrainConfig, world_size: int) -> str | None:
     return None
 
 
+MAX_GRAD_ACCUM = 1 << 16
+"""The most micro-steps a probe's optimizer step takes (65,536): published global batches are
+thousands of sequences (4M tokens of 4,096 is 1,024 micro-steps of one sequence on one GPU),
+and a probe runs its warm-up and timed steps whole."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeSpec:
     """One probe: a configuration measured at one or more micro-batch sizes in one process group.
@@ -111,6 +117,12 @@ class ProbeSpec:
         for name in ("seq_len", "grad_accum", "num_processes", "nodes", "timed_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1")
+        if self.grad_accum > MAX_GRAD_ACCUM:
+            raise ConfigError(
+                f"--grad-accum {self.grad_accum:,} micro-steps a step: a probe runs at most "
+                f"{MAX_GRAD_ACCUM:,} (16 times the accumulation of the largest published global "
+                "batch on one GPU); use fewer"
+            )
         if self.warmup_steps < 0:
             raise ConfigError("warmup-steps must be 0 or more")
         if self.device not in ("auto", "cuda", "cpu"):

@@ -69,6 +69,12 @@ def _compact_bytes(n: int) -> str:
     return f"{n}B"
 
 
+_WHOLE_NUMBERS = (
+    "seq_len", "global_batch", "gpu_memory_bytes", "gpus", "nodes", "method", "model_parallel",
+)  # fmt: skip
+"""The fields of a fingerprint that are whole numbers of 1 or more."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fingerprint:
     """Workload × hardware × software: one study each."""
@@ -108,6 +114,7 @@ class Fingerprint:
     over it (1: data parallelism, every study stored before layouts)."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.script is not None:  # as stored: a study read back is masked too
             object.__setattr__(self, "script", ScriptJob.from_dict(self.script).to_dict())
         try:
@@ -115,6 +122,35 @@ class Fingerprint:
         except ValueError:
             choices = " or ".join(o.value for o in Objective)
             raise ConfigError(f"unknown objective {self.objective!r}: use {choices}") from None
+
+    def _check_types(self) -> None:
+        """Refuse a field of another type than its own (a study read back from a database
+        someone else wrote into: ``"gpus": "8"``), in one line, before any reader compares or
+        computes with it."""
+        for name in _WHOLE_NUMBERS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(
+                    f"a study's {name} is {value!r}, not a whole number of 1 or more: its "
+                    "trial database holds a study autotune did not write; give --storage "
+                    "another file"
+                )
+        for name in ("model", "gpu", "device"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(
+                    f"a study's {name} is {getattr(self, name)!r}, not text: its trial database "
+                    "holds a study autotune did not write; give --storage another file"
+                )
+        software = self.software
+        if not isinstance(software, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in software.items()
+        ):
+            raise ConfigError(
+                f"a study's software is {software!r}, not package versions: its trial "
+                "database holds a study autotune did not write; give --storage another file"
+            )
+        if not isinstance(self.capped, bool):
+            raise ConfigError(f"a study's capped is {self.capped!r}, not true or false")
 
     @property
     def workload(self) -> Workload:
