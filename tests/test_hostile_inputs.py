@@ -320,8 +320,9 @@ def test_sqlites_uri_form_is_refused_by_every_command_and_its_file_kept(
         assert snapshot(tmp_path) == before, command
 
 
-@pytest.mark.parametrize(("field", "value"), [("gpus", "8"), ("nodes", "2"),
-                                             ("model_parallel", "2"), ("seq_len", 0.5)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"), [("gpus", "8"), ("nodes", "2"), ("model_parallel", "2"), ("seq_len", 0.5)]
+)
 def test_a_study_planted_with_a_field_of_another_type_is_one_line(
     tmp_path: Path,
     optuna_db: Path,
