@@ -126,18 +126,29 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     (("plan", "--gpu", "h100", "--engine", "megatron"), "unknown engine"),
     (("probe", "--model", "llama-99b"), "unknown model 'llama-99b'"),
     # Numbers in other digits than ASCII's (int() and float() take them).
-    (("plan", "--gpu", "h100", "--tp", "\uff12"), "is a number written in other digits than "
-     "ASCII's: write it 2"),
+    (
+        ("plan", "--gpu", "h100", "--tp", "\uff12"),
+        "is a number written in other digits than ASCII's: write it 2",
+    ),
     (("run", *SIM, "--gpus=\u0668"), "'\u0668' is a number written in other digits"),
     # A layout's engine, and a probe's accumulation.
-    (("run", *SIM, "--gpus", "8", "--tp", "2", "--engine", "ddp"), "--tp 2 on 8 GPUs shards the "
-     "rest of each replica's ranks under FSDP2, which --engine ddp leaves out: use --engine fsdp"),
-    (("run", *SIM, "--gpus", "8", "--tp", "2", "--engine", "single"), "which --engine single "
-     "leaves out: use --engine fsdp"),
-    (("plan", "--gpu", "h100", "--gpus", "8", "--tp", "2", "--pp", "1", "--engine", "ddp"),
-     "which --engine ddp leaves out: use --engine fsdp"),
-    (("probe", "--device", "cpu", "--gpus", "2", "--pp", "2", "--grad-accum", "99999999999"),
-     "--grad-accum 99,999,999,999 micro-steps a step: a probe runs at most 65,536"),
+    (
+        ("run", *SIM, "--gpus", "8", "--tp", "2", "--engine", "ddp"),
+        "--tp 2 on 8 GPUs shards the "
+        "rest of each replica's ranks under FSDP2, which --engine ddp leaves out: use --engine fsdp",
+    ),
+    (
+        ("run", *SIM, "--gpus", "8", "--tp", "2", "--engine", "single"),
+        "which --engine single leaves out: use --engine fsdp",
+    ),
+    (
+        ("plan", "--gpu", "h100", "--gpus", "8", "--tp", "2", "--pp", "1", "--engine", "ddp"),
+        "which --engine ddp leaves out: use --engine fsdp",
+    ),
+    (
+        ("probe", "--device", "cpu", "--gpus", "2", "--pp", "2", "--grad-accum", "99999999999"),
+        "--grad-accum 99,999,999,999 micro-steps a step: a probe runs at most 65,536",
+    ),
     # Trial storage.
     (("run", *SIM, "--storage", "sqlite://"), "in-memory database: every trial would be lost"),
     (("run", *SIM, "--storage", "trials.db"), "not a storage URL: use sqlite:///trials.db"),
