@@ -134,8 +134,8 @@ CASES: list[tuple[tuple[str, ...], str]] = [
     # A layout's engine, and a probe's accumulation.
     (
         ("run", *SIM, "--gpus", "8", "--tp", "2", "--engine", "ddp"),
-        "--tp 2 on 8 GPUs shards the "
-        "rest of each replica's ranks under FSDP2, which --engine ddp leaves out: use --engine fsdp",
+        "--tp 2 on 8 GPUs shards the rest of each replica's ranks under FSDP2, which "
+        "--engine ddp leaves out: use --engine fsdp",
     ),
     (
         ("run", *SIM, "--gpus", "8", "--tp", "2", "--engine", "single"),

@@ -140,9 +140,21 @@ def test_a_database_not_all_optunas_is_refused_by_every_command_and_kept(
     make, says = FOREIGN[kind]
     db = tmp_path / "t.db"
     make(db, optuna_db)
+    for _, line in _refused_by_every_command(db, monkeypatch, capsys):
+        assert f"{db} is a SQLite database of something else" in line, line
+        assert says in line and "give --storage another file" in line, line
+
+
+def _refused_by_every_command(
+    db: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> list[tuple[str, str]]:
+    """``run``, ``best``, ``trials``, ``export`` and ``report`` on the SQLite file ``db``: each
+    exits 2 with one line, and no byte of ``db``'s folder changes, nor ``db``'s time; each
+    command's name and line."""
     os.utime(db, ns=(1_000_000_000, 1_000_000_000))  # a time any write would change
-    before = snapshot(tmp_path)
+    before = snapshot(db.parent)
     url = ("--storage", f"sqlite:///{db}")
+    lines = []
     for command in (
         ("run", "--model", "llama-7b", *SIM, "--budget", "5m", *url),
         ("best", *url),
@@ -150,12 +162,13 @@ def test_a_database_not_all_optunas_is_refused_by_every_command_and_kept(
         ("export", "--format", "deepspeed", *url),
         ("report", "-o", "r.html", *url),
     ):
-        code, stderr = run_main(command, tmp_path, monkeypatch, capsys)
+        code, stderr = run_main(command, db.parent, monkeypatch, capsys)
         line = one_line(stderr)
-        assert code == 2 and f"{db} is a SQLite database of something else" in line, line
-        assert says in line and "give --storage another file" in line, line
-        assert snapshot(tmp_path) == before, command  # no byte changed, no file made
+        assert code == 2, (command, line)
+        assert snapshot(db.parent) == before, command  # no byte changed, no file made
         assert db.stat().st_mtime_ns == 1_000_000_000, command
+        lines.append((command[0], line))
+    return lines
 
 
 def _optuna_models() -> sqlalchemy.MetaData:
@@ -271,26 +284,12 @@ def test_a_database_at_another_revision_is_changed_by_no_command(
         STUDIES.format(""),
         "INSERT INTO studies VALUES (1, 'my own data')",
     )(db, db)
-    os.utime(db, ns=(1_000_000_000, 1_000_000_000))  # a time any write would change
-    before = snapshot(tmp_path)
-    url = ("--storage", f"sqlite:///{db}")
-    for command in (
-        ("run", "--model", "llama-7b", *SIM, "--budget", "5m", *url),
-        ("best", *url),
-        ("trials", *url),
-        ("export", "--format", "deepspeed", *url),
-        ("report", "-o", "r.html", *url),
-    ):
-        code, stderr = run_main(command, tmp_path, monkeypatch, capsys)
-        line = one_line(stderr)
-        assert code == 2, (command, line)
-        if command[0] == "run":
+    for command, line in _refused_by_every_command(db, monkeypatch, capsys):
+        if command == "run":
             assert f"{db} holds Optuna's schema " in line and "changes nothing" in line, line
         else:
             # Read through Optuna (read-only), which cannot read it either.
             assert line.startswith(("error: cannot read trial storage", "error: cannot open")), line
-        assert snapshot(tmp_path) == before, command  # no byte changed, no file made
-        assert db.stat().st_mtime_ns == 1_000_000_000, command
 
 
 @pytest.mark.parametrize("query", ["mode=rwc&uri=true", "uri=1", "uri=TRUE&timeout=5"])
