@@ -238,13 +238,15 @@ def test_a_job_that_replaces_the_clock_is_timed_by_the_layers_own(tmp_path: Path
     """A prelude that makes ``time.perf_counter`` run 1000x slow (as a hostile job might, and
     as freezegun does by accident, module attributes included): the job's steps are timed by
     the clock the layer held before the job ran, so its speed is the honest job's, within
-    the CPU's noise (it was 1000x before: 71,151 tokens/s recorded against 78)."""
+    the CPU's noise (it was 1,400x on this CPU before, 37,180,205 tokens/s against 26,452)."""
     honest = probe(tmp_path, TRAIN, [], name="honest")
     faked = probe(tmp_path, SLOW_CLOCK + TRAIN, [], name="faked")
     assert honest.outcome is Outcome.OK and faked.outcome is Outcome.OK, faked.message
     [fair], [slow] = honest.ok_sizes(), faked.ok_sizes()
     assert fair.tokens_per_second and slow.tokens_per_second
-    assert slow.tokens_per_second / fair.tokens_per_second < 5, (slow, fair)
+    # The faked clock's 1000x against the busy CPU's own scatter (up to 5x either way
+    # between two probes with another test beside them).
+    assert slow.tokens_per_second / fair.tokens_per_second < 30, (slow, fair)
 
 
 def test_a_job_that_leaves_without_the_layers_verdict_is_no_measurement(tmp_path: Path) -> None:
