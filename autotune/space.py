@@ -139,10 +139,14 @@ class Workload:
         engines = self.job_engines or ()
         return ", ".join(dict.fromkeys(e.text(self.world_size) for e in engines)) or "none"
 
-    def job_engine_flags(self) -> str:
-        """:attr:`job_engines` as ``--engine`` takes them (``fsdp or deepspeed``)."""
-        engines = self.job_engines or ()
-        return " or ".join(dict.fromkeys(e.engine.value for e in engines)) or "none"
+    def job_engines_unsearched(self, found: str) -> str:
+        """The line that refuses a run whose space holds none of :attr:`job_engines`
+        (``found``: where they were found), with the ``--engine`` to give."""
+        flags = " or ".join(dict.fromkeys(e.engine.value for e in self.job_engines or ()))
+        return (
+            f"the job trains under {self.job_engines_text()} alone ({found}), which this run "
+            f"does not search: use --engine {flags or 'none'}"
+        )
 
     def as_trained(self, config: TrainConfig) -> TrainConfig:
         """``config`` as the job trains it: at one rank, one process or DDP as the job wraps

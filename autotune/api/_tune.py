@@ -425,9 +425,9 @@ def _prepare(
             rows = planned(workload)
         if not rows and workload.job_engines is not None:
             raise ConfigError(
-                f"the job trains under {workload.job_engines_text()} alone (its probes in "
-                f"study {fingerprint.study_name} found), which this run does not search: use "
-                f"--engine {workload.job_engine_flags()}"
+                workload.job_engines_unsearched(
+                    f"its probes in study {fingerprint.study_name} found"
+                )
             )
     store.estimates = point_estimates(rows, workload)
     template = ProbeTemplate(

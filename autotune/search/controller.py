@@ -599,19 +599,16 @@ class Controller:
         the engines the job trains under (the rows are re-planned to them); stop the run
         where the space it searches holds none of them."""
         workload = self.store.workload
-        names = workload.job_engines_text()
         seen = result.other_engine
         wrapper = seen.extra.get("wrapper") if seen is not None else None
         asked = result.spec.config.label()
         if not self.rows:
-            raise _Stop(
-                f"{mistake}; the job trains under {names} alone, which this run does not "
-                f"search: use --engine {workload.job_engine_flags()}",
-                mistake=mistake,
-            )
+            found = workload.job_engines_unsearched("its probes found")
+            raise _Stop(f"{mistake}; {found}", mistake=mistake)
         line = (
             f"your job trained under {wrapper or 'another engine'} where autotune asked for "
-            f"{asked}: the search keeps to {names}, the engines it trains under when asked"
+            f"{asked}: the search keeps to {workload.job_engines_text()}, the engines it "
+            "trains under when asked"
         )
         self._learnt.append(line)
         self.on_event(
